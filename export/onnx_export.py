@@ -1,0 +1,246 @@
+"""`edit-rt export`: a diffusers SD folder -> ``build/<model>/onnx/`` (four graphs + manifest).
+
+Each graph is exported with the TorchScript exporter (``dynamo=False``; the dynamo exporter was
+not validated for these graphs), the edit batch ``N`` and the latent size dynamic, then checked
+with ``onnx.checker`` and ONNX shape inference. A graph whose weights pass
+``external_data_threshold_mb`` is re-saved with its tensors in ``<graph>.onnx_data``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from edit_rt.runtime.errors import ModelError
+from edit_rt.runtime.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
+
+from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, cross_attention_layers
+
+log = logging.getLogger(__name__)
+
+TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
+_ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
+
+
+def load_components(model_dir: Path):
+    """The UNet, text encoder, VAE, tokenizer and scheduler config of a diffusers SD folder."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    import diffusers
+    import transformers
+
+    # Their loaders print hints (accelerate, torchvision) that are noise for an export.
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = Path(model_dir)
+    try:
+        unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet").eval()
+        text_encoder = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder").eval()
+        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae").eval()
+        tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
+        scheduler = json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError, json.JSONDecodeError) as err:
+        raise ModelError(f"{model_dir}: cannot load the model ({err})") from None
+    return unet, text_encoder, vae, tokenizer, scheduler
+
+
+def _spec(value_info) -> dict:
+    t = value_info.type.tensor_type
+    shape = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+    return {"name": value_info.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": shape}
+
+
+def _export_graph(
+    module: torch.nn.Module,
+    args: tuple,
+    path: Path,
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_axes: dict,
+    opset: int,
+    threshold_bytes: int,
+) -> dict:
+    """Export ``module`` to ``path``, check it, and return its manifest entry."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp) / path.name
+        # The tracer warns about every Python branch on a shape (diffusers has several that
+        # are constant for a given latent size); the exported graph is checked against torch.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            torch.onnx.export(
+                module,
+                args,
+                str(tmp_path),
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=dynamic_axes,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        model = onnx.load(str(tmp_path))  # pulls in external data, if torch wrote any
+    weight_bytes = sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    external = weight_bytes > threshold_bytes
+    data_file = path.with_name(path.name + "_data")
+    for stale in (path, data_file):
+        stale.unlink(missing_ok=True)
+    if external:
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data_file.name,
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(model, str(path))
+    # Path-based check and inference: they work past protobuf's 2 GiB message limit.
+    onnx.checker.check_model(str(path), full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    return {
+        "file": path.name,
+        "external_data": data_file.name if external else None,
+        "weight_bytes": weight_bytes,
+        "inputs": [_spec(v) for v in inferred.graph.input],
+        "outputs": [_spec(v) for v in inferred.graph.output],
+        "sha256": sha256_file(path),
+    }
+
+
+def _write_tokenizer(tokenizer, out: Path) -> None:
+    """Save the fast tokenizer as one ``tokenizer.json`` with SD's padding and truncation set."""
+    backend = tokenizer.backend_tokenizer
+    pad_id = tokenizer.pad_token_id
+    backend.enable_truncation(max_length=TEXT_LEN)
+    backend.enable_padding(length=TEXT_LEN, pad_id=pad_id, pad_token=tokenizer.pad_token)
+    backend.save(str(out))
+
+
+def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0) -> Path:
+    """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    fingerprint, file_stats = model_fingerprint(model_dir)
+    unet, text_encoder, vae, tokenizer, scheduler = load_components(model_dir)
+    if scheduler.get("thresholding"):
+        raise ModelError(f"{model_dir}/scheduler: thresholding=true is not supported by edit-rt")
+    prediction_type = scheduler.get("prediction_type", "epsilon")
+    # DDIMScheduler's default is clip_sample=True; SD configs set it to false.
+    clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
+
+    # Export into a fresh folder and swap it in at the end: a failed export leaves the old one.
+    staging = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    threshold = int(external_data_threshold_mb * 1024 * 1024)
+
+    c = unet.config.in_channels
+    h = w = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else int(unet.config.sample_size[0])
+    d_text = text_encoder.config.hidden_size
+    layers = [layer for layer, _ in cross_attention_layers(unet)]
+    n1, n2 = 1, 2  # trace with N=2 so no batch-1 broadcast gets frozen into the graph
+    graphs = {}
+
+    log.info("exporting text_encoder")
+    ids = torch.zeros(n2, TEXT_LEN, dtype=torch.int64)
+    graphs["text_encoder"] = _export_graph(
+        TextEncoderGraph(text_encoder), (ids,), staging / "text_encoder.onnx",
+        ["input_ids"], ["hidden_states"],
+        {"input_ids": {0: "B"}, "hidden_states": {0: "B"}}, opset, threshold,
+    )  # fmt: skip
+
+    log.info("exporting kv_proj (%d cross-attention layers)", len(layers))
+    kv_names = [f"{kind}_{i}" for i in range(len(layers)) for kind in ("k", "v")]
+    graphs["kv_proj"] = _export_graph(
+        KVProjGraph(unet), (torch.randn(n2, TEXT_LEN, d_text),), staging / "kv_proj.onnx",
+        ["hidden_states"], kv_names,
+        {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}}, opset, threshold,
+    )  # fmt: skip
+
+    log.info("exporting unet_step (prediction_type=%s)", prediction_type)
+    step = UNetStepGraph(unet, prediction_type, clip).eval()
+    kv_inputs, kv_args, kv_axes = [], [], {}
+    for i, layer in enumerate(layers):
+        for kind, rows in (("cond_k", "N"), ("cond_v", "N"), ("uncond_k", "M"), ("uncond_v", "M")):
+            name = f"{kind}_{i}"
+            kv_inputs.append(name)
+            kv_args.append(torch.randn(n2 if rows == "N" else n1, TEXT_LEN, layer.inner_dim))
+            kv_axes[name] = {0: rows}
+    step_args = (
+        torch.randn(n2, c, h, w),
+        torch.tensor([900.0, 500.0]),
+        torch.tensor([0.1, 0.5]),
+        torch.tensor([0.2, 0.6]),
+        torch.tensor([7.5, 5.0]),
+        torch.zeros(n2, dtype=torch.int64),
+        *kv_args,
+    )
+    row_axes = {0: "N"}
+    graphs["unet_step"] = _export_graph(
+        step, step_args, staging / "unet_step.onnx",
+        ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", *kv_inputs],
+        ["next_latents"],
+        {
+            "latents": {0: "N", 2: "H", 3: "W"}, "next_latents": {0: "N", 2: "H", 3: "W"},
+            "timestep": row_axes, "alpha_t": row_axes, "alpha_prev": row_axes,
+            "guidance": row_axes, "uncond_index": row_axes, **kv_axes,
+        },
+        opset, threshold,
+    )  # fmt: skip
+
+    log.info("exporting vae_decoder")
+    graphs["vae_decoder"] = _export_graph(
+        VaeDecoderGraph(vae), (torch.randn(n2, vae.config.latent_channels, h, w),), staging / "vae_decoder.onnx",
+        ["latents"], ["images"],
+        {"latents": {0: "N", 2: "H", 3: "W"}, "images": {0: "N", 2: "IH", 3: "IW"}}, opset, threshold,
+    )  # fmt: skip
+
+    _write_tokenizer(tokenizer, staging / "tokenizer.json")
+    import diffusers
+    import onnxruntime
+    import transformers
+
+    manifest = {
+        "format": "edit-rt-onnx",
+        "version": MANIFEST_VERSION,
+        "opset": opset,
+        "tools": {
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__,
+        },
+        "model": {
+            "path": str(model_dir.resolve()),
+            "fingerprint": fingerprint,
+            "file_stats": file_stats,
+            "latent_channels": c,
+            "sample_size": h,
+            # The traced UNet assumes latents divisible by 2 ** (number of upsamplers).
+            "latent_multiple": 2 ** (len(unet.config.block_out_channels) - 1),
+            "vae_scale_factor": 2 ** (len(vae.config.block_out_channels) - 1),
+            "text_len": TEXT_LEN,
+            "text_hidden_size": d_text,
+            "prediction_type": prediction_type,
+            "scheduler": scheduler,
+        },
+        "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
+        "graphs": graphs,
+    }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(staging, out_dir)
+    log.info("wrote %s", out_dir)
+    return out_dir / "manifest.json"

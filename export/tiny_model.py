@@ -1,0 +1,158 @@
+"""The embedded default model: a small Stable-Diffusion-1.x-architecture model, built from a seed.
+
+``edit-rt model --out DIR`` writes a complete diffusers directory (``unet/ text_encoder/
+tokenizer/ vae/ scheduler/ model_index.json``) that ``StableDiffusionPipeline.from_pretrained``
+loads offline, so everything downstream runs the same code as for a real SD 1.5 folder. The
+weights are random (seeded), so images are noise-like; the point is the architecture: a UNet
+with cross-attention at two resolutions and in the mid block, a CLIP text encoder and a CLIP
+byte-level tokenizer built locally (no download).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Sizes of the generated model; ``tiny`` keeps the test suite within minutes on 2 cores."""
+
+    # UNet channels per resolution; every level has cross-attention (SD 1.x has it at 3 of 4).
+    block_out_channels: tuple[int, ...] = (32, 64)
+    layers_per_block: int = 1
+    attention_head_dim: int = 8
+    cross_attention_dim: int = 32
+    # Latent size the UNet is built for; the VAE's two blocks make the image 2x the latent.
+    sample_size: int = 16
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    text_heads: int = 4
+    vae_block_out_channels: tuple[int, ...] = (32, 64)
+
+
+PRESETS = {"tiny": TinyModelSpec()}
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in CLIP's vocabulary order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
+    codes, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]
+
+
+def _byte_vocab() -> dict[str, int]:
+    """The CLIP byte-level vocabulary without merges: 256 byte symbols, the same with </w>."""
+    symbols = _bytes_to_unicode()
+    vocab = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
+    return {tok: i for i, tok in enumerate(vocab)}
+
+
+def write_tokenizer(out: Path) -> int:
+    """Write a CLIP tokenizer to ``out`` (vocab.json, merges.txt, tokenizer.json); return vocab size."""
+    from transformers import CLIPTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _byte_vocab()
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    # Only the version header: every word is spelled out byte by byte.
+    (out / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(
+        vocab=vocab,
+        merges=[],
+        model_max_length=77,
+        pad_token="<|endoftext|>",
+    )
+    tok.save_pretrained(str(out))
+    return len(vocab)
+
+
+def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
+    """Build the seeded model and save it in diffusers format under ``out``."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = PRESETS[preset]
+    out = Path(out)
+    torch.manual_seed(seed)
+    levels = len(spec.block_out_channels)
+
+    unet = UNet2DConditionModel(
+        sample_size=spec.sample_size,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=spec.block_out_channels,
+        layers_per_block=spec.layers_per_block,
+        down_block_types=("CrossAttnDownBlock2D",) * levels,
+        up_block_types=("CrossAttnUpBlock2D",) * levels,
+        mid_block_type="UNetMidBlock2DCrossAttn",
+        cross_attention_dim=spec.cross_attention_dim,
+        attention_head_dim=spec.attention_head_dim,
+        norm_num_groups=8,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(spec.vae_block_out_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(spec.vae_block_out_channels),
+        block_out_channels=spec.vae_block_out_channels,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=spec.sample_size * 2,
+    )
+    tokenizer_dir = out / "tokenizer"
+    vocab_size = write_tokenizer(tokenizer_dir)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=vocab_size,
+            hidden_size=spec.text_hidden_size,
+            intermediate_size=spec.text_hidden_size * 4,
+            num_hidden_layers=spec.text_layers,
+            num_attention_heads=spec.text_heads,
+            max_position_embeddings=77,
+            bos_token_id=vocab_size - 2,
+            eos_token_id=vocab_size - 1,
+            pad_token_id=vocab_size - 1,
+        )
+    )
+    # Stable Diffusion 1.x's scheduler settings (scaled_linear betas, leading spacing, offset 1).
+    scheduler = DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=CLIPTokenizer.from_pretrained(str(tokenizer_dir)),
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    n_params = sum(p.numel() for p in unet.parameters())
+    log.info("wrote %s: UNet %.2f M parameters, seed %d", out, n_params / 1e6, seed)
+    return out

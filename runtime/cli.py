@@ -1,0 +1,121 @@
+"""The ``edit-rt`` command line: parse, load the config, call one function, show the result.
+
+``model`` and ``export`` need the export extras (torch, diffusers, onnx); they are imported only
+when those commands run, so the runtime installs and runs without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .config import load_config
+from .errors import EditRtError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
+console = Console(stderr=True)
+
+
+def _export_module(name: str):
+    """Import ``edit_rt.export.<name>``, or say which extras to install."""
+    try:
+        return importlib.import_module(f"edit_rt.export.{name}")
+    except ImportError as err:
+        raise EditRtError(
+            f"this command needs the export extras ({err.name} is missing): pip install 'edit-rt[export]'"
+        ) from None
+
+
+@contextmanager
+def _progress() -> Iterator[Callable[[int, str], Callable[[int], None]]]:
+    """A factory of rich progress bars (shown only on a terminal)."""
+    with Progress(
+        TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=not console.is_terminal, transient=False,
+    ) as bars:  # fmt: skip
+
+        def factory(total: int, description: str) -> Callable[[int], None]:
+            task = bars.add_task(description, total=total)
+            return lambda n: bars.advance(task, n)
+
+        yield factory
+
+
+@app.command()
+def model(
+    out: Path = typer.Option(Path("build/models/tiny-sd"), help="Folder to write the diffusers model to."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    preset: str = typer.Option("tiny", help="Model size preset."),
+) -> None:
+    """Write the embedded default model (small SD-1.x architecture, seeded weights)."""
+    tiny = _export_module("tiny_model")
+    path = tiny.write_tiny_model(out, seed=seed, preset=preset)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def export(config: Path = typer.Argument(..., help="Run config naming `model:` and `build_dir:`.")) -> None:
+    """Export the config's model to ONNX under build_dir/<model>/onnx/."""
+    cfg = load_config(config)
+    exporter = _export_module("onnx_export")
+    with console.status(f"exporting {cfg.model} to {cfg.onnx_dir}"):
+        manifest = exporter.export_onnx(
+            cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
+            external_data_threshold_mb=cfg.export.external_data_threshold_mb,
+        )  # fmt: skip
+    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, vae_decoder, manifest.json)")
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base, edits.")) -> None:
+    """Generate the base and run every edit as one batched tail; write PNGs, grid and report."""
+    from .run import run_config
+
+    cfg = load_config(config)
+    with _progress() as factory:
+        report = run_config(cfg, progress=factory)
+    _print_summary(report, cfg.output_dir)
+
+
+def _print_summary(report: dict, output_dir: Path) -> None:
+    table = Table(title=f"edit-rt run: {len(report['edits'])} edits on one base", title_justify="left")
+    for column in ("file", "edit", "tail steps"):
+        table.add_column(column)
+    table.add_row("base.png", report["base"]["prompt"], str(report["base"]["steps"]))
+    for e in report["edits"]:
+        table.add_row(e["file"], e["label"], str(e["tail_steps"]))
+    out = Console()
+    out.print(table)
+    s, rows = report["seconds"], report["unet_rows"]
+    out.print(
+        f"UNet rows: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}) vs "
+        f"{rows['regenerating_every_edit']} regenerating every edit ({rows['saving']:.0%} fewer)"
+    )
+    out.print("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
+    out.print(f"wrote {output_dir}/ (grid.png, report.json, {len(report['files']) - 1} PNGs)")
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("EDIT_RT_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app()
+    except EditRtError as err:
+        # Plain print: messages hold brackets ("[0, 9]") that rich would read as markup.
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

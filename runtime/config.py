@@ -1,0 +1,307 @@
+"""Typed run configuration: YAML in, frozen dataclasses out, validated at the edge.
+
+Every field is declared below with the reason for its default. An unknown key, a wrong type or
+a value out of range raises :class:`ConfigError` naming the file, the field path
+(``edits[2].strength``) and the fix. Paths in a config file are relative to that file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from .errors import ConfigError
+
+Backend = Literal["ort-cpu"]
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A rectangle in image pixels; inside it the edit may change the image, outside it may not."""
+
+    x: int
+    y: int
+    width: int
+    height: int
+
+    def validate(self, where: str) -> None:
+        for name in ("x", "y"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("width", "height"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One row of the batched tail (see ARCHITECTURE.md, "Edits")."""
+
+    prompt: str
+    # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
+    # further. A slider over strengths costs no extra text encoding.
+    strength: float = 1.0
+    # Where the row re-enters the base chain: start_step = steps - tail_steps. Give one of them;
+    # neither means the run's default tail.
+    start_step: Optional[int] = None
+    tail_steps: Optional[int] = None
+    # Classifier-free guidance for this row; None means the base's.
+    guidance: Optional[float] = None
+    mask: Optional[Mask] = None
+    # None: a deterministic edit from the base's own latent. A seed re-noises the entry latent
+    # (from the base's final latent, with this seed's noise) for a variation.
+    seed: Optional[int] = None
+    # Shown in the grid and the report; defaults to a summary of the fields.
+    label: Optional[str] = None
+
+    def validate(self, where: str) -> None:
+        if not self.prompt.strip():
+            raise ConfigError(f"{where}.prompt: must not be empty")
+        if not -4.0 <= self.strength <= 4.0:
+            raise ConfigError(f"{where}.strength: must lie in [-4, 4], got {self.strength}")
+        if self.start_step is not None and self.tail_steps is not None:
+            raise ConfigError(f"{where}: give start_step or tail_steps, not both")
+        if self.guidance is not None and not 0.0 <= self.guidance <= 50.0:
+            raise ConfigError(f"{where}.guidance: must lie in [0, 50], got {self.guidance}")
+        if self.mask is not None:
+            self.mask.validate(f"{where}.mask")
+
+
+@dataclass(frozen=True)
+class Base:
+    """The generation every edit starts from."""
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    # Stable Diffusion's usual DDIM budget; the tiny test model uses fewer.
+    steps: int = 50
+    guidance: float = 7.5
+    width: int = 512
+    height: int = 512
+
+    def validate(self, where: str) -> None:
+        if not 1 <= self.steps <= 1000:
+            raise ConfigError(f"{where}.steps: must lie in [1, 1000], got {self.steps}")
+        if not 0.0 <= self.guidance <= 50.0:
+            raise ConfigError(f"{where}.guidance: must lie in [0, 50], got {self.guidance}")
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value <= 0 or value > 4096:
+                raise ConfigError(f"{where}.{name}: must lie in [1, 4096], got {value}")
+        if self.seed < 0:
+            raise ConfigError(f"{where}.seed: must be >= 0, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Which of the base's latents are kept: the window edits may re-enter at."""
+
+    # The first step whose latent is kept; the window runs from here to the final latent.
+    # 0 keeps them all (a 512x512 SD latent is 32 KiB in fp16, so 50 steps cost 1.6 MiB).
+    window_start: int = 0
+    # The tail length of an edit that gives neither start_step nor tail_steps: 40% of the steps
+    # redraws colour and texture but keeps the layout on SD-like models.
+    default_tail_fraction: float = 0.4
+
+    def validate(self, where: str) -> None:
+        if self.window_start < 0:
+            raise ConfigError(f"{where}.window_start: must be >= 0, got {self.window_start}")
+        if not 0.0 < self.default_tail_fraction <= 1.0:
+            raise ConfigError(
+                f"{where}.default_tail_fraction: must lie in (0, 1], got {self.default_tail_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class Export:
+    """Settings of `edit-rt export`."""
+
+    # 17 is the newest opset the TorchScript exporter covers for every op the UNet uses
+    # (scaled_dot_product_attention included) and TensorRT 8.6+ parses.
+    opset: int = 17
+    # Graphs whose weights exceed this are written with external data (*.onnx_data): protobuf
+    # cannot serialize a message over 2 GiB, and a fp32 SD 1.5 UNet is ~3.4 GB.
+    external_data_threshold_mb: float = 1900.0
+
+    def validate(self, where: str) -> None:
+        if not 14 <= self.opset <= 21:
+            raise ConfigError(f"{where}.opset: must lie in [14, 21], got {self.opset}")
+        if self.external_data_threshold_mb < 0:
+            raise ConfigError(f"{where}.external_data_threshold_mb: must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole `edit-rt run` job: which model, the base, the edits, where results go."""
+
+    model: Path
+    base: Base
+    edits: list[Edit] = field(default_factory=list)
+    # Artifacts live under <build_dir>/<model folder name>/{onnx,engines}/.
+    build_dir: Path = Path("build")
+    output_dir: Path = Path("out")
+    backend: Backend = "ort-cpu"
+    # ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.
+    threads: int = 0
+    cache: Cache = field(default_factory=Cache)
+    export: Export = field(default_factory=Export)
+    source: Optional[Path] = None
+
+    @property
+    def model_name(self) -> str:
+        return self.model.resolve().name
+
+    @property
+    def onnx_dir(self) -> Path:
+        return self.build_dir / self.model_name / "onnx"
+
+    def validate(self, where: str) -> None:
+        self.base.validate(f"{where}base")
+        self.cache.validate(f"{where}cache")
+        self.export.validate(f"{where}export")
+        if self.threads < 0:
+            raise ConfigError(f"{where}threads: must be >= 0, got {self.threads}")
+        if self.cache.window_start >= self.base.steps:
+            raise ConfigError(
+                f"{where}cache.window_start: must be below base.steps ({self.base.steps}), "
+                f"got {self.cache.window_start}"
+            )
+        for i, edit in enumerate(self.edits):
+            edit.validate(f"{where}edits[{i}]")
+            self.start_step_of(edit, f"{where}edits[{i}]")
+            if edit.mask is not None:
+                m = edit.mask
+                if m.x + m.width > self.base.width or m.y + m.height > self.base.height:
+                    raise ConfigError(
+                        f"{where}edits[{i}].mask: the rectangle ({m.x},{m.y},{m.width}x{m.height}) "
+                        f"leaves the {self.base.width}x{self.base.height} image; shrink it"
+                    )
+
+    def start_step_of(self, edit: Edit, where: str = "edit") -> int:
+        """The step at which ``edit`` re-enters the base chain, checked against the window."""
+        steps, lo = self.base.steps, self.cache.window_start
+        if edit.start_step is not None:
+            start, name = edit.start_step, "start_step"
+        elif edit.tail_steps is not None:
+            start, name = steps - edit.tail_steps, "tail_steps"
+        else:
+            start, name = steps - max(1, round(self.cache.default_tail_fraction * steps)), ""
+        if not lo <= start <= steps - 1:
+            given = f"{name}={getattr(edit, name)}" if name else "the default tail"
+            raise ConfigError(
+                f"{where}.{name or 'start_step'}: {given} enters at step {start}, outside the cache "
+                f"window [{lo}, {steps - 1}] (base.steps={steps}, cache.window_start={lo}); "
+                f"use a start_step in that range or a tail_steps in [1, {steps - lo}]"
+            )
+        return start
+
+
+# --- YAML -> dataclasses ------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_from_dict(tp, value, where)
+    if tp is Path:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: must be a path string, got {type(value).__name__}")
+        return Path(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: must be an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp}")  # a bug in this file, not user input
+
+
+def _dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'top level'}: must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"{prefix}{key}: unknown key; the keys allowed here are {', '.join(sorted(known))}"
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{prefix}{f.name}: missing; this field is required")
+            continue
+        kwargs[f.name] = _convert(data[f.name], hints[f.name], f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
+    """Build and validate a RunConfig; relative paths are taken from ``source``'s folder."""
+    label = f"{source}: " if source is not None else ""
+    try:
+        cfg = _dataclass_from_dict(RunConfig, data, "")
+        root = source.parent if source is not None else Path.cwd()
+        cfg = dataclasses.replace(
+            cfg,
+            model=_resolve(cfg.model, root),
+            build_dir=_resolve(cfg.build_dir, root),
+            output_dir=_resolve(cfg.output_dir, root),
+            source=source,
+        )
+        cfg.validate("")
+    except ConfigError as err:
+        raise ConfigError(f"{label}{err}") from None
+    return cfg
+
+
+def load_config(path: Path | str) -> RunConfig:
+    """Read a YAML config file into a validated :class:`RunConfig`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+    return config_from_dict(data, source=path)
+
+
+def _resolve(p: Path, root: Path) -> Path:
+    p = p.expanduser()
+    return p if p.is_absolute() else Path(os.path.normpath(root / p))

@@ -1,0 +1,54 @@
+"""PNG output: images carrying their generation parameters, and a labelled contact sheet.
+
+The ``parameters`` text chunk uses the format AUTOMATIC1111's web UI writes and most image
+tools read: the prompt, ``Negative prompt: ...``, then one line of ``Key: value`` pairs.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """[H, W, 3] float in [0, 1] -> uint8, rounding as diffusers' ``numpy_to_pil`` does."""
+    return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, object]) -> str:
+    """The A1111 ``parameters`` string: prompt, negative prompt line, ``Key: value, ...``."""
+    line = ", ".join(f"{key}: {value}" for key, value in fields.items())
+    return f"{prompt}\nNegative prompt: {negative_prompt}\n{line}"
+
+
+def save_png(path: Path, image: np.ndarray, parameters: str) -> None:
+    info = PngInfo()
+    info.add_text("parameters", parameters)
+    Image.fromarray(to_uint8(image)).save(path, pnginfo=info)
+
+
+def contact_sheet(images: Sequence[np.ndarray], labels: Sequence[str], min_cell: int = 160) -> Image.Image:
+    """A grid of images, each upscaled (nearest) to at least ``min_cell`` px with its label under it."""
+    cols = min(4, len(images))
+    rows = -(-len(images) // cols)
+    h, w = images[0].shape[:2]
+    zoom = max(1, -(-min_cell // max(h, w)))
+    cw, ch = w * zoom, h * zoom
+    font = ImageFont.load_default()
+    label_h = 28
+    sheet = Image.new("RGB", (cols * cw, rows * (ch + label_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    chars_per_line = max(8, cw // 6)  # the default bitmap font is ~6 px per character
+    for k, (image, label) in enumerate(zip(images, labels)):
+        x, y = (k % cols) * cw, (k // cols) * (ch + label_h)
+        sheet.paste(Image.fromarray(to_uint8(image)).resize((cw, ch), Image.NEAREST), (x, y))
+        lines = textwrap.wrap(label, chars_per_line)
+        if len(lines) > 2:
+            lines = [lines[0], lines[1][: chars_per_line - 3] + "..."]
+        draw.multiline_text((x + 3, y + ch + 2), "\n".join(lines), fill="black", font=font)
+    return sheet

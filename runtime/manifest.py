@@ -1,0 +1,164 @@
+"""``manifest.json``: what `edit-rt export` wrote, and whether it still matches the model.
+
+The manifest records every graph's inputs and outputs, the cross-attention layer order, the
+opset, the tool versions and a fingerprint of the source model (sha256 over its weights and
+configs). The runtime refuses artifacts whose fingerprint does not match the model directory,
+naming the command that rebuilds them.
+
+Hashing a 4 GB SD checkpoint takes seconds, so the manifest also keeps each file's size and
+mtime: when those are unchanged the stored fingerprint is trusted, as make trusts timestamps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError, ModelError
+
+MANIFEST_VERSION = 1
+# The files of a diffusers SD directory that decide what the exported graphs compute.
+_MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt")
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    """The files the fingerprint covers, in a stable order; refuses a non-diffusers folder."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(
+            f"model directory {model_dir} does not exist; run `make model` for the embedded "
+            f"default or set `model:` to a diffusers Stable Diffusion folder"
+        )
+    missing = [p for p in ("model_index.json", *_MODEL_PARTS) if not (model_dir / p).exists()]
+    if missing:
+        raise ModelError(
+            f"{model_dir} is not a diffusers Stable Diffusion folder: it lacks {', '.join(missing)}"
+        )
+    files = []
+    for part in _MODEL_PARTS:
+        for p in sorted((model_dir / part).iterdir()):
+            if p.is_file() and p.suffix in _WEIGHT_SUFFIXES:
+                files.append(p)
+    return files
+
+
+def _file_stats(model_dir: Path, files: list[Path]) -> dict[str, list[int]]:
+    return {str(p.relative_to(model_dir)): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def model_fingerprint(model_dir: Path) -> tuple[str, dict[str, list[int]]]:
+    """sha256 over the relative path and content of every model file, and the files' stats."""
+    model_dir = Path(model_dir)
+    files = model_files(model_dir)
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(model_dir)).encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest(), _file_stats(model_dir, files)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: list[Any]  # ints and symbolic names ("N", "M")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    file: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of an export directory."""
+
+    root: Path
+    data: dict[str, Any]
+
+    @property
+    def graphs(self) -> dict[str, GraphSpec]:
+        return {
+            name: GraphSpec(
+                file=g["file"],
+                inputs=[TensorSpec(**t) for t in g["inputs"]],
+                outputs=[TensorSpec(**t) for t in g["outputs"]],
+                sha256=g["sha256"],
+            )
+            for name, g in self.data["graphs"].items()
+        }
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        return self.data["layers"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.data["model"]["fingerprint"]
+
+    @property
+    def latent_channels(self) -> int:
+        return self.data["model"]["latent_channels"]
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.data["model"]["vae_scale_factor"]
+
+    @property
+    def scheduler_config(self) -> dict[str, Any]:
+        return self.data["model"]["scheduler"]
+
+    def path(self, graph: str) -> Path:
+        return self.root / self.data["graphs"][graph]["file"]
+
+    def check_model(self, model_dir: Path) -> None:
+        """Refuse these artifacts if ``model_dir``'s weights are not the ones they came from."""
+        model_dir = Path(model_dir)
+        files = model_files(model_dir)
+        if _file_stats(model_dir, files) == self.data["model"]["file_stats"]:
+            return
+        fingerprint, _ = model_fingerprint(model_dir)
+        if fingerprint != self.fingerprint:
+            raise ArtifactError(
+                f"{self.root} was exported from other weights than {model_dir} "
+                f"(fingerprint {self.fingerprint[:12]} != {fingerprint[:12]}); "
+                f"re-run `make export` (edit-rt export CONFIG) to rebuild it"
+            )
+
+
+def load_manifest(onnx_dir: Path) -> Manifest:
+    """Read ``onnx_dir/manifest.json``, refusing a missing, unreadable or foreign one."""
+    onnx_dir = Path(onnx_dir)
+    path = onnx_dir / "manifest.json"
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found; run `make export` (edit-rt export CONFIG) first")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ArtifactError(f"{path} is unreadable ({err}); re-run `make export`") from None
+    if not isinstance(data, dict) or data.get("format") != "edit-rt-onnx" or data.get("version") != MANIFEST_VERSION:
+        raise ArtifactError(
+            f"{path} is not an edit-rt manifest of version {MANIFEST_VERSION}; re-run `make export`"
+        )
+    manifest = Manifest(onnx_dir, data)
+    for name in ("text_encoder", "kv_proj", "unet_step", "vae_decoder"):
+        if name not in data["graphs"] or not manifest.path(name).is_file():
+            raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
+    return manifest

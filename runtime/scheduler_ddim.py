@@ -1,0 +1,129 @@
+"""DDIM (eta = 0) timesteps and per-step coefficients, in numpy.
+
+Song et al., "Denoising Diffusion Implicit Models" (https://arxiv.org/abs/2010.02502), eq. 12
+with sigma_t = 0. The update itself is fused into the ``unet_step`` graph; this file decides,
+for every step, the timestep t and the two cumulative alphas that graph takes as per-row
+inputs, exactly as diffusers' ``DDIMScheduler.set_timesteps()`` and ``step()`` do (the tests
+check it against diffusers). ``step()`` is kept here in numpy as the written-out reference of
+what the graph computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import numpy as np
+
+from .errors import ModelError
+
+PredictionType = Literal["epsilon", "v_prediction", "sample"]
+
+
+@dataclass(frozen=True)
+class DDIMConfig:
+    """The subset of a diffusers ``scheduler_config.json`` that DDIM reads."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    set_alpha_to_one: bool = True
+    steps_offset: int = 0
+    prediction_type: PredictionType = "epsilon"
+    timestep_spacing: str = "leading"
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+
+    @classmethod
+    def from_scheduler_config(cls, cfg: Mapping[str, Any]) -> "DDIMConfig":
+        """Reads a diffusers scheduler config (PNDM, DDIM, ... all share these fields).
+
+        Stable Diffusion ships a PNDM config; the pipeline swaps in DDIM with the same
+        betas, exactly as ``DDIMScheduler.from_config(pipe.scheduler.config)`` does.
+        """
+        if cfg.get("trained_betas") is not None:
+            raise ModelError("scheduler_config.json: trained_betas is not supported by edit-rt")
+        if cfg.get("thresholding"):
+            raise ModelError("scheduler_config.json: thresholding=true is not supported by edit-rt")
+        if cfg.get("rescale_betas_zero_snr"):
+            raise ModelError("scheduler_config.json: rescale_betas_zero_snr is not supported by edit-rt")
+        fields = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg}
+        # DDIMScheduler's defaults for keys other schedulers' configs do not carry.
+        return cls(**fields)
+
+
+def _betas(cfg: DDIMConfig) -> np.ndarray:
+    n = cfg.num_train_timesteps
+    # float32 throughout, as diffusers builds them, so alphas match to the last bit or two.
+    if cfg.beta_schedule == "linear":
+        return np.linspace(cfg.beta_start, cfg.beta_end, n, dtype=np.float32)
+    if cfg.beta_schedule == "scaled_linear":
+        return np.linspace(cfg.beta_start**0.5, cfg.beta_end**0.5, n, dtype=np.float32) ** 2
+    if cfg.beta_schedule == "squaredcos_cap_v2":
+        # Nichol & Dhariwal 2021, eq. 17, with betas capped at 0.999.
+        def alpha_bar(t: float) -> float:
+            return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+
+        return np.array(
+            [min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)],
+            dtype=np.float32,
+        )
+    raise ModelError(f"scheduler_config.json: beta_schedule {cfg.beta_schedule!r} is not supported")
+
+
+class DDIMSchedule:
+    """The T-step DDIM chain: ``timesteps[i]``, ``alpha_t[i]``, ``alpha_prev[i]`` for step i.
+
+    Step i maps latent x_i to x_{i+1}; x_0 is the initial noise and x_T the final latent.
+    """
+
+    def __init__(self, config: DDIMConfig, num_inference_steps: int):
+        if not 1 <= num_inference_steps <= config.num_train_timesteps:
+            raise ValueError(
+                f"steps={num_inference_steps} must lie in [1, {config.num_train_timesteps}]"
+            )
+        self.config = config
+        self.num_inference_steps = num_inference_steps
+        # 1. the training chain's cumulative alphas (the alpha-bar of DDPM, eq. 4)
+        self.alphas_cumprod = np.cumprod(1.0 - _betas(config), dtype=np.float32)
+        self.final_alpha_cumprod = np.float32(1.0) if config.set_alpha_to_one else self.alphas_cumprod[0]
+        # 2. the inference timesteps (Lin et al. 2023, table 2: linspace / leading / trailing)
+        self.timesteps = self._timesteps()
+        # 3. per-step coefficients: alpha_t at t, alpha_prev at t - T_train // T
+        prev = self.timesteps - config.num_train_timesteps // num_inference_steps
+        self.alpha_t = self.alphas_cumprod[self.timesteps]
+        self.alpha_prev = np.where(
+            prev >= 0, self.alphas_cumprod[np.clip(prev, 0, None)], self.final_alpha_cumprod
+        ).astype(np.float32)
+
+    def _timesteps(self) -> np.ndarray:
+        cfg, n = self.config, self.num_inference_steps
+        if cfg.timestep_spacing == "linspace":
+            return np.linspace(0, cfg.num_train_timesteps - 1, n).round()[::-1].copy().astype(np.int64)
+        if cfg.timestep_spacing == "leading":
+            ratio = cfg.num_train_timesteps // n
+            return (np.arange(0, n) * ratio).round()[::-1].copy().astype(np.int64) + cfg.steps_offset
+        if cfg.timestep_spacing == "trailing":
+            ratio = cfg.num_train_timesteps / n
+            return np.round(np.arange(cfg.num_train_timesteps, 0, -ratio)).astype(np.int64) - 1
+        raise ModelError(f"scheduler_config.json: timestep_spacing {cfg.timestep_spacing!r} is not supported")
+
+    def step(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
+        """Reference DDIM update x_i -> x_{i+1} (eta = 0); the graph fuses the same equations."""
+        a_t, a_prev = self.alpha_t[i], self.alpha_prev[i]
+        b_t = 1 - a_t
+        # 1. predicted x_0 and epsilon (eq. 12's "predicted x_0"), per parameterisation
+        if self.config.prediction_type == "epsilon":
+            x0, eps = (sample - b_t**0.5 * model_output) / a_t**0.5, model_output
+        elif self.config.prediction_type == "v_prediction":
+            x0 = a_t**0.5 * sample - b_t**0.5 * model_output
+            eps = a_t**0.5 * model_output + b_t**0.5 * sample
+        else:
+            x0 = model_output
+            eps = (sample - a_t**0.5 * x0) / b_t**0.5
+        if self.config.clip_sample:
+            x0 = np.clip(x0, -self.config.clip_sample_range, self.config.clip_sample_range)
+        # 2. eq. 12 with sigma_t = 0: x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps
+        return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
