@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from .backend import OrtGraph
 from .config import Base, Mask
 from .errors import ConfigError
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest, load_manifest, model_files
 from .scheduler_ddim import DDIMConfig, DDIMSchedule
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class EditPipeline:
     """Runs the four exported graphs. Use as a context manager, or call activate()/deactivate()."""
 
     def __init__(self, onnx_dir: Path, model_dir: Optional[Path] = None, threads: int = 0):
+        if model_dir is not None:
+            model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
         if model_dir is not None:
             self.manifest.check_model(model_dir)
@@ -148,7 +150,8 @@ class EditPipeline:
     ) -> BaseState:
         """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on."""
         schedule = DDIMSchedule(self.ddim_config, base.steps)
-        x = self.initial_noise(base) if noise is None else np.ascontiguousarray(noise, dtype=np.float32)
+        # x is denoised in place: never alias the caller's noise.
+        x = self.initial_noise(base) if noise is None else np.array(noise, dtype=np.float32, copy=True)
         kv = self.kv_from_prompts([base.prompt, base.negative_prompt])
         cond, uncond = kv.row(0), kv.row(1)
         latents = np.empty((base.steps - window_start + 1, *x.shape[1:]), dtype=np.float32)
@@ -238,6 +241,9 @@ class EditPipeline:
         cached K/V are never copied inside the loop.
         """
         n = len(x)
+        # diffusers' convention: guidance <= 1 disables CFG (the conditional prediction alone),
+        # which the fused formula uncond + g (cond - uncond) gives at g = 1.
+        guidance = np.maximum(guidance, 1.0).astype(np.float32)
         feeds: dict[str, np.ndarray] = {}
         timestep = np.empty(n, dtype=np.float32)
         alpha_t = np.empty(n, dtype=np.float32)

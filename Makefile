@@ -1,0 +1,42 @@
+# edit-rt: make demo (set up, build the default model, export, run the demo) | make test
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/demo.yaml
+MODEL_DIR ?= build/models/tiny-sd
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup model export demo test clean help
+
+help:
+	@echo "make demo    set up, build the default model, export it to ONNX, run $(CONFIG)"
+	@echo "make test    set up and run the test suite"
+	@echo "make setup | model | export | clean"
+
+setup: $(VENV)/.installed
+
+# Torch first and alone, pinned: it must be the CPU build that lies on this disk.
+$(VENV)/.installed: pyproject.toml scripts/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c scripts/constraints.txt torch
+	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[export,test]'
+	touch $@
+
+model: $(MODEL_DIR)/model_index.json
+
+$(MODEL_DIR)/model_index.json: | setup
+	$(BIN)/edit-rt model --out $(MODEL_DIR)
+
+export: setup model
+	$(BIN)/edit-rt export $(CONFIG)
+
+demo: export
+	$(BIN)/edit-rt run $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf build out

@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny SD model built in this test session, and its ONNX export.
+
+Nothing is downloaded: the model is built from a seed (edit_rt.export.tiny_model), exported
+once per session, and every test compares against diffusers / PyTorch on those same weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+
+from edit_rt.runtime.config import Base
+
+# 32x32 images = 16x16 latents with the tiny model's two-block VAE: big enough for two UNet
+# resolutions, small enough that a 10-step generation takes well under a second.
+TEST_BASE = Base(prompt="a red circle on a blue background", negative_prompt="blurry", seed=3,
+                 steps=10, guidance=7.5, width=32, height=32)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    from edit_rt.export.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd", seed=0)
+
+
+@pytest.fixture(scope="session")
+def onnx_dir(model_dir, tmp_path_factory) -> Path:
+    from edit_rt.export.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("build") / "tiny-sd" / "onnx"
+    export_onnx(model_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pipeline(onnx_dir, model_dir):
+    from edit_rt.runtime.pipeline import EditPipeline
+
+    with EditPipeline(onnx_dir, model_dir) as pipe:
+        yield pipe
+
+
+@pytest.fixture(scope="session")
+def base_state(pipeline):
+    return pipeline.generate_base(TEST_BASE)
+
+
+@pytest.fixture
+def torch_components(model_dir):
+    """Fresh (unet, text_encoder, vae, tokenizer, scheduler_config) from diffusers/transformers.
+
+    Function-scoped: wrapping the UNet for export swaps its attention processors.
+    """
+    from edit_rt.export.onnx_export import load_components
+
+    return load_components(model_dir)

@@ -1,0 +1,152 @@
+"""`edit-rt run` end to end in a subprocess, and every bad input it must refuse cleanly.
+
+A refusal is exit code 2, one line on stderr that names the file/field and the fix, and no
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+from safetensors.numpy import load_file, save_file
+
+EDITS = [
+    {"prompt": "a green circle", "strength": 0.5, "tail_steps": 4},
+    {"prompt": "a green circle", "strength": 1.5, "tail_steps": 4},
+    {"prompt": "a blue square", "start_step": 2, "guidance": 5.0},
+    {"prompt": "a yellow circle", "tail_steps": 5, "mask": {"x": 0, "y": 0, "width": 16, "height": 16}},
+    {"prompt": "a red circle", "tail_steps": 3, "seed": 9},
+]
+
+
+def _config(tmp_path: Path, model_dir: Path, onnx_dir: Path, **overrides) -> dict:
+    cfg = {
+        "model": str(model_dir),
+        "build_dir": str(onnx_dir.parent.parent),
+        "output_dir": str(tmp_path / "out"),
+        "base": {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 5, "steps": 8,
+                 "guidance": 7.5, "width": 32, "height": 32},  # fmt: skip
+        "edits": EDITS,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _run(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run(
+        [sys.executable, "-m", "edit_rt.runtime.cli", "run", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
+    result = _run(tmp_path, _config(tmp_path, model_dir, onnx_dir))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert report["files"] == ["base.png"] + [f"edit_{k:02d}.png" for k in range(5)] + ["grid.png"]
+    assert report["unet_rows"] == {"base": 8, "edit_tails": 4 + 4 + 6 + 5 + 3, "total": 30,
+                                   "regenerating_every_edit": 48, "saving": 0.375}  # fmt: skip
+    assert set(report["seconds"]) == {"load", "base_generation", "edit_tail", "decode", "write"}
+    params = Image.open(out / "edit_01.png").text["parameters"]
+    lines = params.split("\n")
+    assert lines[0] == "a green circle" and lines[1] == "Negative prompt: blurry"
+    for field in ("Steps: 8", "Sampler: DDIM", "CFG scale: 7.5", "Seed: 5", "Size: 32x32",
+                  "Edit strength: 1.5", "Tail steps: 4"):  # fmt: skip
+        assert field in lines[2]
+    assert Image.open(out / "base.png").size == (32, 32)
+    assert Image.open(out / "grid.png").size[0] >= 4 * 128
+    assert "regenerating every edit" in result.stdout
+
+
+def test_run_images_equal_the_pipeline(tmp_path, model_dir, onnx_dir, pipeline):
+    """The CLI's PNGs are the pipeline's images (rounded to 8 bits), base included."""
+    from edit_rt.runtime.config import Base
+
+    cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:1])
+    assert _run(tmp_path, cfg).returncode == 0
+    state = pipeline.generate_base(Base(**cfg["base"]))
+    expected = np.round(np.clip(pipeline.decode(state.final_latent)[0], 0, 1) * 255)
+    png = np.asarray(Image.open(tmp_path / "out" / "base.png"), dtype=np.float64)
+    assert np.abs(png - expected).max() <= 1
+
+
+def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
+    cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:1])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code = (
+        "import sys; from edit_rt.runtime.config import load_config; from edit_rt.runtime.run import run_config;"
+        f"run_config(load_config({str(path)!r}));"
+        "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'polygraphy') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ")
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "override,needles",
+    [
+        ({"edits": [{"prompt": "x", "strenght": 1.0}]}, ["config.yaml", "edits[0].strenght", "unknown key"]),
+        ({"colour": "red"}, ["config.yaml", "colour: unknown key"]),
+        ({"edits": [{"prompt": "x", "strength": "high"}]}, ["edits[0].strength", "must be a number"]),
+        ({"edits": [{"prompt": "x", "start_step": 8}]}, ["edits[0].start_step", "outside the cache window", "[0, 7]"]),
+        ({"edits": [{"prompt": "x", "tail_steps": 0}]}, ["edits[0].tail_steps", "tail_steps in [1, 8]"]),
+        ({"edits": [{"prompt": "x", "tail_steps": 2, "start_step": 2}]}, ["edits[0]", "not both"]),
+        ({"cache": {"window_start": 4}, "edits": [{"prompt": "x", "start_step": 2}]}, ["[4, 7]"]),
+        ({"edits": [{"prompt": "x", "mask": {"x": 20, "y": 0, "width": 16, "height": 8}}]}, ["edits[0].mask", "leaves"]),
+        ({"base": {"prompt": "x", "steps": "ten"}}, ["base.steps", "must be an integer"]),
+        ({"base": {"prompt": "x", "width": 30, "height": 32}}, ["base.width", "multiple of 4"]),
+        ({"backend": "cuda"}, ["backend", "ort-cpu"]),
+    ],
+)
+def test_bad_config_is_refused_with_field_and_fix(tmp_path, model_dir, onnx_dir, override, needles):
+    _refused(_run(tmp_path, _config(tmp_path, model_dir, onnx_dir, **override)), *needles)
+
+
+def test_missing_model_dir_is_refused(tmp_path, model_dir, onnx_dir):
+    result = _run(tmp_path, _config(tmp_path, model_dir, onnx_dir, model=str(tmp_path / "nope")))
+    _refused(result, "does not exist", "make model")
+
+
+def test_missing_artifacts_are_refused(tmp_path, model_dir, onnx_dir):
+    result = _run(tmp_path, _config(tmp_path, model_dir, onnx_dir, build_dir=str(tmp_path / "empty")))
+    _refused(result, "manifest.json not found", "make export")
+
+
+def test_artifacts_from_other_weights_are_refused(tmp_path, model_dir, onnx_dir):
+    changed = tmp_path / "models" / model_dir.name
+    shutil.copytree(model_dir, changed)
+    weights = changed / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights)
+    result = _run(tmp_path, _config(tmp_path, changed, onnx_dir))
+    _refused(result, "exported from other weights", "make export")
+
+
+def test_corrupt_graph_is_refused(tmp_path, model_dir, onnx_dir):
+    build = tmp_path / "build" / model_dir.name / "onnx"
+    shutil.copytree(onnx_dir, build)
+    (build / "unet_step.onnx").write_bytes(b"not an onnx file")
+    result = _run(tmp_path, _config(tmp_path, model_dir, build))
+    _refused(result, "unet_step.onnx", "make export")
