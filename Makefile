@@ -19,7 +19,6 @@ setup: $(VENV)/.installed
 # Torch first and alone, pinned: it must be the CPU build that lies on this disk.
 $(VENV)/.installed: pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c scripts/constraints.txt torch
 	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[export,test]'
 	touch $@
