@@ -7,11 +7,13 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= build/models/tiny-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export demo test clean help
+.PHONY: setup model export engines parity demo test clean help
 
 help:
 	@echo "make demo    set up, build the default model, export it to ONNX, run $(CONFIG)"
 	@echo "make test    set up and run the test suite"
+	@echo "make engines build the engines this machine can run (ONNX Runtime CPU; TensorRT with a GPU)"
+	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
 	@echo "make setup | model | export | clean"
 
 setup: $(VENV)/.installed
@@ -31,7 +33,13 @@ $(MODEL_DIR)/model_index.json: | setup
 export: setup model
 	$(BIN)/edit-rt export $(CONFIG)
 
-demo: export
+engines: export
+	$(BIN)/edit-rt engines $(CONFIG)
+
+parity: engines
+	$(BIN)/edit-rt parity $(CONFIG)
+
+demo: engines
 	$(BIN)/edit-rt run $(CONFIG)
 
 test: setup

@@ -232,6 +232,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             "vae_scale_factor": 2 ** (len(vae.config.block_out_channels) - 1),
             "text_len": TEXT_LEN,
             "text_hidden_size": d_text,
+            "vocab_size": text_encoder.config.vocab_size,
             "prediction_type": prediction_type,
             "scheduler": scheduler,
         },

@@ -77,6 +77,37 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
 
 
 @app.command()
+def engines(config: Path = typer.Argument(..., help="Run config: model, base size, engines profile.")) -> None:
+    """Build the engines this machine can run: ONNX Runtime CPU always, TensorRT where present."""
+    from .manifest import load_manifest
+    from .profiles import EditBatchProfile
+
+    cfg = load_config(config)
+    builder = _export_module("engines")
+    scale = load_manifest(cfg.onnx_dir).vae_scale_factor
+    e = cfg.engines
+    profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale)
+    with console.status(f"building engines under {cfg.engines_dir}"):
+        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=console.print)
+    for backend, engine_set in built.items():
+        console.print(
+            f"{backend}: {engine_set.root}/ ({', '.join(engine_set.graphs)}; rows {e.min_batch}/{e.opt_batch}/"
+            f"{e.max_batch}, {engine_set.precision})"
+        )
+
+
+@app.command()
+def parity(config: Path = typer.Argument(..., help="Run config: model and build_dir.")) -> None:
+    """Compare every graph across PyTorch, plain ONNX and each built engine; write parity.md."""
+    cfg = load_config(config)
+    checker = _export_module("parity")
+    report = checker.parity_report(cfg)
+    console.print(f"wrote {report.path} ({report.passed}/{report.total} comparisons pass)")
+    if report.passed != report.total:
+        raise EditRtError(f"{report.total - report.passed} parity comparisons failed; see {report.path}")
+
+
+@app.command()
 def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base, edits.")) -> None:
     """Generate the base and run every edit as one batched tail; write PNGs, grid and report."""
     from .run import run_config

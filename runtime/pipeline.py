@@ -5,6 +5,11 @@ latent). A base keeps x_i for every i of its cache window, its prompt's K/V for 
 cross-attention layer and its negative prompt's (unconditional) K/V. An edit row re-enters at
 x_s with its own K/V and runs steps s..T-1. Rows are sorted by start step, so at step i the
 active rows are a prefix of the batch: one ``unet_step`` call advances them all.
+
+The step loop runs on :class:`StepBuffers` bound to the graph once per active-row count: per
+step it writes three scalars per row, runs the binding and moves the output latents back
+(blending masked rows with the base). The cached K/V are bound where they live and never
+copied inside the loop.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from .backend import OrtGraph
+from .backend import Binding
+from .buffers import StepBuffers
 from .config import Base, Mask
 from .errors import ConfigError
+from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
+from .profiles import EditBatchProfile
 from .scheduler_ddim import DDIMConfig, DDIMSchedule
 
 log = logging.getLogger(__name__)
@@ -79,9 +87,20 @@ class TailRow:
 
 
 class EditPipeline:
-    """Runs the four exported graphs. Use as a context manager, or call activate()/deactivate()."""
+    """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
-    def __init__(self, onnx_dir: Path, model_dir: Optional[Path] = None, threads: int = 0):
+    def __init__(
+        self,
+        onnx_dir: Path,
+        model_dir: Optional[Path] = None,
+        threads: int = 0,
+        backend: str = "ort-cpu",
+        engines_dir: Optional[Path] = None,
+        batch_profile: tuple[int, int, int] = (1, 8, 32),
+        image_size: Optional[tuple[int, int]] = None,
+    ):
+        """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
+        pixels for the engines of fixed latent size (TensorRT); both come from the config."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -89,14 +108,20 @@ class EditPipeline:
             self.manifest.check_model(model_dir)
         self.tokenizer = Tokenizer.from_file(str(Path(onnx_dir) / "tokenizer.json"))
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
-        self.graphs = {
-            name: OrtGraph(self.manifest.path(name), threads)
-            for name in ("text_encoder", "kv_proj", "unet_step", "vae_decoder")
-        }
-        self.num_layers = len(self.manifest.layers)
-        self.latent_channels = self.manifest.latent_channels
         self.scale = self.manifest.vae_scale_factor
-        self._uncond_index = np.zeros(0, dtype=np.int64)
+        sample = self.manifest.data["model"]["sample_size"]
+        h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
+        profile = EditBatchProfile(*batch_profile, h, w)
+        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile)
+        self.graphs = self.graph_set.graphs
+        self.profile = self.graph_set.profile
+        self.max_batch = self.profile.max_batch
+        self.num_layers = len(self.manifest.layers)
+        self.kv_dims = [layer["inner_dim"] for layer in self.manifest.layers for _ in ("k", "v")]
+        self.text_len = self.manifest.data["model"]["text_len"]
+        self.latent_channels = self.manifest.latent_channels
+        # (bucket rows, latent shape) -> buffers, made on first use and kept for later tails
+        self.buffers: dict[tuple[int, tuple[int, int, int]], StepBuffers] = {}
 
     def activate(self) -> "EditPipeline":
         for graph in self.graphs.values():
@@ -106,6 +131,7 @@ class EditPipeline:
     def deactivate(self) -> None:
         for graph in self.graphs.values():
             graph.deactivate()
+        self.buffers.clear()
 
     def __enter__(self) -> "EditPipeline":
         return self.activate()
@@ -120,9 +146,15 @@ class EditPipeline:
         return np.array([e.ids for e in self.tokenizer.encode_batch(list(prompts))], dtype=np.int64)
 
     def kv_from_prompts(self, prompts: Sequence[str]) -> KV:
-        """Every cross-attention layer's K/V for each prompt, batched over the prompts."""
-        (hidden,) = self.graphs["text_encoder"].infer({"input_ids": self.input_ids(prompts)})
-        return KV(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
+        """Every cross-attention layer's K/V for each prompt, batched (max_batch prompts a call)."""
+        parts = []
+        for lo in range(0, len(prompts), self.max_batch):
+            ids = self.input_ids(prompts[lo : lo + self.max_batch])
+            (hidden,) = self.graphs["text_encoder"].infer({"input_ids": ids})
+            parts.append(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
+        if len(parts) == 1:
+            return KV(list(parts[0]))
+        return KV([np.concatenate(ts) for ts in zip(*parts)])
 
     # --- the chain --------------------------------------------------------------------------
 
@@ -141,6 +173,14 @@ class EditPipeline:
         rng = np.random.default_rng(base.seed)
         return rng.standard_normal((1, *self.latent_shape(base)), dtype=np.float32)
 
+    def step_buffers(self, rows: int, latent_shape: tuple[int, int, int]) -> StepBuffers:
+        """The buffers of the bucket that holds ``rows`` rows (made once, then reused)."""
+        bucket = self.profile.bucket_for(rows)
+        key = (bucket, latent_shape)
+        if key not in self.buffers:
+            self.buffers[key] = StepBuffers(bucket, latent_shape, self.kv_dims, self.text_len)
+        return self.buffers[key]
+
     def generate_base(
         self,
         base: Base,
@@ -150,133 +190,142 @@ class EditPipeline:
     ) -> BaseState:
         """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on."""
         schedule = DDIMSchedule(self.ddim_config, base.steps)
-        # x is denoised in place: never alias the caller's noise.
-        x = self.initial_noise(base) if noise is None else np.array(noise, dtype=np.float32, copy=True)
+        shape = self.latent_shape(base)
         kv = self.kv_from_prompts([base.prompt, base.negative_prompt])
         cond, uncond = kv.row(0), kv.row(1)
-        latents = np.empty((base.steps - window_start + 1, *x.shape[1:]), dtype=np.float32)
+        latents = np.empty((base.steps - window_start + 1, *shape), dtype=np.float32)
+
+        buf = self.step_buffers(1, shape)
+        buf.latents[0] = self.initial_noise(base)[0] if noise is None else noise[0]
+        for dst, src in zip(buf.cond_kv, cond.tensors):
+            dst[0] = src[0]
+        buf.guidance[0] = base.guidance
+        buf.keep[0] = False
         if window_start == 0:
-            latents[0] = x[0]
+            latents[0] = buf.latents[0]
 
-        def record(i: int, batch: np.ndarray) -> None:
+        def record(i: int, n: int) -> None:
             if i >= window_start:
-                latents[i - window_start] = batch[0]
+                latents[i - window_start] = buf.latents[0]
 
-        self._denoise(
-            x, schedule, np.array([0]), cond, uncond, np.array([base.guidance], np.float32), record, progress
-        )
+        self._denoise(buf, 1, schedule, np.array([0]), uncond, [], record, progress)
         state = BaseState(base, self.manifest.fingerprint, window_start, latents, cond, uncond)
         log.debug("base state: %d latents, %.1f KiB", len(latents), state.nbytes / 1024)
         return state
 
     def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
-        """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order."""
-        base, T = state.base, state.base.steps
-        schedule = DDIMSchedule(self.ddim_config, T)
+        """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order.
+
+        More rows than the profile's max_batch run as consecutive calls of max_batch rows.
+        """
+        T = state.base.steps
         for r, row in enumerate(rows):
             if not state.window_start <= row.start_step <= T - 1:
                 raise ConfigError(
                     f"edits[{r}].start_step: {row.start_step} is outside the cache window "
                     f"[{state.window_start}, {T - 1}]"
                 )
+        final = np.empty((len(rows), *state.latents.shape[1:]), dtype=np.float32)
+        if not rows:
+            return final
+        # 1. every row's K/V: K_base + strength * (K_edit - K_base); one text encoding per prompt
+        prompts = sorted({row.prompt for row in rows})
+        edit_kv = self.kv_from_prompts(prompts)
+        for chunk in self.profile.chunks(len(rows)):
+            final[chunk.start : chunk.stop] = self._tail_chunk(state, [rows[r] for r in chunk], prompts, edit_kv, progress)
+        return final
+
+    def _tail_chunk(self, state, rows, prompts, edit_kv: KV, progress) -> np.ndarray:
+        schedule = DDIMSchedule(self.ddim_config, state.base.steps)
         # Sort by entry step: at step i the active rows are then a prefix of the batch.
         order = sorted(range(len(rows)), key=lambda r: rows[r].start_step)
         rows = [rows[r] for r in order]
         n = len(rows)
-        c, h, w = state.latents.shape[1:]
+        c, h, w = shape = state.latents.shape[1:]
+        buf = self.step_buffers(n, shape)
 
-        # 1. each row's K/V: K_base + strength * (K_edit - K_base), built once for the tail
-        prompts = sorted({row.prompt for row in rows})
-        edit_kv = self.kv_from_prompts(prompts)
-        which = np.array([prompts.index(row.prompt) for row in rows])
-        strength = np.array([row.strength for row in rows], dtype=np.float32)[:, None, None]
-        cond = KV([b + strength * (e[which] - b) for b, e in zip(state.cond_kv.tensors, edit_kv.tensors)])
+        for dst, base_kv, e in zip(buf.cond_kv, state.cond_kv.tensors, edit_kv.tensors):
+            for r, row in enumerate(rows):
+                np.subtract(e[prompts.index(row.prompt)], base_kv[0], out=dst[r])
+                dst[r] *= row.strength
+                dst[r] += base_kv[0]
 
         # 2. entry latents: the base's own x_s, or x_s re-noised from the final latent (seed)
-        x = np.empty((n, c, h, w), dtype=np.float32)
         for r, row in enumerate(rows):
             if row.seed is None:
-                x[r] = state.latent(row.start_step)[0]
+                buf.latents[r] = state.latent(row.start_step)[0]
             else:
                 a = schedule.alpha_t[row.start_step]
                 noise = np.random.default_rng(row.seed).standard_normal((c, h, w), dtype=np.float32)
-                x[r] = np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise
+                buf.latents[r] = np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise
+            buf.guidance[r] = row.guidance
 
         # 3. masks in latent space: True where the row must keep the base's latent
-        keep = np.zeros((n, 1, h, w), dtype=bool)
         masked = []
         for r, row in enumerate(rows):
+            buf.keep[r] = row.mask is not None
             if row.mask is not None:
-                keep[r] = True
                 m, s = row.mask, self.scale
-                keep[r, :, m.y // s : -(-(m.y + m.height) // s), m.x // s : -(-(m.x + m.width) // s)] = False
+                buf.keep[r, :, m.y // s : -(-(m.y + m.height) // s), m.x // s : -(-(m.x + m.width) // s)] = False
                 masked.append(r)
 
-        def blend(i: int, batch: np.ndarray) -> None:
-            for r in masked:
-                if r < len(batch):
-                    np.copyto(batch[r], state.latent(i)[0], where=keep[r])
-
         starts = np.array([row.start_step for row in rows])
-        guidance = np.array([row.guidance for row in rows], dtype=np.float32)
-        self._denoise(x, schedule, starts, cond, state.uncond_kv, guidance, blend, progress)
-        final = np.empty_like(x)
-        final[order] = x
+        self._denoise(buf, n, schedule, starts, state.uncond_kv, masked, lambda i, k: None, progress, state)
+        final = np.empty((n, c, h, w), dtype=np.float32)
+        final[order] = buf.latents[:n]
         return final
 
     def _denoise(
         self,
-        x: np.ndarray,
+        buf: StepBuffers,
+        n: int,
         schedule: DDIMSchedule,
         starts: np.ndarray,
-        cond: KV,
         uncond: KV,
-        guidance: np.ndarray,
-        after_step: Callable[[int, np.ndarray], None],
+        masked: Sequence[int],
+        after_step: Callable[[int, int], None],
         progress: Optional[Progress],
+        state: Optional[BaseState] = None,
     ) -> None:
-        """Advance rows ``x`` (sorted by ``starts``) in place to x_T; rows join at their start.
+        """Advance rows ``buf.latents[:n]`` (sorted by ``starts``) in place to x_T.
 
-        Per step only the prefix of active rows is fed, as views of the batch buffers: the
-        cached K/V are never copied inside the loop.
+        A row joins at its start step. Masked rows are blended with ``state``'s latent of the
+        same step after every step.
         """
-        n = len(x)
         # diffusers' convention: guidance <= 1 disables CFG (the conditional prediction alone),
         # which the fused formula uncond + g (cond - uncond) gives at g = 1.
-        guidance = np.maximum(guidance, 1.0).astype(np.float32)
-        feeds: dict[str, np.ndarray] = {}
-        timestep = np.empty(n, dtype=np.float32)
-        alpha_t = np.empty(n, dtype=np.float32)
-        alpha_prev = np.empty(n, dtype=np.float32)
-        uncond_index = np.zeros(n, dtype=np.int64)
-        for i in range(self.num_layers):
-            feeds[f"cond_k_{i}"] = cond.tensors[2 * i]
-            feeds[f"cond_v_{i}"] = cond.tensors[2 * i + 1]
-            feeds[f"uncond_k_{i}"] = uncond.tensors[2 * i]
-            feeds[f"uncond_v_{i}"] = uncond.tensors[2 * i + 1]
+        np.maximum(buf.guidance[:n], 1.0, out=buf.guidance[:n])
+        buf.uncond_index[:n] = 0
+        static = frozenset(name for name in buf.step_inputs(0) if name.startswith("cond_")) | {
+            f"uncond_{kind}_{i}" for i in range(self.num_layers) for kind in ("k", "v")
+        }
+        bindings: dict[int, Binding] = {}
         step_graph = self.graphs["unet_step"]
         for i in range(int(starts.min()), schedule.num_inference_steps):
             active = int(np.searchsorted(starts, i, side="right"))
-            timestep[:active] = schedule.timesteps[i]
-            alpha_t[:active] = schedule.alpha_t[i]
-            alpha_prev[:active] = schedule.alpha_prev[i]
-            step_feeds = {
-                name: (value[:active] if name.startswith("cond_") else value) for name, value in feeds.items()
-            }
-            step_feeds.update(
-                latents=x[:active],
-                timestep=timestep[:active],
-                alpha_t=alpha_t[:active],
-                alpha_prev=alpha_prev[:active],
-                guidance=guidance[:active],
-                uncond_index=uncond_index[:active],
-            )
-            (x[:active],) = step_graph.infer(step_feeds)
-            after_step(i + 1, x[:active])
+            if active not in bindings:
+                # Once per active-row count, not per step: rows join at only a few steps.
+                inputs = buf.step_inputs(active)
+                for layer in range(self.num_layers):
+                    inputs[f"uncond_k_{layer}"] = uncond.tensors[2 * layer]
+                    inputs[f"uncond_v_{layer}"] = uncond.tensors[2 * layer + 1]
+                bindings[active] = step_graph.bind(inputs, {"next_latents": buf.next_latents[:active]}, static)
+            buf.timestep[:active] = schedule.timesteps[i]
+            buf.alpha_t[:active] = schedule.alpha_t[i]
+            buf.alpha_prev[:active] = schedule.alpha_prev[i]
+            bindings[active].run()
+            buf.latents[:active] = buf.next_latents[:active]
+            for r in masked:
+                if r < active:
+                    np.copyto(buf.latents[r], state.latent(i + 1)[0], where=buf.keep[r])
+            after_step(i + 1, active)
             if progress is not None:
                 progress(1)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
-        (images,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents)})
-        return images.transpose(0, 2, 3, 1)
+        images = []
+        for lo in range(0, len(latents), self.max_batch):
+            (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + self.max_batch])})
+            images.append(part)
+        return np.concatenate(images).transpose(0, 2, 3, 1)

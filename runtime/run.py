@@ -57,6 +57,10 @@ def edit_label(edit: Edit, start_step: int, steps: int) -> str:
     return " ".join(parts) + ": " + edit.prompt
 
 
+def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
+    return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
+
+
 def tail_rows(cfg: RunConfig) -> list[TailRow]:
     return [
         TailRow(
@@ -77,7 +81,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
     with timer.stage("load"):
-        pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads).activate()
+        pipe = EditPipeline(
+            cfg.onnx_dir, cfg.model, threads=cfg.threads, backend=cfg.backend,
+            engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
+        ).activate()  # fmt: skip
     try:
         with timer.stage("base_generation"):
             state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
@@ -129,8 +136,9 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         "edit_rt_version": __version__,
         "config": str(cfg.source) if cfg.source else None,
         "model": str(cfg.model),
-        "backend": cfg.backend,
-        "graphs": {name: str(g.path) for name, g in pipe.graphs.items()},
+        "backend": pipe.graph_set.backend,
+        "backend_reason": pipe.graph_set.reason,
+        "graphs": {name: str(path) for name, path in pipe.graph_set.files.items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "onnxruntime": onnxruntime.__version__, "threads": cfg.threads or "all"},  # fmt: skip
         "base": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,

@@ -13,7 +13,7 @@ import yaml
 from edit_rt.export.onnx_export import export_onnx
 from edit_rt.runtime.manifest import load_manifest
 
-from .test_graphs import _feeds
+from edit_rt.export.parity import random_feeds
 
 
 def test_large_graph_is_written_with_external_data(tmp_path, model_dir, onnx_dir):
@@ -32,7 +32,7 @@ def test_large_graph_is_written_with_external_data(tmp_path, model_dir, onnx_dir
     onnx.checker.check_model(str(out / "unet_step.onnx"), full_check=True)
     assert not (tmp_path / "onnx.partial").exists()
 
-    feeds = _feeds(manifest, "unet_step", 2, 1, np.random.default_rng(0))
+    feeds = random_feeds(manifest, "unet_step", 2, 1, np.random.default_rng(0), hw=16)
     options = dict(providers=["CPUExecutionProvider"])
     (split,) = ort.InferenceSession(str(out / "unet_step.onnx"), **options).run(None, feeds)
     (whole,) = ort.InferenceSession(str(onnx_dir / "unet_step.onnx"), **options).run(None, feeds)

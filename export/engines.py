@@ -1,0 +1,120 @@
+"""`edit-rt engines`: compile ``build/<model>/onnx/`` for the backends this machine has.
+
+- ``ort-cpu`` (everywhere): each graph with all of ONNX Runtime's graph optimizations applied
+  once and saved, so a later start loads it with optimizations off.
+- ``trt`` (where TensorRT and an NVIDIA GPU are present): a plan per graph built with
+  Polygraphy's builder API, one optimization profile over the edit-batch axis, fp16 by default
+  (bf16/fp32 as options) and a timing cache shared by all builds.
+
+Each backend folder gets an ``engines.json`` (see edit_rt.runtime.engines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import onnxruntime as ort
+
+from edit_rt.runtime.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.engines import GRAPHS, EngineSet, write_engines_json
+from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
+from edit_rt.runtime.manifest import Manifest, load_manifest
+from edit_rt.runtime.profiles import EditBatchProfile
+
+log = logging.getLogger(__name__)
+
+
+def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile) -> EngineSet:
+    """Save every graph ONNX-Runtime-optimized (ORT_ENABLE_ALL) for this CPU."""
+    staging = _fresh(out)
+    graphs = {}
+    for graph in GRAPHS:
+        source = manifest.path(graph)
+        target = staging / f"{graph}.onnx"
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = str(target)
+        # ORT warns that ORT_ENABLE_ALL output is specific to this CPU: engines.json records
+        # the CPU and the runtime refuses the engines elsewhere.
+        options.log_severity_level = 3
+        if manifest.data["graphs"][graph].get("external_data"):
+            # Past 2 GiB the optimized graph needs external data too.
+            options.add_session_config_entry(
+                "session.optimized_model_external_initializers_file_name", f"{graph}.onnx_data"
+            )
+            options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+        graphs[graph] = _entry(manifest, graph, target.name)
+        log.info("ort-cpu: %s -> %s", source.name, target)
+    return _publish(staging, out, EngineSet(out, "ort-cpu", profile, "fp32", engine_tools("ort-cpu"), cpu_name(), graphs))
+
+
+def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str) -> EngineSet:
+    """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU)."""
+    from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
+
+    staging = _fresh(out)
+    timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
+    graphs = {}
+    for graph in GRAPHS:
+        trt_profile = Profile()
+        for name, (lo, opt, hi) in profile.shapes(manifest.graphs[graph].inputs).items():
+            trt_profile.add(name, min=lo, opt=opt, max=hi)
+        config = CreateConfig(
+            fp16=precision == "fp16",
+            bf16=precision == "bf16",
+            profiles=[trt_profile],
+            load_timing_cache=str(timing_cache) if timing_cache.exists() else None,
+        )
+        plan = engine_bytes_from_network(
+            network_from_onnx_path(str(manifest.path(graph))), config=config, save_timing_cache=str(timing_cache)
+        )
+        target = staging / f"{graph}.plan"
+        target.write_bytes(plan)
+        graphs[graph] = _entry(manifest, graph, target.name)
+        log.info("trt: %s -> %s (%s)", graph, target, precision)
+    return _publish(staging, out, EngineSet(out, "trt", profile, precision, engine_tools("trt"), engine_device("trt"), graphs))
+
+
+def build_engines(
+    onnx_dir: Path,
+    engines_dir: Path,
+    profile: EditBatchProfile,
+    precision: str = "fp16",
+    say: Callable[[str], None] = print,
+    trt_reason: Optional[str] = "probe",
+) -> dict[str, EngineSet]:
+    """Build every backend's engines that this machine can; say what was built and skipped."""
+    manifest = load_manifest(onnx_dir)
+    built = {"ort-cpu": ort_cpu_engines(manifest, Path(engines_dir) / "ort-cpu", profile)}
+    reason = trt_unavailable_reason() if trt_reason == "probe" else trt_reason
+    if reason is None:
+        built["trt"] = trt_engines(manifest, Path(engines_dir) / "trt", profile, precision)
+    else:
+        say(f"TensorRT is unavailable ({reason}): built the ONNX Runtime CPU engines only")
+    return built
+
+
+def _entry(manifest: Manifest, graph: str, file: str) -> dict:
+    return {"file": file, "source_onnx": str(manifest.path(graph)), "source_sha256": manifest.data["graphs"][graph]["sha256"]}
+
+
+def _fresh(out: Path) -> Path:
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, out: Path, engines: EngineSet) -> EngineSet:
+    """Write engines.json, then swap the folder in whole: a failed build keeps the old one."""
+    write_engines_json(dataclasses.replace(engines, root=staging))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+    return engines

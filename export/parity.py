@@ -1,0 +1,204 @@
+"""`edit-rt parity`: every graph on every backend against its PyTorch source, as a report.
+
+Per graph, on fresh random inputs at several batch sizes within the profile, Polygraphy's
+``Comparator`` runs: the PyTorch module (the reference), the plain ONNX graph on ONNX Runtime,
+the ONNX-Runtime-optimized CPU engine, and the TensorRT plan where one is built and TensorRT is
+present. Writes ``build/<model>/parity.md`` (a table: max abs and relative error, tolerance,
+pass/fail) and ``parity.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator
+from polygraphy.logger import G_LOGGER
+
+from edit_rt.runtime.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.config import RunConfig
+from edit_rt.runtime.engines import GRAPHS, EngineSet, load_engines
+from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
+from edit_rt.runtime.manifest import Manifest, load_manifest
+from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
+
+from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph
+from .onnx_export import load_components
+
+# fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
+# layer; through the ~30 layers of a UNet that stays below 1e-4 on outputs of order 1.
+FP32_TOL = (1e-4, 1e-3)  # (atol, rtol)
+# fp16 TensorRT against fp32 ONNX Runtime: a 10-bit mantissa (~5e-4 relative per op) through
+# the same depth; SD's own fp16 deployments see ~1e-2 on the UNet output.
+FP16_TOL = (3e-2, 3e-2)
+
+
+class TorchCpuRunner(BaseRunner):
+    """A Polygraphy runner for a torch module on the CPU (Polygraphy's PytRunner moves to CUDA)."""
+
+    def __init__(self, module: torch.nn.Module, input_metadata: TensorMetadata, output_names: list[str]):
+        super().__init__(prefix="torch-cpu-runner")
+        self.module = module
+        self.input_metadata = input_metadata
+        self.output_names = output_names
+
+    def activate_impl(self):
+        self.module.eval()
+
+    def get_input_metadata_impl(self):
+        return self.input_metadata
+
+    def infer_impl(self, feed_dict):
+        with torch.no_grad():
+            start = time.perf_counter()
+            outputs = self.module(*(torch.from_numpy(v) for v in feed_dict.values()))
+            self.inference_time = time.perf_counter() - start
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        return OrderedDict((name, out.numpy()) for name, out in zip(self.output_names, outputs))
+
+    def deactivate_impl(self):
+        pass
+
+
+def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.Generator, hw: int) -> OrderedDict:
+    """Random but plausible inputs for ``graph``: N = n rows, M = m uncond sets, hw latents."""
+    feeds = OrderedDict()
+    schedule = DDIMSchedule(DDIMConfig.from_scheduler_config(manifest.scheduler_config), 20)
+    picks = rng.integers(0, 20, size=n)
+    vocab = manifest.data["model"].get("vocab_size", 49408)
+    for spec in manifest.graphs[graph].inputs:
+        dims = {"N": n, "B": n, "M": m, "H": hw, "W": hw}
+        shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
+        if spec.name == "input_ids":
+            feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)
+        elif spec.name == "uncond_index":
+            feeds[spec.name] = rng.integers(0, m, size=shape).astype(np.int64)
+        elif spec.name == "timestep":
+            feeds[spec.name] = schedule.timesteps[picks].astype(np.float32)
+        elif spec.name in ("alpha_t", "alpha_prev"):
+            feeds[spec.name] = getattr(schedule, spec.name)[picks]
+        elif spec.name == "guidance":
+            feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
+        else:
+            feeds[spec.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def torch_module(graph: str, model_dir: Path) -> torch.nn.Module:
+    """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
+    unet, text_encoder, vae, _, scheduler = load_components(model_dir)
+    if graph == "text_encoder":
+        return TextEncoderGraph(text_encoder)
+    if graph == "kv_proj":
+        return KVProjGraph(unet)
+    if graph == "unet_step":
+        clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
+        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip)
+    return VaeDecoderGraph(vae)
+
+
+def torch_runner(graph: str, manifest: Manifest, model_dir: Path) -> TorchCpuRunner:
+    spec = manifest.graphs[graph]
+    meta = TensorMetadata()
+    for t in spec.inputs:
+        meta.add(t.name, np.dtype(t.dtype), [None if isinstance(d, str) else d for d in t.shape])
+    return TorchCpuRunner(torch_module(graph, model_dir), meta, [o.name for o in spec.outputs])
+
+
+def ort_runner(path: Path, name: str) -> OnnxrtRunner:
+    return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
+
+
+@dataclass
+class ParityReport:
+    path: Path
+    rows: list[dict[str, Any]]
+
+    @property
+    def passed(self) -> int:
+        return sum(r["pass"] for r in self.rows)
+
+    @property
+    def total(self) -> int:
+        return len(self.rows)
+
+
+def _errors(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict[str, Any]:
+    diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+    scale = float(np.abs(ref).max()) or 1.0
+    return {
+        "max_abs": float(diff.max()),
+        "max_rel": float(diff.max() / scale),  # relative to the reference's largest magnitude
+        "atol": atol,
+        "rtol": rtol,
+        "pass": bool(np.all(diff <= atol + rtol * np.abs(ref))),
+    }
+
+
+def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) -> ParityReport:
+    """Run every graph on every built backend and write parity.md / parity.json."""
+    manifest = load_manifest(cfg.onnx_dir)
+    manifest.check_model(cfg.model)
+    scale = manifest.vae_scale_factor
+    hw = cfg.base.height // scale
+    e = cfg.engines
+    sizes = batch_sizes or tuple(sorted({e.min_batch, min(2, e.max_batch), min(e.opt_batch, 4)}))
+    engine_sets: dict[str, EngineSet] = {}
+    if (cfg.engines_dir / "ort-cpu" / "engines.json").is_file():
+        engine_sets["ort-cpu"] = load_engines(cfg.engines_dir / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
+    trt_reason = trt_unavailable_reason()
+    if trt_reason is None and (cfg.engines_dir / "trt" / "engines.json").is_file():
+        engine_sets["trt"] = load_engines(cfg.engines_dir / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), (hw, hw))
+
+    G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy logs every tensor at INFO
+    rows = []
+    rng = np.random.default_rng(0)
+    for graph in GRAPHS:
+        runners = [torch_runner(graph, manifest, cfg.model), ort_runner(manifest.path(graph), "onnx")]
+        if "ort-cpu" in engine_sets:
+            runners.append(ort_runner(engine_sets["ort-cpu"].path(graph), "ort-cpu-engine"))
+        if "trt" in engine_sets:
+            from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+            runners.append(TrtRunner(EngineFromBytes(engine_sets["trt"].path(graph).read_bytes()), name="trt"))
+        data = [random_feeds(manifest, graph, n, min(n, 2), rng, hw) for n in sizes]
+        results = Comparator.run(runners, data_loader=data)
+        outputs = {name: iterations for name, iterations in results}
+        reference = outputs[runners[0].name]
+        for runner in runners[1:]:
+            tol = FP16_TOL if runner.name == "trt" and engine_sets["trt"].precision != "fp32" else FP32_TOL
+            for n, got, ref in zip(sizes, outputs[runner.name], reference):
+                # One row per call: the worst of its outputs (kv_proj has two per layer).
+                per_output = {name: _errors(got[name], ref[name], *tol) for name in ref.keys()}
+                worst = max(per_output, key=lambda name: (not per_output[name]["pass"], per_output[name]["max_abs"]))
+                rows.append({"graph": graph, "backend": runner.name, "batch": n, "output": worst, **per_output[worst]})
+
+    out_dir = cfg.onnx_dir.parent
+    lines = [
+        "# edit-rt parity report",
+        "",
+        f"Reference: PyTorch (fp32, CPU). Batch sizes: {', '.join(map(str, sizes))}. Latents {hw}x{hw}.",
+        f"TensorRT: {'compared' if 'trt' in engine_sets else 'not compared (' + (trt_reason or 'no trt engines built') + ')'}.",
+        "",
+        "| graph | backend | batch | worst output | max abs err | max rel err | tolerance (atol / rtol) | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['graph']} | {r['backend']} | {r['batch']} | {r['output']} | {r['max_abs']:.2e} | "
+            f"{r['max_rel']:.2e} | {r['atol']:g} / {r['rtol']:g} | {'pass' if r['pass'] else 'FAIL'} |"
+        )
+    path = out_dir / "parity.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out_dir / "parity.json").write_text(json.dumps(rows, indent=2))
+    return ParityReport(path, rows)

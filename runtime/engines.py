@@ -1,0 +1,115 @@
+"""``engines.json``: what `edit-rt engines` built, and whether it still fits.
+
+One ``engines.json`` per backend folder (``build/<model>/engines/<backend>/``). Per graph it
+records the engine file, the backend, the edit-batch profile, the precision, the tool
+versions, the device, and the sha256 of the ONNX graph it was built from (as ``manifest.json``
+records it). The runtime refuses an engine that is stale (built from another ONNX graph),
+foreign (another backend, device or tool version) or built for another latent size, in one
+line that names ``make engines``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ArtifactError
+from .manifest import Manifest
+from .profiles import EditBatchProfile
+
+ENGINES_VERSION = 1
+GRAPHS = ("text_encoder", "kv_proj", "unet_step", "vae_decoder")
+REBUILD = "re-run `make engines` (edit-rt engines CONFIG)"
+
+
+@dataclass(frozen=True)
+class EngineSet:
+    """The parsed engines.json of one backend folder."""
+
+    root: Path
+    backend: str
+    profile: EditBatchProfile
+    precision: str
+    tools: dict[str, str]
+    device: str
+    graphs: dict[str, dict[str, Any]]
+
+    def path(self, graph: str) -> Path:
+        return self.root / self.graphs[graph]["file"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "edit-rt-engines",
+            "version": ENGINES_VERSION,
+            "backend": self.backend,
+            "profile": vars(self.profile),
+            "precision": self.precision,
+            "tools": self.tools,
+            "device": self.device,
+            "graphs": self.graphs,
+        }
+
+
+def write_engines_json(engines: EngineSet) -> Path:
+    path = engines.root / "engines.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(engines.to_json(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_engines(
+    root: Path,
+    manifest: Manifest,
+    backend: str,
+    tools: Mapping[str, str],
+    device: str,
+    latent_hw: tuple[int, int] | None = None,
+) -> EngineSet:
+    """Read ``root/engines.json`` and check it against the ONNX manifest and this machine."""
+    path = Path(root) / "engines.json"
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found; run `make engines` (edit-rt engines CONFIG) first")
+    try:
+        data = json.loads(path.read_text())
+        engines = EngineSet(
+            root=Path(root),
+            backend=data["backend"],
+            profile=EditBatchProfile(**data["profile"]),
+            precision=data["precision"],
+            tools=data["tools"],
+            device=data["device"],
+            graphs=data["graphs"],
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ArtifactError(f"{path} is unreadable ({err}); {REBUILD}") from None
+    if data.get("format") != "edit-rt-engines" or data.get("version") != ENGINES_VERSION:
+        raise ArtifactError(f"{path} is not an edit-rt engines.json of version {ENGINES_VERSION}; {REBUILD}")
+    if engines.backend != backend:
+        raise ArtifactError(f"{path} holds {engines.backend} engines, not {backend}; {REBUILD}")
+    if engines.device != device:
+        raise ArtifactError(f"{path} was built on {engines.device!r}, this is {device!r}; {REBUILD}")
+    for tool, version in tools.items():
+        if engines.tools.get(tool) != version:
+            raise ArtifactError(
+                f"{path} was built with {tool} {engines.tools.get(tool)}, this is {version}; {REBUILD}"
+            )
+    if latent_hw is not None and (engines.profile.latent_height, engines.profile.latent_width) != latent_hw:
+        built = f"{engines.profile.latent_height}x{engines.profile.latent_width}"
+        raise ArtifactError(
+            f"{path} was built for {built} latents, this run needs {latent_hw[0]}x{latent_hw[1]}; "
+            f"{REBUILD} with this config's size"
+        )
+    sources = manifest.data["graphs"]
+    for graph in GRAPHS:
+        entry = engines.graphs.get(graph)
+        if entry is None or not engines.path(graph).is_file():
+            raise ArtifactError(f"{path}: the {graph} engine is missing; {REBUILD}")
+        if entry["source_sha256"] != sources[graph]["sha256"]:
+            raise ArtifactError(
+                f"{engines.path(graph)} is stale: it was built from another {graph}.onnx than "
+                f"{manifest.root}; {REBUILD}"
+            )
+    return engines

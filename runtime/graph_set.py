@@ -1,0 +1,116 @@
+"""Which compiled graphs a run uses: the backend, its engine files, its batch limit.
+
+``graphs_from_artifacts`` resolves the configured backend (``auto`` picks the fastest one
+available), checks the engines under ``build/<model>/engines/<backend>/`` against the ONNX
+manifest, and returns one unactivated graph per stage. ``ort-cpu`` uses the saved
+ONNX-Runtime-optimized graphs where `make engines` built them and the plain ONNX otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import onnxruntime as ort
+
+from .backend import Graph, OrtGraph, select_backend
+from .engines import GRAPHS, load_engines
+from .manifest import Manifest
+from .profiles import EditBatchProfile, ort_trt_profile_options
+
+log = logging.getLogger(__name__)
+
+
+def cpu_name() -> str:
+    """The CPU model: ONNX Runtime's saved CPU graphs may hold ISA-specific layouts."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str:
+    """GPU 0's name (a TensorRT plan runs only on the GPU model it was built for)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+        return out.stdout.strip() or "nvidia-gpu"
+    except (OSError, subprocess.SubprocessError):
+        return "nvidia-gpu"
+
+
+def engine_tools(backend: str) -> dict[str, str]:
+    if backend == "trt":
+        import tensorrt
+
+        return {"tensorrt": tensorrt.__version__}
+    return {"onnxruntime": ort.__version__}
+
+
+def engine_device(backend: str) -> str:
+    return gpu_name() if backend == "trt" else cpu_name()
+
+
+@dataclass
+class GraphSet:
+    backend: str
+    reason: str
+    graphs: dict[str, Graph]
+    files: dict[str, Path]
+    # The edit-batch profile the graphs run under: a trt plan's own, else the config's.
+    profile: EditBatchProfile
+
+
+def graphs_from_artifacts(
+    manifest: Manifest,
+    engines_dir: Optional[Path],
+    backend: str,
+    threads: int,
+    profile: EditBatchProfile,
+) -> GraphSet:
+    built = set()
+    if engines_dir is not None and Path(engines_dir).is_dir():
+        built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
+    chosen, reason = select_backend(backend, built)
+    log.info("backend %s: %s", chosen, reason)
+    latent_hw = (profile.latent_height, profile.latent_width)
+
+    if chosen == "trt":
+        from .backend_trt import TrtGraph
+
+        engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), latent_hw)
+        files = {g: engines.path(g) for g in GRAPHS}
+        return GraphSet(chosen, reason, {g: TrtGraph(f) for g, f in files.items()}, files, engines.profile)
+
+    if chosen == "ort-cpu" and "ort-cpu" in built:
+        engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
+        files = {g: engines.path(g) for g in GRAPHS}
+        graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=True) for g, f in files.items()}
+        return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile)
+
+    files = {g: manifest.path(g) for g in GRAPHS}
+    graphs = {}
+    for g, f in files.items():
+        options = None
+        if chosen == "ort-tensorrt":
+            cache = Path(engines_dir or manifest.root.parent / "engines") / "ort-tensorrt"
+            options = {
+                **ort_trt_profile_options(profile, manifest.graphs[g].inputs),
+                "trt_fp16_enable": "True",
+                "trt_engine_cache_enable": "True",
+                "trt_engine_cache_path": str(cache),
+                "trt_timing_cache_enable": "True",
+            }
+        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options)
+    if chosen == "ort-cpu":
+        reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
+    return GraphSet(chosen, reason, graphs, files, profile)

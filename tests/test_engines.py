@@ -1,0 +1,234 @@
+"""`edit-rt engines`, the engines.json contract, backend choice, buffer binding and parity.
+
+Everything here runs on the CPU. The TensorRT path's GPU-free logic (profile shapes, buckets,
+the ONNX Runtime TensorRT options, the Polygraphy profile, stale and foreign detection) is
+tested here; running plans needs a GPU and is marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from edit_rt.export.engines import build_engines
+from edit_rt.runtime.backend import available_backends, select_backend
+from edit_rt.runtime.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.config import Mask
+from edit_rt.runtime.engines import load_engines
+from edit_rt.runtime.errors import ArtifactError, ConfigError
+from edit_rt.runtime.graph_set import cpu_name, engine_tools
+from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.profiles import EditBatchProfile, ort_trt_profile_options
+
+from .conftest import TEST_BASE
+
+PROFILE = EditBatchProfile(min_batch=1, opt_batch=4, max_batch=8, latent_height=16, latent_width=16)
+TRT_MISSING = trt_unavailable_reason()
+
+
+@pytest.fixture(scope="module")
+def engines_dir(onnx_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines")
+    messages = []
+    build_engines(onnx_dir, out, PROFILE, "fp16", say=messages.append)
+    if TRT_MISSING:
+        assert messages == [f"TensorRT is unavailable ({TRT_MISSING}): built the ONNX Runtime CPU engines only"]
+    return out
+
+
+def _rows(g: float = TEST_BASE.guidance) -> list[TailRow]:
+    return [
+        TailRow("a blue square", 1.0, 4, g),
+        TailRow("a green circle", 0.5, 7, 3.0),
+        TailRow("a green circle", 1.5, 2, g),
+        TailRow("a yellow triangle", 1.0, 4, g, mask=Mask(0, 0, 16, 16)),
+        TailRow("a blue square", 1.0, 6, g, seed=11),
+    ]
+
+
+def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
+    data = json.loads((engines_dir / "ort-cpu" / "engines.json").read_text())
+    manifest = load_manifest(onnx_dir)
+    assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
+    assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16}
+    assert data["tools"] == engine_tools("ort-cpu")
+    for graph, entry in data["graphs"].items():
+        assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
+        assert (engines_dir / "ort-cpu" / entry["file"]).is_file()
+    # The saved graphs are ONNX Runtime's rewrite, not copies of the exported ones.
+    assert (engines_dir / "ort-cpu" / "unet_step.onnx").read_bytes() != (onnx_dir / "unet_step.onnx").read_bytes()
+
+
+def test_edit_tail_through_cpu_engines_equals_plain_onnx(engines_dir, onnx_dir, pipeline, base_state):
+    with EditPipeline(onnx_dir, engines_dir=engines_dir, batch_profile=(1, 4, 8)) as engine_pipe:
+        assert engine_pipe.graph_set.files["unet_step"] == engines_dir / "ort-cpu" / "unet_step.onnx"
+        ours = engine_pipe.run_tail(base_state, _rows())
+        images = engine_pipe.decode(ours)
+    plain = pipeline.run_tail(base_state, _rows())
+    # Same fp32 math, graph rewritten (fusions, NCHWc layouts): fp32 reordering noise only.
+    np.testing.assert_allclose(ours, plain, atol=1e-4)
+    np.testing.assert_allclose(images, pipeline.decode(plain), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tamper,needle",
+    [
+        (lambda d: d["graphs"]["unet_step"].update(source_sha256="0" * 64), "unet_step.onnx is stale"),
+        (lambda d: d.update(device="another CPU"), "was built on 'another CPU'"),
+        (lambda d: d["tools"].update(onnxruntime="0.0.1"), "built with onnxruntime 0.0.1"),
+        (lambda d: d.update(version=99), "not an edit-rt engines.json"),
+    ],
+)
+def test_stale_or_foreign_engines_are_refused(engines_dir, onnx_dir, tmp_path, tamper, needle):
+    copy = tmp_path / "engines"
+    shutil.copytree(engines_dir, copy)
+    path = copy / "ort-cpu" / "engines.json"
+    data = json.loads(path.read_text())
+    tamper(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="make engines") as err:
+        EditPipeline(onnx_dir, engines_dir=copy)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_trt_engines_for_another_latent_size_are_refused(engines_dir, onnx_dir, tmp_path):
+    copy = tmp_path / "engines"
+    shutil.copytree(engines_dir / "ort-cpu", copy / "ort-cpu")
+    with pytest.raises(ArtifactError, match="built for 16x16 latents, this run needs 32x32"):
+        load_engines(copy / "ort-cpu", load_manifest(onnx_dir), "ort-cpu", engine_tools("ort-cpu"), cpu_name(), (32, 32))
+
+
+def test_more_rows_than_the_profile_are_split_not_refused(onnx_dir, pipeline, base_state):
+    rows = _rows() + _rows()  # 10 rows, max_batch 4
+    calls = []
+    with EditPipeline(onnx_dir, batch_profile=(1, 2, 4)) as small:
+        step = small.graphs["unet_step"]
+        original_bind = step.bind
+
+        def spy_bind(inputs, outputs, static):
+            calls.append(len(inputs["latents"]))
+            return original_bind(inputs, outputs, static)
+
+        step.bind = spy_bind
+        split = small.run_tail(base_state, rows)
+    assert max(calls) == 4
+    np.testing.assert_allclose(split, pipeline.run_tail(base_state, rows), atol=1e-5)
+
+
+def test_tail_loop_binds_once_and_never_copies_cached_tensors(onnx_dir, base_state):
+    """Per step: no new binding, and every bound input is the same buffer as at step one.
+
+    Bindings are made once per active-row count; each holds pointers to the bucket's buffers
+    and to the base state's own unconditional K/V (bound where the cache keeps them).
+    """
+    binds, runs = [], []
+    with EditPipeline(onnx_dir, batch_profile=(1, 4, 8)) as pipe:
+        step = pipe.graphs["unet_step"]
+        original_bind = step.bind
+
+        def spy_bind(inputs, outputs, static):
+            binding = original_bind(inputs, outputs, static)
+            record = {name: (a.ctypes.data, a.shape) for name, a in {**inputs, **outputs}.items()}
+            binds.append(record)
+            original_run = binding.run
+            binding.run = lambda: (runs.append(record), original_run())[1]
+            return binding
+
+        step.bind = spy_bind
+        rows = _rows()
+        pipe.run_tail(base_state, rows)
+        first_buffers = pipe.step_buffers(len(rows), base_state.latents.shape[1:])
+        binds_first = len(binds)
+        pipe.run_tail(base_state, rows)
+        # the second tail reuses the same bucket buffers
+        assert pipe.step_buffers(len(rows), base_state.latents.shape[1:]) is first_buffers
+
+    steps = TEST_BASE.steps - min(r.start_step for r in rows)
+    active_counts = {sum(r.start_step <= i for r in rows) for i in range(min(r.start_step for r in rows), TEST_BASE.steps)}
+    assert binds_first == len(active_counts) and len(runs) == 2 * steps
+    buf = first_buffers
+    for record in binds:
+        assert record["latents"][0] == buf.latents.ctypes.data
+        assert record["next_latents"][0] == buf.next_latents.ctypes.data
+        assert record["cond_k_0"][0] == buf.cond_kv[0].ctypes.data
+        assert record["uncond_k_0"][0] == base_state.uncond_kv.tensors[0].ctypes.data
+        assert record["uncond_v_6"][0] == base_state.uncond_kv.tensors[13].ctypes.data
+
+
+def test_profile_shapes_buckets_and_ort_tensorrt_options(onnx_dir):
+    manifest = load_manifest(onnx_dir)
+    shapes = PROFILE.shapes(manifest.graphs["unet_step"].inputs)
+    assert shapes["latents"] == ((1, 4, 16, 16), (4, 4, 16, 16), (8, 4, 16, 16))
+    assert shapes["uncond_k_0"] == ((1, 77, 32), (1, 77, 32), (8, 77, 32))
+    assert shapes["timestep"] == ((1,), (4,), (8,))
+    assert PROFILE.buckets() == [1, 2, 4, 8]
+    assert [PROFILE.bucket_for(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
+    assert [list(c) for c in EditBatchProfile(1, 2, 3, 8, 8).chunks(7)] == [[0, 1, 2], [3, 4, 5], [6]]
+    options = ort_trt_profile_options(PROFILE, manifest.graphs["vae_decoder"].inputs)
+    assert options == {
+        "trt_profile_min_shapes": "latents:1x4x16x16",
+        "trt_profile_opt_shapes": "latents:4x4x16x16",
+        "trt_profile_max_shapes": "latents:8x4x16x16",
+    }
+
+
+def test_polygraphy_profile_from_config(onnx_dir):
+    from polygraphy.backend.trt import Profile
+
+    manifest = load_manifest(onnx_dir)
+    profile = Profile()
+    for name, (lo, opt, hi) in PROFILE.shapes(manifest.graphs["unet_step"].inputs).items():
+        profile.add(name, min=lo, opt=opt, max=hi)
+    assert tuple(profile["latents"].max) == (8, 4, 16, 16)
+    assert len(profile) == len(manifest.graphs["unet_step"].inputs)
+
+
+def test_auto_backend_says_which_and_why():
+    backend, why = select_backend("auto", built=set())
+    assert backend in available_backends() and why
+    if TRT_MISSING:
+        assert backend != "trt"
+        with pytest.raises(ConfigError, match="trt is not available on this machine"):
+            select_backend("trt", built=set())
+
+
+def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
+    build = tmp_path / "build"
+    shutil.copytree(onnx_dir, build / model_dir.name / "onnx")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir), "build_dir": str(build),
+        "base": {"prompt": "x", "width": 32, "height": 32, "steps": 4},
+        "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 4},
+    }))  # fmt: skip
+    cli = [sys.executable, "-m", "edit_rt.runtime.cli"]
+    result = subprocess.run([*cli, "engines", str(config)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    if TRT_MISSING:
+        assert "TensorRT is unavailable" in result.stderr
+    assert (build / model_dir.name / "engines" / "ort-cpu" / "engines.json").is_file()
+    result = subprocess.run([*cli, "parity", str(config)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((build / model_dir.name / "parity.json").read_text())
+    assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}
+    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "vae_decoder"}
+    assert all(r["pass"] for r in report)
+    assert "| unet_step | ort-cpu-engine |" in (build / model_dir.name / "parity.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(TRT_MISSING is not None, reason=f"TensorRT unavailable: {TRT_MISSING}")
+def test_trt_edit_tail_matches_onnx_runtime(engines_dir, onnx_dir, pipeline, base_state):
+    with EditPipeline(onnx_dir, backend="trt", engines_dir=engines_dir, batch_profile=(1, 4, 8), image_size=(32, 32)) as trt_pipe:
+        ours = trt_pipe.run_tail(base_state, _rows())
+    # fp16 engines against fp32 ONNX Runtime, through up to 8 chained steps.
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=5e-2)
