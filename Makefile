@@ -7,13 +7,16 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= build/models/tiny-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest test clean help
 
 help:
 	@echo "make demo    set up, build the default model, export it to ONNX, run $(CONFIG)"
 	@echo "make test    set up and run the test suite"
 	@echo "make engines build the engines this machine can run (ONNX Runtime CPU; TensorRT with a GPU)"
 	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
+	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png)"
+	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
+	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
 	@echo "make setup | model | export | clean"
 
 setup: $(VENV)/.installed
@@ -41,6 +44,23 @@ parity: engines
 
 demo: engines
 	$(BIN)/edit-rt run $(CONFIG)
+
+serve: engines
+	$(BIN)/edit-rt serve $(CONFIG)
+
+loadtest: engines
+	$(BIN)/python scripts/loadtest.py $(CONFIG)
+
+BENCH_CONFIG ?= configs/bench.yaml
+BENCH_MODEL ?= build/models/bench-sd
+
+$(BENCH_MODEL)/model_index.json: | setup
+	$(BIN)/edit-rt model --preset bench --out $(BENCH_MODEL)
+
+bench: setup $(BENCH_MODEL)/model_index.json
+	$(BIN)/edit-rt export $(BENCH_CONFIG)
+	$(BIN)/edit-rt engines $(BENCH_CONFIG)
+	$(BIN)/edit-rt bench $(BENCH_CONFIG)
 
 test: setup
 	$(BIN)/python -m pytest -q

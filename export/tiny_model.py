@@ -24,8 +24,12 @@ log = logging.getLogger(__name__)
 class TinyModelSpec:
     """Sizes of the generated model; ``tiny`` keeps the test suite within minutes on 2 cores."""
 
-    # UNet channels per resolution; every level has cross-attention (SD 1.x has it at 3 of 4).
+    # UNet channels per resolution (SD 1.x: 320, 640, 1280, 1280).
     block_out_channels: tuple[int, ...] = (32, 64)
+    # Which resolutions have (self- and cross-) attention, highest first; None = all of them.
+    # SD 1.x has it at 3 of 4 levels, not the lowest; the bench model skips the highest,
+    # whose 1024-token self-attention would dominate a CPU benchmark.
+    attention_levels: tuple[bool, ...] | None = None
     layers_per_block: int = 1
     attention_head_dim: int = 8
     cross_attention_dim: int = 32
@@ -35,9 +39,24 @@ class TinyModelSpec:
     text_layers: int = 2
     text_heads: int = 4
     vae_block_out_channels: tuple[int, ...] = (32, 64)
+    norm_num_groups: int = 8
 
 
-PRESETS = {"tiny": TinyModelSpec()}
+PRESETS = {
+    "tiny": TinyModelSpec(),
+    # `make bench`: a UNet of ~13 M parameters at 32x32 latents, so the UNet dominates CPU time.
+    "bench": TinyModelSpec(
+        block_out_channels=(64, 128, 256),
+        attention_levels=(False, True, True),
+        attention_head_dim=8,
+        cross_attention_dim=128,
+        sample_size=32,
+        text_hidden_size=128,
+        text_layers=4,
+        text_heads=4,
+        norm_num_groups=32,
+    ),
+}
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -92,7 +111,9 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
     spec = PRESETS[preset]
     out = Path(out)
     torch.manual_seed(seed)
-    levels = len(spec.block_out_channels)
+    attention = spec.attention_levels or (True,) * len(spec.block_out_channels)
+    down = tuple("CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attention)
+    up = tuple("CrossAttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attention))
 
     unet = UNet2DConditionModel(
         sample_size=spec.sample_size,
@@ -100,12 +121,12 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
         out_channels=4,
         block_out_channels=spec.block_out_channels,
         layers_per_block=spec.layers_per_block,
-        down_block_types=("CrossAttnDownBlock2D",) * levels,
-        up_block_types=("CrossAttnUpBlock2D",) * levels,
+        down_block_types=down,
+        up_block_types=up,
         mid_block_type="UNetMidBlock2DCrossAttn",
         cross_attention_dim=spec.cross_attention_dim,
         attention_head_dim=spec.attention_head_dim,
-        norm_num_groups=8,
+        norm_num_groups=spec.norm_num_groups,
     )
     vae = AutoencoderKL(
         in_channels=3,

@@ -108,6 +108,64 @@ def parity(config: Path = typer.Argument(..., help="Run config: model and build_
 
 
 @app.command()
+def bench(
+    config: Path = typer.Argument(..., help="Bench config (configs/bench.yaml)."),
+    ns: str = typer.Option("1,4,16", help="Edit batch sizes N, comma-separated."),
+    fractions: str = typer.Option("0.1,0.2,0.4", help="Tail fractions K/T, comma-separated."),
+    repeats: int = typer.Option(3, help="Runs per point; the median is reported."),
+) -> None:
+    """Measure edit throughput against diffusers (full generation and img2img); write bench.json/png."""
+    cfg = load_config(config)
+    bench_module = _export_module("bench")
+    report = bench_module.run_bench(
+        cfg, tuple(int(n) for n in ns.split(",")), tuple(float(f) for f in fractions.split(",")), repeats,
+        say=console.print,
+    )  # fmt: skip
+    _print_bench(report, cfg.output_dir)
+
+
+def _print_bench(report: dict, output_dir: Path) -> None:
+    m = report["machine"]
+    title = (
+        f"edit-rt bench: {report['unet_parameters'] / 1e6:.1f} M UNet, latents {report['latent']}, T={report['steps']}, "
+        f"{report['backend']}, {m['threads']} threads ({m['cpus']} CPUs), median of {report['repeats']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("N", "K/T", "(a) diffusers edits/s", "(b) img2img edits/s", "(d) edit-rt edits/s",
+                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)"):  # fmt: skip
+        table.add_column(column, justify="right")
+    points = {(p["method"], p["n"], p["tail_fraction"]): p for p in report["points"]}
+    for c in report["comparisons"]:
+        n, f = c["n"], c["tail_fraction"]
+        table.add_row(
+            str(n), f"{f:g}", f"{points[('diffusers', n, None)]['edits_per_s']:.2f}",
+            f"{points[('img2img', n, f)]['edits_per_s']:.2f}", f"{points[('edit-rt tail', n, f)]['edits_per_s']:.2f}",
+            f"{c['speedup_vs_diffusers']:.1f}x", f"{c['ideal_speedup_vs_diffusers']:.1f}x", f"{c['efficiency']:.2f}",
+            f"{c['speedup_vs_img2img']:.2f}x",
+        )  # fmt: skip
+    out = Console()
+    out.print(table)
+    steps = report["per_step_row_seconds"]
+    out.print(
+        "per-row CFG step (ms): torch " + ", ".join(f"N={n} {v * 1e3:.1f}" for n, v in steps["torch"].items())
+        + " | runtime " + ", ".join(f"N={n} {v * 1e3:.1f}" for n, v in steps["runtime"].items())
+    )  # fmt: skip
+    full = points[("edit-rt full", 1, None)]
+    out.print(f"(c) edit-rt full generation: {full['seconds']:.2f} s; base state {report['base_state_bytes'] / 1024:.0f} KiB per base")
+    out.print(f"wrote {output_dir}/bench.json and bench.png")
+
+
+@app.command()
+def serve(config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve.")) -> None:
+    """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` says otherwise)."""
+    from .server import serve as serve_forever
+
+    cfg = load_config(config)
+    console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
+    serve_forever(cfg)
+
+
+@app.command()
 def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base, edits.")) -> None:
     """Generate the base and run every edit as one batched tail; write PNGs, grid and report."""
     from .run import run_config
@@ -132,6 +190,7 @@ def _print_summary(report: dict, output_dir: Path) -> None:
         f"UNet rows: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}) vs "
         f"{rows['regenerating_every_edit']} regenerating every edit ({rows['saving']:.0%} fewer)"
     )
+    out.print(f"base {report['base_id']}: {report['base_source']}")
     out.print("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
     out.print(f"wrote {output_dir}/ (grid.png, report.json, {len(report['files']) - 1} PNGs)")
 

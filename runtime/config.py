@@ -21,6 +21,7 @@ from .errors import ConfigError
 
 Backend = Literal["auto", "ort-cpu", "ort-cuda", "ort-tensorrt", "trt"]
 Precision = Literal["fp16", "bf16", "fp32"]
+StoragePrecision = Literal["fp32", "fp16", "int8"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,53 @@ class Engines:
 
 
 @dataclass(frozen=True)
+class Store:
+    """The base-state store: RAM and (optionally) disk budgets and the storage precision."""
+
+    # SD 1.5 at 512x512, fp32: ~7.6 MiB of K/V + 32 KiB x 51 latents per base, so 1 GiB of
+    # RAM holds ~100 bases; fp16 doubles that, int8 quadruples it.
+    ram_mb: float = 1024.0
+    # A folder for the disk tier (one safetensors file per base); none keeps bases in RAM only.
+    disk_dir: Optional[Path] = None
+    disk_mb: float = 10240.0
+    latents_precision: StoragePrecision = "fp32"
+    kv_precision: StoragePrecision = "fp32"
+
+    def validate(self, where: str) -> None:
+        for name in ("ram_mb", "disk_mb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Serve:
+    """`edit-rt serve`: where it listens and what it accepts."""
+
+    # Loopback by default: exposing the service is a deliberate choice (and wants `token`).
+    host: str = "127.0.0.1"
+    port: int = 8188
+    # Bearer token for /v1/* and /metrics; EDIT_RT_TOKEN in the environment overrides it.
+    token: Optional[str] = None
+    max_edits_per_request: int = 64
+    # Rows waiting for a batch slot; past this a request gets 429 with Retry-After.
+    queue_limit: int = 256
+    max_prompt_chars: int = 500
+    max_body_bytes: int = 1_000_000
+    max_steps: int = 150
+    # A request whose rows are not done by then is dropped at the next step boundary.
+    request_timeout_s: float = 600.0
+
+    def validate(self, where: str) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"{where}.port: must lie in [0, 65535], got {self.port}")
+        for name in ("max_edits_per_request", "queue_limit", "max_prompt_chars", "max_body_bytes", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"{where}.request_timeout_s: must be > 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole `edit-rt run` job: which model, the base, the edits, where results go."""
 
@@ -178,6 +226,8 @@ class RunConfig:
     cache: Cache = field(default_factory=Cache)
     export: Export = field(default_factory=Export)
     engines: Engines = field(default_factory=Engines)
+    store: Store = field(default_factory=Store)
+    serve: Serve = field(default_factory=Serve)
     source: Optional[Path] = None
 
     @property
@@ -197,6 +247,8 @@ class RunConfig:
         self.cache.validate(f"{where}cache")
         self.export.validate(f"{where}export")
         self.engines.validate(f"{where}engines")
+        self.store.validate(f"{where}store")
+        self.serve.validate(f"{where}serve")
         if self.threads < 0:
             raise ConfigError(f"{where}threads: must be >= 0, got {self.threads}")
         if self.cache.window_start >= self.base.steps:
@@ -314,6 +366,8 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
             output_dir=_resolve(cfg.output_dir, root),
             source=source,
         )
+        if cfg.store.disk_dir is not None:
+            cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
         cfg.validate("")
     except ConfigError as err:
         raise ConfigError(f"{label}{err}") from None

@@ -6,9 +6,10 @@ tools read: the prompt, ``Negative prompt: ...``, then one line of ``Key: value`
 
 from __future__ import annotations
 
+import io
 import textwrap
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -26,10 +27,17 @@ def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, obje
     return f"{prompt}\nNegative prompt: {negative_prompt}\n{line}"
 
 
-def save_png(path: Path, image: np.ndarray, parameters: str) -> None:
+def save_png(path: Path | BinaryIO, image: np.ndarray, parameters: str) -> None:
+    """Write ``image`` ([H, W, 3] in [0, 1]) as PNG with its ``parameters`` text chunk."""
     info = PngInfo()
     info.add_text("parameters", parameters)
-    Image.fromarray(to_uint8(image)).save(path, pnginfo=info)
+    Image.fromarray(to_uint8(image)).save(path, format="PNG", pnginfo=info)
+
+
+def png_bytes(image: np.ndarray, parameters: str) -> bytes:
+    out = io.BytesIO()
+    save_png(out, image, parameters)
+    return out.getvalue()
 
 
 def contact_sheet(images: Sequence[np.ndarray], labels: Sequence[str], min_cell: int = 160) -> Image.Image:

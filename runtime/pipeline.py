@@ -86,6 +86,40 @@ class TailRow:
     seed: Optional[int] = None
 
 
+def prepare_row(
+    state: BaseState,
+    row: TailRow,
+    edit_kv: Sequence[np.ndarray],
+    schedule: DDIMSchedule,
+    scale: int,
+    buf: StepBuffers,
+    r: int,
+) -> None:
+    """Write edit ``row``'s inputs into slot ``r`` of ``buf``, once, before its first step.
+
+    ``edit_kv`` holds the edit prompt's K/V per layer, each [77, C_i].
+    """
+    # 1. K/V = K_base + strength * (K_edit - K_base), per layer (same for V)
+    for dst, base_kv, e in zip(buf.cond_kv, state.cond_kv.tensors, edit_kv):
+        np.subtract(e, base_kv[0], out=dst[r])
+        dst[r] *= row.strength
+        dst[r] += base_kv[0]
+    # 2. the entry latent: the base's own x_s, or x_s re-noised from the final latent (seed)
+    if row.seed is None:
+        buf.latents[r] = state.latent(row.start_step)[0]
+    else:
+        a = schedule.alpha_t[row.start_step]
+        noise = np.random.default_rng(row.seed).standard_normal(buf.latents.shape[1:], dtype=np.float32)
+        buf.latents[r] = np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise
+    buf.guidance[r] = row.guidance
+    # 3. the mask in latent space: True where the row keeps the base's latent (the rectangle
+    #    grows to whole latent pixels, so every pixel inside it may change)
+    buf.keep[r] = row.mask is not None
+    if row.mask is not None:
+        m = row.mask
+        buf.keep[r, :, m.y // scale : -(-(m.y + m.height) // scale), m.x // scale : -(-(m.x + m.width) // scale)] = False
+
+
 class EditPipeline:
     """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
@@ -244,29 +278,11 @@ class EditPipeline:
         c, h, w = shape = state.latents.shape[1:]
         buf = self.step_buffers(n, shape)
 
-        for dst, base_kv, e in zip(buf.cond_kv, state.cond_kv.tensors, edit_kv.tensors):
-            for r, row in enumerate(rows):
-                np.subtract(e[prompts.index(row.prompt)], base_kv[0], out=dst[r])
-                dst[r] *= row.strength
-                dst[r] += base_kv[0]
-
-        # 2. entry latents: the base's own x_s, or x_s re-noised from the final latent (seed)
-        for r, row in enumerate(rows):
-            if row.seed is None:
-                buf.latents[r] = state.latent(row.start_step)[0]
-            else:
-                a = schedule.alpha_t[row.start_step]
-                noise = np.random.default_rng(row.seed).standard_normal((c, h, w), dtype=np.float32)
-                buf.latents[r] = np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise
-            buf.guidance[r] = row.guidance
-
-        # 3. masks in latent space: True where the row must keep the base's latent
         masked = []
         for r, row in enumerate(rows):
-            buf.keep[r] = row.mask is not None
+            e = prompts.index(row.prompt)
+            prepare_row(state, row, [t[e] for t in edit_kv.tensors], schedule, self.scale, buf, r)
             if row.mask is not None:
-                m, s = row.mask, self.scale
-                buf.keep[r, :, m.y // s : -(-(m.y + m.height) // s), m.x // s : -(-(m.x + m.width) // s)] = False
                 masked.append(r)
 
         starts = np.array([row.start_step for row in rows])

@@ -23,6 +23,7 @@ from . import __version__
 from .config import Edit, RunConfig
 from .images import contact_sheet, parameters_text, save_png
 from .pipeline import EditPipeline, TailRow
+from .store import BaseStore, base_id
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def edit_label(edit: Edit, start_step: int, steps: int) -> str:
     return " ".join(parts) + ": " + edit.prompt
 
 
+def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
+    s = cfg.store
+    return BaseStore(fingerprint, int(s.ram_mb * 2**20), s.disk_dir, int(s.disk_mb * 2**20),
+                     s.latents_precision, s.kv_precision)  # fmt: skip
+
+
 def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
     return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
 
@@ -86,8 +93,17 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
         ).activate()  # fmt: skip
     try:
+        store = store_of(cfg, pipe.manifest.fingerprint)
+        bid = base_id(pipe.manifest.fingerprint, base)
         with timer.stage("base_generation"):
-            state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
+            tier = store.tier(bid)
+            state = store.get(bid) if tier else None
+            if state is not None and state.window_start <= cfg.cache.window_start:
+                base_source = f"store ({tier})"
+            else:
+                state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
+                store.put(state)
+                base_source = "generated"
         with timer.stage("edit_tail"):
             tail_steps = T - min((r.start_step for r in rows), default=T)
             finals = pipe.run_tail(state, rows, progress=progress(tail_steps, "edit tail")) if rows else None
@@ -131,6 +147,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
 
     tail_rows_evaluated = sum(T - r.start_step for r in rows)
+    base_rows = T if base_source == "generated" else 0  # a stored base costs no UNet call
     n = len(rows)
     report = {
         "edit_rt_version": __version__,
@@ -148,13 +165,16 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         "seconds": timer.stages,
         # Each row is one unet_step row: two UNet evaluations (unconditional + conditional).
         "unet_rows": {
-            "base": T,
+            "base": base_rows,
             "edit_tails": tail_rows_evaluated,
-            "total": T + tail_rows_evaluated,
+            "total": base_rows + tail_rows_evaluated,
             "regenerating_every_edit": T * (n + 1),
-            "saving": round(1 - (T + tail_rows_evaluated) / (T * (n + 1)), 4),
+            "saving": round(1 - (base_rows + tail_rows_evaluated) / (T * (n + 1)), 4),
         },
         "base_state_bytes": state.nbytes,
+        "base_id": bid,
+        "base_source": base_source,
+        "store": store.stats(),
     }
     (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -69,6 +69,21 @@ def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
     assert "regenerating every edit" in result.stdout
 
 
+def test_second_run_takes_the_base_from_the_disk_store(tmp_path, model_dir, onnx_dir):
+    store = {"disk_dir": str(tmp_path / "bases"), "ram_mb": 16, "disk_mb": 64}
+    cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:2], store=store)
+    assert _run(tmp_path, cfg).returncode == 0
+    first = json.loads((tmp_path / "out" / "report.json").read_text())
+    edit_png = (tmp_path / "out" / "edit_01.png").read_bytes()
+    assert first["base_source"] == "generated" and first["unet_rows"]["base"] == 8
+    assert list((tmp_path / "bases" / "bases").glob(f"{first['base_id']}.safetensors"))
+    assert _run(tmp_path, cfg).returncode == 0  # a new process: only the disk tier remembers
+    second = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert second["base_source"] == "store (disk)" and second["unet_rows"]["base"] == 0
+    assert second["base_id"] == first["base_id"] and second["store"]["hits_disk"] == 1
+    assert (tmp_path / "out" / "edit_01.png").read_bytes() == edit_png
+
+
 def test_run_images_equal_the_pipeline(tmp_path, model_dir, onnx_dir, pipeline):
     """The CLI's PNGs are the pipeline's images (rounded to 8 bits), base included."""
     from edit_rt.runtime.config import Base

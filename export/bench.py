@@ -1,0 +1,272 @@
+"""`edit-rt bench`: edit throughput, side by side with diffusers, against the ideal ratio.
+
+In one process, interleaved and repeated (the median of ``repeats`` runs is reported, so that
+machine drift hits every method alike), for N edits and tail fractions K/T:
+
+- (a) ``diffusers``: StableDiffusionPipeline regenerating the N edits from scratch (T steps,
+  torch eager, the N prompts as one batch): what a user does today;
+- (b) ``img2img``: StableDiffusionImg2ImgPipeline at strength K/T on the base image (K steps,
+  batched): what a user would pick instead for an edit;
+- (c) ``edit-rt full``: one full generation through the runtime (what a base costs);
+- (d) ``edit-rt tail``: the N edits as one batched tail of K steps from the cached base.
+
+The ideal speedup of (d) over (a) is T/K times the per-step cost ratio of torch eager to the
+runtime at the same batch (both measured here, a CFG UNet step per row); efficiency is the
+measured speedup over that ideal. Torch and ONNX Runtime get the same thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from edit_rt.runtime.config import RunConfig
+from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.run import batch_profile_of
+
+log = logging.getLogger(__name__)
+
+EDIT_WORDS = ["red", "blue", "green", "yellow", "at night", "in snow", "watercolor", "pixel art"]
+
+
+class PeakRss:
+    """The peak resident-memory increase of this process while the block runs (sampled)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak_bytes = 0
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    @contextmanager
+    def measure(self) -> Iterator["PeakRss"]:
+        start, stop = self._rss(), threading.Event()
+        peak = [start]
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], self._rss())
+                stop.wait(self.interval)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.peak_bytes = max(peak[0], self._rss()) - start
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
+    rss = PeakRss()
+    with rss.measure():
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return seconds, rss.peak_bytes
+
+
+def run_bench(
+    cfg: RunConfig,
+    ns: tuple[int, ...] = (1, 4, 16),
+    fractions: tuple[float, ...] = (0.1, 0.2, 0.4),
+    repeats: int = 3,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report."""
+    from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    threads = cfg.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    base, T = cfg.base, cfg.base.steps
+    prompts = [f"{base.prompt}, {EDIT_WORDS[i % len(EDIT_WORDS)]} {i // len(EDIT_WORDS)}" for i in range(max(ns))]
+
+    pipe = StableDiffusionPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    img2img = StableDiffusionImg2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    rt = EditPipeline(
+        cfg.onnx_dir, cfg.model, threads=threads, backend=cfg.backend, engines_dir=cfg.engines_dir,
+        batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
+    ).activate()  # fmt: skip
+    say(f"bench: backend {rt.graph_set.backend} ({rt.graph_set.reason}), {threads} threads, T={T}")
+
+    noise = rt.initial_noise(base)
+    state = rt.generate_base(base)
+    base_image = rt.decode(state.final_latent)[0]
+    ks = {f: max(1, round(f * T)) for f in fractions}
+
+    def diffusers_full(n: int) -> None:
+        pipe(prompts[:n], negative_prompt=[base.negative_prompt] * n, num_inference_steps=T,
+             guidance_scale=base.guidance, height=base.height, width=base.width,
+             latents=torch.from_numpy(np.repeat(noise, n, 0)), output_type="np")  # fmt: skip
+
+    def diffusers_img2img(n: int, f: float) -> None:
+        img2img(prompts[:n], image=[base_image] * n, strength=f, negative_prompt=[base.negative_prompt] * n,
+                num_inference_steps=T, guidance_scale=base.guidance, output_type="np",
+                generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    def rt_full() -> None:
+        rt.decode(rt.generate_base(base).final_latent)
+
+    def rt_tail(n: int, f: float) -> None:
+        rows = [TailRow(p, 1.0, T - ks[f], base.guidance) for p in prompts[:n]]
+        rt.decode(rt.run_tail(state, rows))
+
+    probes = _step_cost_probes(pipe, rt, state, base, ns)
+    step_samples: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in ns} for kind in probes}
+    samples: dict[tuple, list[tuple[float, int]]] = {}
+    for r in range(repeats):
+        say(f"bench: repeat {r + 1}/{repeats}")
+        samples.setdefault(("edit-rt full", 1, None), []).append(_timed(rt_full))
+        for n in ns:
+            samples.setdefault(("diffusers", n, None), []).append(_timed(lambda: diffusers_full(n)))
+            for f in fractions:
+                samples.setdefault(("img2img", n, f), []).append(_timed(lambda: diffusers_img2img(n, f)))
+                samples.setdefault(("edit-rt tail", n, f), []).append(_timed(lambda: rt_tail(n, f)))
+        for n in ns:
+            for kind, probe in probes.items():
+                step_samples[kind][n].append(probe(n))
+
+    rows_of = {"diffusers": lambda n, f: n * T, "img2img": lambda n, f: n * ks[f],
+               "edit-rt full": lambda n, f: T, "edit-rt tail": lambda n, f: n * ks[f]}  # fmt: skip
+    points = []
+    for (method, n, f), runs in samples.items():
+        seconds = statistics.median(s for s, _ in runs)
+        points.append({
+            "method": method, "n": n, "tail_fraction": f, "tail_steps": ks.get(f) if f else None,
+            "seconds": seconds, "runs": [round(s, 4) for s, _ in runs],
+            "edits_per_s": n / seconds, "latency_per_edit_s": seconds / n,
+            "unet_rows": rows_of[method](n, f), "peak_rss_mb": max(m for _, m in runs) / 2**20,
+        })  # fmt: skip
+    by = {(p["method"], p["n"], p["tail_fraction"]): p for p in points}
+    per_step = {kind: {n: statistics.median(v[n]) / n for n in ns} for kind, v in step_samples.items()}
+    comparisons = []
+    for n in ns:
+        for f in fractions:
+            d = by[("edit-rt tail", n, f)]
+            speedup_a = by[("diffusers", n, None)]["seconds"] / d["seconds"]
+            ideal = (T / ks[f]) * per_step["torch"][n] / per_step["runtime"][n]
+            comparisons.append({
+                "n": n, "tail_fraction": f, "tail_steps": ks[f],
+                "speedup_vs_diffusers": speedup_a,
+                "speedup_vs_img2img": by[("img2img", n, f)]["seconds"] / d["seconds"],
+                "ideal_speedup_vs_diffusers": ideal, "efficiency": speedup_a / ideal,
+                "step_cost_ratio_torch_over_runtime": per_step["torch"][n] / per_step["runtime"][n],
+            })  # fmt: skip
+    tail_rows = [p for p in points if p["method"] == "edit-rt tail"]
+    per_row = {(p["n"], p["tail_fraction"]): p["seconds"] / p["unet_rows"] for p in tail_rows}
+    report = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": threads,
+                    "torch": torch.__version__, "onnxruntime": ort.__version__,
+                    "torch_threads": torch.get_num_threads()},  # fmt: skip
+        "model": str(cfg.model),
+        "unet_parameters": sum(p.numel() for p in pipe.unet.parameters()),
+        "latent": list(state.latents.shape[1:]),
+        "steps": T,
+        "guidance": base.guidance,
+        "backend": rt.graph_set.backend,
+        "repeats": repeats,
+        "base_state_bytes": state.nbytes,
+        "per_step_row_seconds": {k: {str(n): v for n, v in d.items()} for k, d in per_step.items()},
+        "tail_seconds_per_row": {f"n={n},f={f}": v for (n, f), v in per_row.items()},
+        "points": points,
+        "comparisons": comparisons,
+    }
+    rt.deactivate()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "bench.png")
+    return report
+
+
+def _step_cost_probes(pipe, rt: EditPipeline, state, base, ns) -> dict[str, Callable[[int], float]]:
+    """Seconds of one CFG UNet step for n rows: torch eager, and the runtime's bound unet_step."""
+    unet = pipe.unet
+    shape = state.latents.shape[1:]
+    text = torch.randn(2 * max(ns), 77, unet.config.cross_attention_dim)
+    bindings = {}
+
+    def torch_step(n: int) -> float:
+        x = torch.randn(2 * n, *shape)
+        t = torch.full((2 * n,), 500)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = unet(x, t, encoder_hidden_states=text[: 2 * n]).sample
+            u, c = out.chunk(2)
+            _ = u + base.guidance * (c - u)
+            return time.perf_counter() - start
+
+    def runtime_step(n: int) -> float:
+        if n not in bindings:
+            buf = rt.step_buffers(n, shape)
+            buf.latents[:n] = np.random.default_rng(0).standard_normal((n, *shape))
+            buf.timestep[:n], buf.alpha_t[:n], buf.alpha_prev[:n], buf.guidance[:n] = 500, 0.3, 0.35, base.guidance
+            inputs = buf.step_inputs(n)
+            for i in range(len(rt.manifest.layers)):
+                inputs[f"uncond_k_{i}"] = state.uncond_kv.tensors[2 * i]
+                inputs[f"uncond_v_{i}"] = state.uncond_kv.tensors[2 * i + 1]
+            bindings[n] = rt.graphs["unet_step"].bind(inputs, {"next_latents": buf.next_latents[:n]}, frozenset())
+        start = time.perf_counter()
+        bindings[n].run()
+        return time.perf_counter() - start
+
+    for n in ns:  # warm up every batch size once: first calls allocate
+        torch_step(n)
+        runtime_step(n)
+    return {"torch": torch_step, "runtime": runtime_step}
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    points = report["points"]
+    ns = sorted({p["n"] for p in points if p["method"] == "diffusers"})
+    fractions = sorted({p["tail_fraction"] for p in points if p["tail_fraction"] is not None})
+    full = {p["n"]: p["edits_per_s"] for p in points if p["method"] == "diffusers"}
+    ax1.plot(ns, [full[n] for n in ns], "k-o", label="(a) diffusers, from scratch")
+    for f in fractions:
+        for method, style in (("img2img", "--s"), ("edit-rt tail", "-^")):
+            eps = {p["n"]: p["edits_per_s"] for p in points if p["method"] == method and p["tail_fraction"] == f}
+            ax1.plot(ns, [eps[n] for n in ns], style, label=f"{'(b)' if method == 'img2img' else '(d)'} {method}, K/T={f}")
+    ax1.set(xscale="log", yscale="log", xlabel="edits per batch N", ylabel="edits / s", title="Edit throughput")
+    ax1.set_xticks(ns, [str(n) for n in ns])
+    ax1.legend(fontsize=7)
+    for n in ns:
+        comps = [c for c in report["comparisons"] if c["n"] == n]
+        ax2.plot([c["tail_fraction"] for c in comps], [c["speedup_vs_diffusers"] for c in comps], "-o", label=f"N={n} measured")
+        ax2.plot([c["tail_fraction"] for c in comps], [c["ideal_speedup_vs_diffusers"] for c in comps], ":x", label=f"N={n} ideal")
+    ax2.set(xlabel="tail fraction K/T", ylabel="speedup of (d) over (a)", yscale="log", title="Speedup vs. ideal")
+    ax2.legend(fontsize=7)
+    for axis in (ax1.xaxis, ax1.yaxis, ax2.yaxis):
+        axis.set_minor_formatter(NullFormatter())
+    fig.suptitle(f"edit-rt bench: {report['unet_parameters'] / 1e6:.1f} M-parameter UNet, T={report['steps']}, "
+                 f"{report['machine']['threads']} threads, {report['backend']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,85 @@
+"""How a base state is stored: tensor precision (fp32 / fp16 / int8) and the file format.
+
+Precision is chosen per tensor kind (``latents``, ``kv``):
+
+- ``fp32``: exact.
+- ``fp16``: half the bytes; latents and K/V are O(1) values, well inside fp16's range.
+- ``int8``: a quarter of the bytes, symmetric, with one fp32 scale per channel (the last axis
+  of K/V, axis 1 of a latent stack, per step): ``q = round(x / s)``, ``s = max|x| / 127``.
+
+A stored state is a flat ``{name: array}`` dict; on disk it is one safetensors file whose
+metadata holds the format version, the model fingerprint, the base key, the precisions and a
+sha256 over every tensor's bytes, so a truncated, corrupt or foreign file is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal, Mapping
+
+import numpy as np
+
+from .errors import ArtifactError
+
+StoragePrecision = Literal["fp32", "fp16", "int8"]
+FILE_FORMAT = "edit-rt-base/1"
+
+
+def encode(name: str, x: np.ndarray, precision: StoragePrecision, channel_axis: int) -> dict[str, np.ndarray]:
+    """``x`` as stored tensors under ``name`` (and ``name.scale`` for int8)."""
+    if precision == "fp32":
+        return {name: np.ascontiguousarray(x, dtype=np.float32)}
+    if precision == "fp16":
+        return {name: x.astype(np.float16)}
+    # int8: one scale per channel (and per leading index, e.g. per step of a latent stack)
+    axes = tuple(a for a in range(x.ndim) if a not in (0, channel_axis % x.ndim))
+    scale = np.abs(x).max(axis=axes, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.round(x / scale), -127, 127).astype(np.int8)
+    return {name: q, f"{name}.scale": scale}
+
+
+def decode(name: str, stored: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The float32 tensor ``name`` from its stored form (a view when stored as fp32)."""
+    x = stored[name]
+    if x.dtype == np.float32:
+        return x
+    if x.dtype == np.float16:
+        return x.astype(np.float32)
+    return x.astype(np.float32) * stored[f"{name}.scale"]
+
+
+def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(name.encode() + b"\0" + str(a.dtype).encode() + str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def to_bytes(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
+    from safetensors.numpy import save
+
+    metadata = dict(meta, format=FILE_FORMAT, sha256=tensors_sha256(tensors))
+    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
+
+
+def from_bytes(data: bytes, fingerprint: str, source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse and verify a stored file; refuses truncated, corrupt or foreign ones."""
+    from safetensors.numpy import load
+
+    try:
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        tensors = load(data)
+    except Exception as err:  # safetensors raises several types for a damaged file
+        raise ArtifactError(f"{source}: not a readable base-state file ({type(err).__name__}: {err})") from None
+    if meta.get("format") != FILE_FORMAT:
+        raise ArtifactError(f"{source}: not an {FILE_FORMAT} file")
+    if meta.get("fingerprint") != fingerprint:
+        raise ArtifactError(f"{source}: belongs to another model (fingerprint {str(meta.get('fingerprint'))[:12]})")
+    if tensors_sha256(tensors) != meta.get("sha256"):
+        raise ArtifactError(f"{source}: checksum mismatch, the file is corrupt")
+    return tensors, meta

@@ -1,0 +1,74 @@
+"""Start `edit-rt serve` as a real process on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp: Path, model_dir: Path, onnx_dir: Path, serve: dict | None = None, env: dict | None = None,
+                 base: dict | None = None, wait: bool = True):  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "model": str(model_dir),
+            "build_dir": str(onnx_dir.parent.parent),
+            "base": base or {"prompt": "x", "steps": 6, "guidance": 7.5, "width": 32, "height": 32},
+            "engines": {"min_batch": 1, "opt_batch": 8, "max_batch": 16},
+            "store": {"ram_mb": 64, "disk_dir": str(tmp / "bases"), "disk_mb": 256},
+            "serve": {"port": self.port, **(serve or {})},
+        }
+        self.config = tmp / f"serve-{self.port}.yaml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.log = open(tmp / f"serve-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(self.config)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s; see {self.log.name}")
+
+    def stop(self, timeout: float = 60) -> bool:
+        """SIGTERM, then wait: True when the server shut down gracefully.
+
+        uvicorn re-raises the signal once its graceful shutdown is done, so the exit status is
+        -SIGTERM either way; the log tells a clean shutdown apart.
+        """
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        text = Path(self.log.name).read_text()
+        return self.proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in text

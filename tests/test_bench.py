@@ -1,0 +1,46 @@
+"""`edit-rt bench` at its smallest size: the report's shape and that every number is finite.
+
+This checks the benchmark runs and reports what it promises; it does not judge speed (that is
+`make bench`'s job, on the bench model, side by side in one process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from edit_rt.export.bench import run_bench
+from edit_rt.runtime.config import config_from_dict
+
+
+def _finite(value) -> bool:
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return True
+
+
+def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir):
+    cfg = config_from_dict({
+        "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
+        "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
+        "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 2},
+    })  # fmt: skip
+    report = run_bench(cfg, ns=(1, 2), fractions=(0.5,), repeats=1, say=lambda s: None)
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    methods = {(p["method"], p["n"], p["tail_fraction"]) for p in report["points"]}
+    assert methods == {("edit-rt full", 1, None), ("diffusers", 1, None), ("diffusers", 2, None),
+                       ("img2img", 1, 0.5), ("img2img", 2, 0.5), ("edit-rt tail", 1, 0.5), ("edit-rt tail", 2, 0.5)}  # fmt: skip
+    for p in report["points"]:
+        assert p["seconds"] > 0 and p["edits_per_s"] > 0 and p["peak_rss_mb"] >= 0
+    rows = {(p["method"], p["n"]): p["unet_rows"] for p in report["points"]}
+    assert rows[("diffusers", 2)] == 8 and rows[("edit-rt tail", 2)] == 4 and rows[("img2img", 2)] == 4
+    (c1, c2) = report["comparisons"]
+    for c in (c1, c2):
+        assert c["tail_steps"] == 2 and c["ideal_speedup_vs_diffusers"] > 0 and 0 < c["efficiency"]
+    assert report["base_state_bytes"] > 0 and report["machine"]["threads"] >= 1
+    assert _finite(report)
