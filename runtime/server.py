@@ -215,7 +215,9 @@ def create_app(cfg: RunConfig) -> FastAPI:
             request = Request(uuid.uuid4().hex, deadline=time.monotonic() + limits.request_timeout_s)
             jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
             if body.stream:
-                return StreamingResponse(_stream(http, batcher, request, jobs, state, pipe, store, body),
+                events = _event_queue(request, jobs)
+                _submit(batcher, request, jobs)  # before the 200 goes out: a full queue is still a 429
+                return StreamingResponse(_stream(events, batcher, request, jobs, state, pipe, store, body),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
             _submit(batcher, request, jobs)
             results = await _wait_all(http, request, jobs)
@@ -248,16 +250,19 @@ def create_app(cfg: RunConfig) -> FastAPI:
             raise ApiError(409, str(err), code="base_in_use") from None
         return {"id": bid, "deleted": True}
 
-    async def _stream(http, batcher, request, jobs, state, pipe, store, body):
+    def _event_queue(request: Request, jobs: list[Job]) -> asyncio.Queue:
+        """Progress and completions, handed from the batcher's thread to this event loop."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
             events.put_nowait, ("progress", {"index": i, "step": step, "of": of}))  # fmt: skip
+        for job in jobs:
+            job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
+        return events
+
+    async def _stream(events, batcher, request, jobs, state, pipe, store, body):
         try:
-            _submit(batcher, request, jobs)
             yield _sse("queue", {"position": batcher.queue_position(request), "queue_size": batcher.queued_rows})
-            for job in jobs:
-                job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
             remaining = len(jobs)
             while remaining:
                 kind, payload = await events.get()
@@ -272,8 +277,6 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 image, _, seconds = job.future.result()
                 yield _sse("image_edit.completed", _edit_result(job.index, job.row, image, seconds, state, pipe))
             yield _sse("done", {"base_id": body.base_id})
-        except ApiError as err:
-            yield _sse("error", err.body())
         finally:
             request.cancelled.set()  # a client that left: its rows go at the next step
             store.unpin(body.base_id)

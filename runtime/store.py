@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -85,7 +85,6 @@ class StoreStats:
     disk_loads: int = 0
     disk_load_seconds: float = 0.0
     refused_files: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class BaseStore:
@@ -227,7 +226,7 @@ class BaseStore:
                 "ram": {"entries": len(self._ram), "bytes": self._ram_bytes(), "budget": self.ram_budget},
                 "disk": {"entries": len(self._disk), "bytes": self._disk_bytes(), "budget": self.disk_budget},
                 "pinned": len(self._pins),
-                **{k: v for k, v in asdict(self._stats).items() if k != "extra"},
+                **asdict(self._stats),
             }
 
     # --- RAM tier -----------------------------------------------------------------------------
