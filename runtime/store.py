@@ -136,9 +136,17 @@ class BaseStore:
         }
         entry = _Entry(tensors, meta, uid)
         with self._lock:
-            if self.disk_dir is not None:
-                self._put_disk(bid, entry, uid, uncond)
-            self._put_ram(bid, entry, uid, uncond)
+            if self.disk_dir is None:
+                self._put_ram(bid, entry, uid, uncond)
+                return bid
+            if entry.nbytes > self.ram_budget:
+                self._put_ram(bid, entry, uid, uncond)  # raises: store.ram_mb is below one base
+            self._put_disk(bid, entry, uid, uncond)
+            try:
+                self._put_ram(bid, entry, uid, uncond)
+            except StoreFullError:
+                # RAM is full of pinned bases: the base is stored (on disk) and loads on its first get.
+                log.info("base %s kept on disk only: RAM holds only pinned bases", bid)
         return bid
 
     def get(self, bid: str) -> BaseState:

@@ -82,9 +82,21 @@ def test_pinned_entries_are_never_evicted():
     assert store.tier(a) is None and store.tier(b) == "ram"
 
 
+def test_with_a_disk_tier_a_put_past_pinned_ram_lands_on_disk(tmp_path):
+    store = BaseStore(FP, ram_bytes=2 * BASE_BYTES + UNCOND_BYTES, disk_dir=tmp_path, disk_bytes=100 * BASE_BYTES)
+    a, b = store.put(fake_state(0)), store.put(fake_state(1))
+    with store.pinned(a), store.pinned(b):
+        c = store.put(fake_state(2))
+        assert (store.tier(a), store.tier(b), store.tier(c)) == ("ram", "ram", "disk")
+        _equal(store.get(c), fake_state(2))  # served from disk while RAM is all pinned
+        assert store.stats()["ram"]["bytes"] <= store.ram_budget
+
+
 def test_a_budget_smaller_than_one_base_says_which_setting(tmp_path):
     with pytest.raises(StoreFullError, match="store.ram_mb"):
         BaseStore(FP, ram_bytes=BASE_BYTES // 2).put(ONE)
+    with pytest.raises(StoreFullError, match="store.ram_mb"):
+        BaseStore(FP, ram_bytes=BASE_BYTES // 2, disk_dir=tmp_path / "d", disk_bytes=100 * BASE_BYTES).put(ONE)
     with pytest.raises(StoreFullError, match="store.disk_mb"):
         BaseStore(FP, ram_bytes=10 * BASE_BYTES, disk_dir=tmp_path, disk_bytes=BASE_BYTES // 2).put(ONE)
 
@@ -169,6 +181,7 @@ def test_a_crash_between_write_and_rename_loses_nothing(tmp_path, monkeypatch):
 
 
 def test_many_threads_put_and_get_without_lost_or_torn_entries(tmp_path):
+    # RAM holds 6 bases and 8 threads pin at once: puts then go to disk only, gets load from it.
     store = BaseStore(FP, ram_bytes=6 * BASE_BYTES + UNCOND_BYTES, disk_dir=tmp_path, disk_bytes=1000 * BASE_BYTES)
     states = {i: fake_state(i) for i in range(24)}
     errors, stored, stored_lock = [], [], threading.Lock()
