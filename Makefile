@@ -7,7 +7,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= build/models/tiny-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest train test clean help
 
 help:
 	@echo "make demo    set up, build the default model, export it to ONNX, run $(CONFIG)"
@@ -50,6 +50,10 @@ serve: engines
 
 loadtest: engines
 	$(BIN)/python scripts/loadtest.py $(CONFIG)
+
+# Issue 7 (in progress): train the shapes-world model (seeded, CPU).
+train: setup
+	$(BIN)/python scripts/train_shapes.py --out models/shapes-sd
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

@@ -82,21 +82,52 @@ def _byte_vocab() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(vocab)}
 
 
-def write_tokenizer(out: Path) -> int:
-    """Write a CLIP tokenizer to ``out`` (vocab.json, merges.txt, tokenizer.json); return vocab size."""
+def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """CLIP's BPE on one word: repeatedly join the adjacent pair of lowest merge rank."""
+    while len(symbols) > 1:
+        pairs = [(ranks.get(p, 1 << 30), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == 1 << 30:
+            break
+        symbols = symbols[:i] + [symbols[i] + symbols[i + 1]] + symbols[i + 2 :]
+    return symbols
+
+
+def _word_merges(words: list[str]) -> list[tuple[str, str]]:
+    """BPE merges that make each of ``words`` (lowercase ASCII) one token.
+
+    CLIP's BPE spells "red" as r, e, d</w>. Each word gets the merges that join, left to
+    right, the pieces the merges before it already make of it: later merges rank lower, so
+    they never split an earlier word differently.
+    """
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for word in words:
+        pieces = _bpe(list(word[:-1]) + [word[-1] + "</w>"], ranks)
+        left = pieces[0]
+        for right in pieces[1:]:
+            ranks.setdefault((left, right), len(merges))
+            if len(merges) < len(ranks):
+                merges.append((left, right))
+            left += right
+    return merges
+
+
+def write_tokenizer(out: Path, words: tuple[str, ...] = ()) -> int:
+    """Write a CLIP tokenizer to ``out`` (vocab.json, merges.txt, tokenizer.json); return vocab size.
+
+    Without ``words`` every word is spelled byte by byte; each of ``words`` becomes one token.
+    """
     from transformers import CLIPTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = _byte_vocab()
+    merges = _word_merges(sorted(set(words)))
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    # Only the version header: every word is spelled out byte by byte.
-    (out / "merges.txt").write_text("#version: 0.2\n")
-    tok = CLIPTokenizer(
-        vocab=vocab,
-        merges=[],
-        model_max_length=77,
-        pad_token="<|endoftext|>",
-    )
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token="<|endoftext|>")
     tok.save_pretrained(str(out))
     return len(vocab)
 
