@@ -7,7 +7,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= build/models/tiny-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest train test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest train quality test clean help
 
 help:
 	@echo "make demo    set up, build the default model, export it to ONNX, run $(CONFIG)"
@@ -51,9 +51,17 @@ serve: engines
 loadtest: engines
 	$(BIN)/python scripts/loadtest.py $(CONFIG)
 
-# Issue 7 (in progress): train the shapes-world model (seeded, CPU).
+# The shapes-world model: train it (seeded, CPU), and measure its edits.
 train: setup
-	$(BIN)/python scripts/train_shapes.py --out models/shapes-sd
+	$(BIN)/python scripts/train_shapes.py --out export/models/shapes-sd
+
+export/models/shapes-sd/model_index.json: | setup
+	$(BIN)/python scripts/train_shapes.py --out export/models/shapes-sd --max-minutes 60
+
+quality: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt engines configs/shapes.yaml
+	$(BIN)/edit-rt quality configs/shapes.yaml
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

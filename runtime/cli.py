@@ -156,6 +156,25 @@ def _print_bench(report: dict, output_dir: Path) -> None:
 
 
 @app.command()
+def quality(
+    config: Path = typer.Argument(..., help="Config of the shapes model (configs/shapes.yaml)."),
+    bases: int = typer.Option(50, help="Bases drawn from the shapes world."),
+) -> None:
+    """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
+    cfg = load_config(config)
+    module = _export_module("quality")
+    report = module.run_quality(cfg, bases=bases, say=console.print)
+    table = Table(title=f"edit-rt quality: {bases} bases, T={report['steps']}", title_justify="left")
+    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both"):
+        table.add_column(column)
+    for r in report["rows"]:
+        table.add_row(r["method"], r["kind"], f"{r['tail_fraction']:g}", f"{r['strength']:g}", f"{r['success']:.2f}",
+                      f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}")  # fmt: skip
+    Console().print(table)
+    console.print(f"base prompt-following: {report['base_prompt_following']:.2f}; wrote {cfg.output_dir}/quality.json")
+
+
+@app.command()
 def serve(config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve.")) -> None:
     """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` says otherwise)."""
     from .server import serve as serve_forever

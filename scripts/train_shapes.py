@@ -23,8 +23,10 @@ def main() -> None:
     parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps)
     parser.add_argument("--unet-steps", type=int, default=defaults.unet_steps)
     parser.add_argument("--batch", type=int, default=defaults.batch)
+    parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="stop the UNet stage after this (0 = never)")
     args = parser.parse_args()
-    spec = TrainSpec(seed=args.seed, vae_steps=args.vae_steps, unet_steps=args.unet_steps, batch=args.batch)
+    spec = TrainSpec(seed=args.seed, vae_steps=args.vae_steps, unet_steps=args.unet_steps, batch=args.batch,
+                     max_minutes=args.max_minutes)  # fmt: skip
     train_shapes(args.out, spec)
 
 
