@@ -31,7 +31,7 @@ def trt_unavailable_reason() -> Optional[str]:
     if ctypes.util.find_library("cuda") is None:
         return "no NVIDIA driver (libcuda) is present"
     try:
-        from polygraphy import cuda
+        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
 
         cuda.Stream().free()
     except Exception as err:  # CUDA reports a missing GPU in several ways
@@ -41,7 +41,7 @@ def trt_unavailable_reason() -> Optional[str]:
 
 class TrtBinding:
     def __init__(self, graph: "TrtGraph", inputs, outputs, static):
-        from polygraphy import cuda
+        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
 
         self.graph = graph
         self.host = {**inputs, **outputs}
@@ -88,7 +88,7 @@ class TrtGraph:
 
     def activate(self) -> "TrtGraph":
         import tensorrt as trt
-        from polygraphy import cuda
+        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
 
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = runtime.deserialize_cuda_engine(self.path.read_bytes())
