@@ -222,10 +222,7 @@ def _step_cost_probes(pipe, rt: EditPipeline, state, base, ns) -> dict[str, Call
             buf = rt.step_buffers(n, shape)
             buf.latents[:n] = np.random.default_rng(0).standard_normal((n, *shape))
             buf.timestep[:n], buf.alpha_t[:n], buf.alpha_prev[:n], buf.guidance[:n] = 500, 0.3, 0.35, base.guidance
-            inputs = buf.step_inputs(n)
-            for i in range(len(rt.manifest.layers)):
-                inputs[f"uncond_k_{i}"] = state.uncond_kv.tensors[2 * i]
-                inputs[f"uncond_v_{i}"] = state.uncond_kv.tensors[2 * i + 1]
+            inputs = buf.step_inputs(n, state.uncond_kv.tensors)
             bindings[n] = rt.graphs["unet_step"].bind(inputs, {"next_latents": buf.next_latents[:n]}, frozenset())
         start = time.perf_counter()
         bindings[n].run()

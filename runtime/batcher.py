@@ -253,9 +253,7 @@ class Batcher:
             b.timestep[r], b.alpha_t[r], b.alpha_prev[r] = s.timesteps[job.step], s.alpha_t[job.step], s.alpha_prev[job.step]
         binding = self.bindings.get(n)
         if binding is None:
-            inputs = b.step_inputs(n)
-            for i in range(self.pipe.num_layers):
-                inputs[f"uncond_k_{i}"], inputs[f"uncond_v_{i}"] = self.uncond[2 * i], self.uncond[2 * i + 1]
+            inputs = b.step_inputs(n, self.uncond)
             # Nothing is static here: rows join and leave, so K/V rows change between calls.
             binding = self.bindings[n] = self.pipe.graphs["unet_step"].bind(inputs, {"next_latents": b.next_latents[:n]}, frozenset())
         start = time.perf_counter()

@@ -30,8 +30,12 @@ class StepBuffers:
         # True where a row must keep the base's latent (outside its mask)
         self.keep = np.zeros((rows, 1, *latent_shape[1:]), dtype=bool)
 
-    def step_inputs(self, n: int) -> dict[str, np.ndarray]:
-        """The per-row inputs for the first ``n`` rows, as views (no copies)."""
+    def step_inputs(self, n: int, uncond: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """Every ``unet_step`` input for the first ``n`` rows, as views (no copies).
+
+        ``uncond`` is the unconditional K/V set, ``[2*i]`` K and ``[2*i+1]`` V of layer i, bound
+        where its owner keeps it.
+        """
         inputs = {
             "latents": self.latents[:n],
             "timestep": self.timestep[:n],
@@ -43,4 +47,6 @@ class StepBuffers:
         for i in range(len(self.cond_kv) // 2):
             inputs[f"cond_k_{i}"] = self.cond_kv[2 * i][:n]
             inputs[f"cond_v_{i}"] = self.cond_kv[2 * i + 1][:n]
+            inputs[f"uncond_k_{i}"] = uncond[2 * i]
+            inputs[f"uncond_v_{i}"] = uncond[2 * i + 1]
         return inputs

@@ -312,19 +312,14 @@ class EditPipeline:
         # which the fused formula uncond + g (cond - uncond) gives at g = 1.
         np.maximum(buf.guidance[:n], 1.0, out=buf.guidance[:n])
         buf.uncond_index[:n] = 0
-        static = frozenset(name for name in buf.step_inputs(0) if name.startswith("cond_")) | {
-            f"uncond_{kind}_{i}" for i in range(self.num_layers) for kind in ("k", "v")
-        }
+        static = frozenset(name for name in buf.step_inputs(0, uncond.tensors) if "cond_" in name)
         bindings: dict[int, Binding] = {}
         step_graph = self.graphs["unet_step"]
         for i in range(int(starts.min()), schedule.num_inference_steps):
             active = int(np.searchsorted(starts, i, side="right"))
             if active not in bindings:
                 # Once per active-row count, not per step: rows join at only a few steps.
-                inputs = buf.step_inputs(active)
-                for layer in range(self.num_layers):
-                    inputs[f"uncond_k_{layer}"] = uncond.tensors[2 * layer]
-                    inputs[f"uncond_v_{layer}"] = uncond.tensors[2 * layer + 1]
+                inputs = buf.step_inputs(active, uncond.tensors)
                 bindings[active] = step_graph.bind(inputs, {"next_latents": buf.next_latents[:active]}, static)
             buf.timestep[:active] = schedule.timesteps[i]
             buf.alpha_t[:active] = schedule.alpha_t[i]
