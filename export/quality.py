@@ -36,13 +36,15 @@ def edited(scene: Scene, kind: str, rng: np.random.Generator) -> Scene:
     return dataclasses.replace(scene, **{kind: new})
 
 
-def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple[bool, bool]:
+FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
+
+
+def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple[bool, bool, list[str]]:
+    """(success, preserved, the other attributes that changed); an unreadable image fails both."""
     if result is None:
-        return False, False
-    success = getattr(result, kind) == getattr(target, kind)
-    others = [f.name for f in dataclasses.fields(Scene) if f.name != kind]
-    preserved = all(getattr(result, f) == getattr(base, f) for f in others)
-    return success, preserved
+        return False, False, []
+    changed = [f for f in FIELDS if f != kind and getattr(result, f) != getattr(base, f)]
+    return getattr(result, kind) == getattr(target, kind), not changed, changed
 
 
 def run_quality(
@@ -50,18 +52,25 @@ def run_quality(
     bases: int = 50,
     fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5),
     strengths: tuple[float, ...] = (0.5, 1.0, 1.5),
-    default_fraction: float = 0.3,
+    default_fraction: float | None = None,
+    prompts: int = 100,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
 
+    """The table over ``bases`` bases; the strength sweep runs at ``default_fraction`` (the
+    config's ``cache.default_tail_fraction`` unless given); ``prompts`` generations measure the
+    model's prompt following first."""
     T = cfg.base.steps
+    default_fraction = cfg.cache.default_tail_fraction if default_fraction is None else default_fraction
+    following = prompt_following(cfg, n=prompts) if prompts else None
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
     rng = np.random.default_rng(0)
-    counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # n, success, preserved, both
+    counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])  # n, success, preserved, both, unreadable
+    changes: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     base_reads = 0
     for b in range(bases):
         intended = random_scene(rng)
@@ -90,21 +99,25 @@ def run_quality(
                 results.append(read((out * 255).round().astype(np.uint8)))
                 keys.append(("img2img", kind, f, 1.0))
             for key, result in zip(keys, results):
-                ok, kept = _score(result, target, seen, kind)
+                ok, kept, changed = _score(result, target, seen, kind)
                 c = counts[key]
                 c[0] += 1
                 c[1] += ok
                 c[2] += kept
                 c[3] += ok and kept
+                c[4] += result is None
+                for field in changed:
+                    changes[key][field] += 1
         say(f"quality: base {b + 1}/{bases}")
     pipe.deactivate()
     table = [
         {"method": m, "kind": k, "tail_fraction": f, "strength": s, "n": c[0],
-         "success": c[1] / c[0], "preservation": c[2] / c[0], "success_and_preserved": c[3] / c[0]}
+         "success": c[1] / c[0], "preservation": c[2] / c[0], "success_and_preserved": c[3] / c[0],
+         "unreadable": c[4] / c[0], "changed": {field: n / c[0] for field, n in changes[m, k, f, s].items() if field != k}}
         for (m, k, f, s), c in sorted(counts.items())
     ]  # fmt: skip
     report = {"model": str(cfg.model), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
-              "default_tail_fraction": default_fraction, "rows": table}  # fmt: skip
+              "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction, "rows": table}  # fmt: skip
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report, indent=2))

@@ -39,7 +39,7 @@ class EditItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, description="The edit's target prompt.")
-    strength: float = Field(1.0, ge=0, le=2, description="K/V = base + strength x (edit - base).")
+    strength: Optional[float] = Field(None, ge=0, le=2, description="K/V = base + strength x (edit - base); the server's default if omitted.")
     tail_steps: Optional[int] = Field(None, ge=1, description="Steps to re-run; the server's default tail if omitted.")
     mask: Optional[MaskRect] = Field(None, description="Pixels inside may change; outside stays the base.")
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="A variation: re-noise with this seed.")

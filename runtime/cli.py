@@ -165,13 +165,17 @@ def quality(
     module = _export_module("quality")
     report = module.run_quality(cfg, bases=bases, say=console.print)
     table = Table(title=f"edit-rt quality: {bases} bases, T={report['steps']}", title_justify="left")
-    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both"):
+    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "unreadable", "changed"):
         table.add_column(column)
     for r in report["rows"]:
+        changed = " ".join(f"{f} {v:.2f}" for f, v in r["changed"].items() if v)
         table.add_row(r["method"], r["kind"], f"{r['tail_fraction']:g}", f"{r['strength']:g}", f"{r['success']:.2f}",
-                      f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}")  # fmt: skip
+                      f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}", f"{r['unreadable']:.2f}",
+                      changed)  # fmt: skip
     Console().print(table)
-    console.print(f"base prompt-following: {report['base_prompt_following']:.2f}; wrote {cfg.output_dir}/quality.json")
+    following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
+    console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")
+    console.print(f"wrote {cfg.output_dir}/quality.json and quality.png")
 
 
 @app.command()

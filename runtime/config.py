@@ -48,8 +48,8 @@ class Edit:
 
     prompt: str
     # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
-    # further. A slider over strengths costs no extra text encoding.
-    strength: float = 1.0
+    # further. A slider over strengths costs no extra text encoding. None: cache.default_strength.
+    strength: Optional[float] = None
     # Where the row re-enters the base chain: start_step = steps - tail_steps. Give one of them;
     # neither means the run's default tail.
     start_step: Optional[int] = None
@@ -66,7 +66,7 @@ class Edit:
     def validate(self, where: str) -> None:
         if not self.prompt.strip():
             raise ConfigError(f"{where}.prompt: must not be empty")
-        if not -4.0 <= self.strength <= 4.0:
+        if self.strength is not None and not -4.0 <= self.strength <= 4.0:
             raise ConfigError(f"{where}.strength: must lie in [-4, 4], got {self.strength}")
         if self.start_step is not None and self.tail_steps is not None:
             raise ConfigError(f"{where}: give start_step or tail_steps, not both")
@@ -113,6 +113,9 @@ class Cache:
     # The tail length of an edit that gives neither start_step nor tail_steps: 40% of the steps
     # redraws colour and texture but keeps the layout on SD-like models.
     default_tail_fraction: float = 0.4
+    # The strength of an edit that gives none. 1.0 is the edit prompt's own K/V; the shapes
+    # model's measurements (README, "Edit quality") are how a model's default is chosen.
+    default_strength: float = 1.0
 
     def validate(self, where: str) -> None:
         if self.window_start < 0:
@@ -121,6 +124,8 @@ class Cache:
             raise ConfigError(
                 f"{where}.default_tail_fraction: must lie in (0, 1], got {self.default_tail_fraction}"
             )
+        if not -4.0 <= self.default_strength <= 4.0:
+            raise ConfigError(f"{where}.default_strength: must lie in [-4, 4], got {self.default_strength}")
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,9 @@ class RunConfig:
                         f"{where}edits[{i}].mask: the rectangle ({m.x},{m.y},{m.width}x{m.height}) "
                         f"leaves the {self.base.width}x{self.base.height} image; shrink it"
                     )
+
+    def strength_of(self, edit: Edit) -> float:
+        return self.cache.default_strength if edit.strength is None else edit.strength
 
     def start_step_of(self, edit: Edit, where: str = "edit") -> int:
         """The step at which ``edit`` re-enters the base chain, checked against the window."""

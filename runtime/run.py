@@ -46,11 +46,11 @@ class Timer:
         self.stages[name] = round(time.perf_counter() - start, 4)
 
 
-def edit_label(edit: Edit, start_step: int, steps: int) -> str:
+def edit_label(edit: Edit, strength: float, start_step: int, steps: int) -> str:
     if edit.label:
         return edit.label
     # The fields that tell the cells apart first: the grid cuts long labels.
-    parts = [f"x{edit.strength:g}", f"tail {steps - start_step}"]
+    parts = [f"x{strength:g}", f"tail {steps - start_step}"]
     if edit.mask is not None:
         parts.append("masked")
     if edit.seed is not None:
@@ -72,7 +72,7 @@ def tail_rows(cfg: RunConfig) -> list[TailRow]:
     return [
         TailRow(
             prompt=e.prompt,
-            strength=e.strength,
+            strength=cfg.strength_of(e),
             start_step=cfg.start_step_of(e, f"edits[{i}]"),
             guidance=cfg.base.guidance if e.guidance is None else e.guidance,
             mask=e.mask,
@@ -138,7 +138,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             if row.seed is not None:
                 fields["Variation seed"] = row.seed
             save_png(cfg.output_dir / name, images[k + 1], parameters_text(row.prompt, base.negative_prompt, fields))
-            label = edit_label(edit, row.start_step, T)
+            label = edit_label(edit, row.strength, row.start_step, T)
             files.append(name)
             labels.append(label)
             edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,

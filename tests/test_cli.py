@@ -131,10 +131,21 @@ def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
         ({"base": {"prompt": "x", "steps": "ten"}}, ["base.steps", "must be an integer"]),
         ({"base": {"prompt": "x", "width": 30, "height": 32}}, ["base.width", "multiple of 4"]),
         ({"backend": "cuda"}, ["backend", "ort-cpu"]),
+        ({"cache": {"default_strength": 9}}, ["cache.default_strength", "[-4, 4]"]),
     ],
 )
 def test_bad_config_is_refused_with_field_and_fix(tmp_path, model_dir, onnx_dir, override, needles):
     _refused(_run(tmp_path, _config(tmp_path, model_dir, onnx_dir, **override)), *needles)
+
+
+def test_edits_without_strength_take_the_configured_default(tmp_path, model_dir, onnx_dir):
+    from edit_rt.runtime.config import config_from_dict
+    from edit_rt.runtime.run import tail_rows
+
+    edits = [{"prompt": "x"}, {"prompt": "x", "strength": 0.5}]
+    assert [r.strength for r in tail_rows(config_from_dict(_config(tmp_path, model_dir, onnx_dir, edits=edits)))] == [1.0, 0.5]
+    cfg = config_from_dict(_config(tmp_path, model_dir, onnx_dir, edits=edits, cache={"default_strength": 1.5}))
+    assert [r.strength for r in tail_rows(cfg)] == [1.5, 0.5]
 
 
 def test_missing_model_dir_is_refused(tmp_path, model_dir, onnx_dir):

@@ -12,7 +12,7 @@ from edit_rt.export.train_shapes import TrainSpec, train_shapes, world_words
 
 def test_training_writes_a_loadable_exportable_model(tmp_path):
     out = tmp_path / "shapes-sd"
-    report = train_shapes(out, TrainSpec(vae_steps=3, unet_steps=3, batch=4), say=lambda s: None)
+    report = train_shapes(out, TrainSpec(vae_steps=3, unet_steps=3, batch=4, dataset_size=64), say=lambda s: None)
     assert len(report["loss"]["vae"]) == 3 and len(report["loss"]["unet"]) == 3
     assert (out / "loss.png").is_file() and json.loads((out / "training.json").read_text())["seconds"] > 0
     pipe = StableDiffusionPipeline.from_pretrained(out)
