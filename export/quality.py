@@ -50,19 +50,20 @@ def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple
 def run_quality(
     cfg: RunConfig,
     bases: int = 50,
-    fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5),
+    fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5),
     strengths: tuple[float, ...] = (0.5, 1.0, 1.5),
     default_fraction: float | None = None,
     prompts: int = 100,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
+    """The table over ``bases`` bases: edit-rt at every tail fraction (strength 1) and at every
+    strength at ``default_fraction`` (the config's ``cache.default_tail_fraction`` unless given),
+    img2img at every tail fraction; ``prompts`` generations measure prompt following first."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
 
-    """The table over ``bases`` bases; the strength sweep runs at ``default_fraction`` (the
-    config's ``cache.default_tail_fraction`` unless given); ``prompts`` generations measure the
-    model's prompt following first."""
     T = cfg.base.steps
     default_fraction = cfg.cache.default_tail_fraction if default_fraction is None else default_fraction
+    settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
     following = prompt_following(cfg, n=prompts) if prompts else None
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
@@ -84,13 +85,8 @@ def run_quality(
         for kind in EDIT_KINDS:
             target = edited(seen, kind, rng)
             text = prompt(target)
-            rows, keys = [], []
-            for f in fractions:
-                rows.append(TailRow(text, 1.0, T - max(1, round(f * T)), base.guidance))
-                keys.append(("edit-rt", kind, f, 1.0))
-            for s in strengths:
-                rows.append(TailRow(text, s, T - max(1, round(default_fraction * T)), base.guidance))
-                keys.append(("edit-rt", kind, default_fraction, s))
+            rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for f, s in settings]
+            keys = [("edit-rt", kind, f, s) for f, s in settings]
             images = pipe.decode(pipe.run_tail(state, rows))
             results = [read((im * 255).round().astype(np.uint8)) for im in images]
             for f in fractions:

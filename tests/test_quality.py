@@ -24,8 +24,12 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
         "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
         "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32},
     })  # fmt: skip
-    report = run_quality(cfg, bases=2, fractions=(0.5,), strengths=(1.0,), default_fraction=0.5, prompts=0, say=lambda s: None)
+    report = run_quality(cfg, bases=2, fractions=(0.25, 0.5), strengths=(1.0, 1.5), default_fraction=0.5, prompts=0,
+                         say=lambda s: None)  # fmt: skip
     assert (tmp_path / "quality.json").is_file()
+    settings = {(r["method"], r["tail_fraction"], r["strength"]) for r in report["rows"]}
+    assert settings == {("edit-rt", 0.25, 1.0), ("edit-rt", 0.5, 1.0), ("edit-rt", 0.5, 1.5), ("img2img", 0.25, 1.0), ("img2img", 0.5, 1.0)}
+    assert len({r["n"] for r in report["rows"]}) == 1  # every setting scored once per edit
     for row in report["rows"]:
         assert row["method"] in ("edit-rt", "img2img") and 0 <= row["success"] <= 1 and 0 <= row["preservation"] <= 1
     accuracy = prompt_following(cfg, n=2)
