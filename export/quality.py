@@ -19,7 +19,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from edit_rt.runtime.config import RunConfig
+from edit_rt.runtime.config import Base, RunConfig
+from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read
@@ -37,6 +38,11 @@ def edited(scene: Scene, kind: str, rng: np.random.Generator) -> Scene:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
+
+
+def _read(image: np.ndarray) -> Scene | None:
+    """The reader on a decoded image ([H, W, 3] in [0, 1]), quantized as a saved PNG would be."""
+    return read(to_uint8(image))
 
 
 def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple[bool, bool, list[str]]:
@@ -64,8 +70,8 @@ def run_quality(
     T = cfg.base.steps
     default_fraction = cfg.cache.default_tail_fraction if default_fraction is None else default_fraction
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
-    following = prompt_following(cfg, n=prompts) if prompts else None
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
+    following = _prompt_following(pipe, cfg.base, prompts) if prompts else None
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
@@ -78,7 +84,7 @@ def run_quality(
         base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
         state = pipe.generate_base(base)
         base_image = pipe.decode(state.final_latent)[0]
-        seen = read((base_image * 255).round().astype(np.uint8))
+        seen = _read(base_image)
         base_reads += seen == intended
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
@@ -88,11 +94,11 @@ def run_quality(
             rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for f, s in settings]
             keys = [("edit-rt", kind, f, s) for f, s in settings]
             images = pipe.decode(pipe.run_tail(state, rows))
-            results = [read((im * 255).round().astype(np.uint8)) for im in images]
+            results = [_read(im) for im in images]
             for f in fractions:
                 out = img2img(text, image=base_image[None], strength=f, num_inference_steps=T, guidance_scale=base.guidance,
                               output_type="np", generator=torch.Generator().manual_seed(b)).images[0]  # fmt: skip
-                results.append(read((out * 255).round().astype(np.uint8)))
+                results.append(_read(out))
                 keys.append(("img2img", kind, f, 1.0))
             for key, result in zip(keys, results):
                 ok, kept, changed = _score(result, target, seen, kind)
@@ -146,17 +152,20 @@ def _plot(report: dict, path: Path) -> None:
 
 def prompt_following(cfg: RunConfig, n: int = 100) -> dict[str, float]:
     """How often the reader finds, in the model's own generations, what their prompts asked for."""
-    pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
+    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+        return _prompt_following(pipe, cfg.base, n)
+
+
+def _prompt_following(pipe: EditPipeline, base: Base, n: int) -> dict[str, float]:
     rng = np.random.default_rng(1)
     hits: dict[str, int] = defaultdict(int)
     for k in range(n):
         scene = random_scene(rng)
-        state = pipe.generate_base(dataclasses.replace(cfg.base, prompt=prompt(scene), seed=1000 + k))
-        seen = read((pipe.decode(state.final_latent)[0] * 255).round().astype(np.uint8))
+        state = pipe.generate_base(dataclasses.replace(base, prompt=prompt(scene), seed=1000 + k))
+        seen = _read(pipe.decode(state.final_latent)[0])
         if seen is None:
             continue
-        for field in ("colour", "shape", "background", "position"):
+        for field in FIELDS:
             hits[field] += getattr(seen, field) == getattr(scene, field)
         hits["all"] += seen == scene
-    pipe.deactivate()
-    return {field: hits[field] / n for field in ("colour", "shape", "background", "position", "all")}
+    return {field: hits[field] / n for field in (*FIELDS, "all")}

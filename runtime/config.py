@@ -272,8 +272,9 @@ class RunConfig:
                         f"leaves the {self.base.width}x{self.base.height} image; shrink it"
                     )
 
-    def strength_of(self, edit: Edit) -> float:
-        return self.cache.default_strength if edit.strength is None else edit.strength
+    def strength_of(self, strength: Optional[float]) -> float:
+        """An edit's strength (config or API), or ``cache.default_strength`` when it gives none."""
+        return self.cache.default_strength if strength is None else strength
 
     def start_step_of(self, edit: Edit, where: str = "edit") -> int:
         """The step at which ``edit`` re-enters the base chain, checked against the window."""

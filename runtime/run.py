@@ -72,7 +72,7 @@ def tail_rows(cfg: RunConfig) -> list[TailRow]:
     return [
         TailRow(
             prompt=e.prompt,
-            strength=cfg.strength_of(e),
+            strength=cfg.strength_of(e.strength),
             start_step=cfg.start_step_of(e, f"edits[{i}]"),
             guidance=cfg.base.guidance if e.guidance is None else e.guidance,
             mask=e.mask,

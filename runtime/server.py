@@ -349,8 +349,7 @@ def _row(e: EditItem, i: int, state, cfg: RunConfig) -> TailRow:
                            param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
         mask = Mask(m.x, m.y, m.width, m.height)
     guidance = state.base.guidance if e.cfg_scale is None else e.cfg_scale
-    strength = cfg.cache.default_strength if e.strength is None else e.strength
-    return TailRow(e.prompt, strength, T - tail, guidance, mask, e.seed)
+    return TailRow(e.prompt, cfg.strength_of(e.strength), T - tail, guidance, mask, e.seed)
 
 
 def _fields(base: Base, pipe: EditPipeline) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from edit_rt.export.shapes import COLOURS, Scene, prompt, random_scene, read
 from edit_rt.runtime.config import Base
+from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes-sd"
@@ -41,7 +42,7 @@ def shapes(tmp_path_factory):
 
 
 def _read(pipe: EditPipeline, latents: np.ndarray) -> list[Scene | None]:
-    return [read((im * 255).round().astype(np.uint8)) for im in pipe.decode(latents)]
+    return [read(to_uint8(im)) for im in pipe.decode(latents)]
 
 
 def test_generation_equals_diffusers(shapes):
