@@ -17,10 +17,12 @@ measured speedup over that ideal. Torch and ONNX Runtime get the same thread cou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import platform
+import socket
 import statistics
 import threading
 import time
@@ -33,8 +35,10 @@ import onnxruntime as ort
 import torch
 
 from edit_rt.runtime.config import RunConfig
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
-from edit_rt.runtime.run import batch_profile_of
+from edit_rt.runtime.batcher import Job, Request
+from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.run import pipeline_of
+from edit_rt.runtime.state import TailRow
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +108,7 @@ def run_bench(
     pipe.set_progress_bar_config(disable=True)
     img2img = StableDiffusionImg2ImgPipeline(**pipe.components)
     img2img.set_progress_bar_config(disable=True)
-    rt = EditPipeline(
-        cfg.onnx_dir, cfg.model, threads=threads, backend=cfg.backend, engines_dir=cfg.engines_dir,
-        batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
-    ).activate()  # fmt: skip
+    rt = pipeline_of(cfg, threads=threads).activate()
     say(f"bench: backend {rt.graph_set.backend} ({rt.graph_set.reason}), {threads} threads, T={T}")
 
     noise = rt.initial_noise(base)
@@ -192,6 +193,11 @@ def run_bench(
         "points": points,
         "comparisons": comparisons,
     }
+    k_serve = ks[sorted(fractions)[len(fractions) // 2]]
+    say(f"bench: the server against one run tail ({max(ns)} edits, {k_serve}-step tails)")
+    report["server_vs_run"] = _server_vs_run(cfg, rt, state, prompts[: max(ns)], k_serve, repeats)
+    say("bench: entry-step reuse on and off")
+    report["entry_reuse"] = _entry_reuse(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
     rt.deactivate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,12 +206,108 @@ def run_bench(
     return report
 
 
+@contextmanager
+def _server_in_process(cfg: RunConfig) -> Iterator[str]:
+    """`edit-rt serve` on a free loopback port in this process (RAM store); yields its URL."""
+    import httpx
+    import uvicorn
+
+    from edit_rt.runtime.server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=None),
+                              serve=dataclasses.replace(cfg.serve, host="127.0.0.1", port=port))  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def _server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """The same edits of one base: N concurrent single-edit requests to the server against one
+    ``edit-rt run`` tail (run_tail + decode), interleaved, median of ``repeats``."""
+    import httpx
+
+    base, T = state.base, state.base.steps
+    rows = [TailRow(p, 1.0, T - k, base.guidance) for p in prompts]
+
+    def one_tail() -> None:
+        rt.decode(rt.run_tail(state, rows))
+
+    with _server_in_process(cfg) as url, httpx.Client(base_url=url, timeout=600) as client:
+        body = {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,
+                "steps": T, "cfg_scale": base.guidance}  # fmt: skip
+        bid = client.post("/v1/images/generations", json=body).raise_for_status().json()["id"]
+
+        def post(prompt: str) -> None:
+            edit = {"prompt": prompt, "strength": 1.0, "tail_steps": k}
+            client.post("/v1/images/edits", json={"base_id": bid, "edits": [edit]}).raise_for_status()
+
+        def concurrent() -> None:
+            threads = [threading.Thread(target=post, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        concurrent()  # warm up: the server's first calls at each row count allocate
+        one_tail()
+        served, ran = [], []
+        for _ in range(repeats):
+            served.append(_timed(concurrent)[0])
+            ran.append(_timed(one_tail)[0])
+    n = len(prompts)
+    server_eps, run_eps = n / statistics.median(served), n / statistics.median(ran)
+    return {"n": n, "tail_steps": k, "server_edits_per_s": server_eps, "run_edits_per_s": run_eps,
+            "ratio": server_eps / run_eps, "server_runs": served, "run_runs": ran}  # fmt: skip
+
+
+def _entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """One N-row tail of k steps with the entry step's unconditional prediction taken from the
+    base (the default) and computed again (off), interleaved."""
+    base, T = state.base, state.base.steps
+    scheduler = rt.batcher(state.latents.shape[1:]).scheduler
+    rows = [TailRow(p, 1.0, T - k, base.guidance) for p in prompts]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    skipped = 0
+    for _ in range(repeats + 1):  # the first round warms up both shapes
+        for reuse in (True, False):
+            scheduler.reuse_entry = reuse
+            before = scheduler.stats.uncond_rows_skipped
+            seconds[reuse].append(_timed(lambda: rt.run_tail(state, rows))[0])
+            if reuse:
+                skipped = scheduler.stats.uncond_rows_skipped - before
+    scheduler.reuse_entry = True
+    with_reuse, without = statistics.median(seconds[True][1:]), statistics.median(seconds[False][1:])
+    n = len(rows)
+    return {"n": n, "tail_steps": k, "seconds_with": with_reuse, "seconds_without": without,
+            "half_rows_skipped": skipped, "half_rows": 2 * n * k,
+            # every row skips its entry step's unconditional half, but one per call is computed
+            # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
+            "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
 def _step_cost_probes(pipe, rt: EditPipeline, state, base, ns) -> dict[str, Callable[[int], float]]:
-    """Seconds of one CFG UNet step for n rows: torch eager, and the runtime's bound unet_step."""
+    """Seconds of one CFG UNet step for n rows: torch eager, and the runtime's row scheduler."""
     unet = pipe.unet
     shape = state.latents.shape[1:]
     text = torch.randn(2 * max(ns), 77, unet.config.cross_attention_dim)
-    bindings = {}
+    batcher = rt.batcher(shape)
 
     def torch_step(n: int) -> float:
         x = torch.randn(2 * n, *shape)
@@ -218,15 +320,17 @@ def _step_cost_probes(pipe, rt: EditPipeline, state, base, ns) -> dict[str, Call
             return time.perf_counter() - start
 
     def runtime_step(n: int) -> float:
-        if n not in bindings:
-            buf = rt.step_buffers(n, shape)
-            buf.latents[:n] = np.random.default_rng(0).standard_normal((n, *shape))
-            buf.timestep[:n], buf.alpha_t[:n], buf.alpha_prev[:n], buf.guidance[:n] = 500, 0.3, 0.35, base.guidance
-            inputs = buf.step_inputs(n, state.uncond_kv.tensors)
-            bindings[n] = rt.graphs["unet_step"].bind(inputs, {"next_latents": buf.next_latents[:n]}, frozenset())
-        start = time.perf_counter()
-        bindings[n].run()
-        return time.perf_counter() - start
+        # n seeded rows (no entry-step reuse: every half-row is computed), two steps each: the
+        # calls the scheduler times are full CFG steps of n rows.
+        request = Request("probe", decode=False)
+        T = base.steps
+        jobs = [Job(request, i, base, TailRow(base.prompt, 1.0, T - 2, base.guidance, seed=i), state=state) for i in range(n)]
+        batcher.submit(request, jobs)
+        seconds = []
+        while not all(job.future.done() for job in jobs):
+            batcher.work_once()
+            seconds.append(batcher.scheduler.stats.last_seconds)
+        return statistics.median(seconds)
 
     for n in ns:  # warm up every batch size once: first calls allocate
         torch_step(n)

@@ -2,7 +2,8 @@
 
 - :class:`TextEncoderGraph`: ``input_ids -> hidden_states``.
 - :class:`KVProjGraph`: ``hidden_states -> k_0, v_0, ...``: every cross-attention (``attn2``)
-  layer's ``to_k``/``to_v`` projection, in :func:`cross_attention_layers` order.
+  layer's ``to_k``/``to_v`` projection, in :func:`cross_attention_layers` order, already in
+  the layout the step's attention reads (so a step never reshuffles K/V).
 - :class:`UNetStepGraph`: one whole denoising step: the UNet on ``[uncond; cond]`` rows with
   every cross-attention K/V an explicit input, classifier-free guidance, and the DDIM (eta 0)
   update. Every row has its own timestep, alphas and guidance, so rows at different steps of
@@ -15,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
@@ -34,52 +34,75 @@ def cross_attention_layers(unet: nn.Module) -> list[tuple[CrossAttentionLayer, A
     layers = []
     for name, module in unet.named_modules():
         if isinstance(module, Attention) and name.endswith("attn2"):
-            if module.spatial_norm is not None or module.norm_cross is not None:
-                raise NotImplementedError(f"{name}: spatial_norm/norm_cross attention is not supported")
+            if module.spatial_norm is not None or module.norm_cross is not None or module.norm_q is not None or module.norm_k is not None:
+                raise NotImplementedError(f"{name}: spatial_norm/norm_cross/qk-norm attention is not supported")
             layers.append((CrossAttentionLayer(name, module.heads, module.to_k.out_features), module))
     if not layers:
         raise ValueError("the UNet has no cross-attention (attn2) layers")
     return layers
 
 
-class _KVSlots:
-    """Where :class:`UNetStepGraph` puts this call's K/V for the processors to read."""
+class _StepContext:
+    """What :class:`UNetStepGraph` hands its cross-attention processors for one call."""
 
     def __init__(self, n: int):
-        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n
+        self.kv: list[tuple[torch.Tensor, ...] | None] = [None] * n
+        self.uncond_rows = 0
+        self.set_bias: torch.Tensor | None = None
+
+
+# Added to the scores of another set's tokens: exp() of it underflows to exactly 0 in fp32
+# (and it is representable in fp16), so a row attends to its own negative prompt only.
+_OTHER_SET = -1.0e4
 
 
 class PrecomputedKVProcessor:
-    """A cross-attention processor that reads K/V from a slot instead of projecting the text.
+    """A cross-attention processor that reads cached K/V instead of projecting the text.
 
-    The attention itself is diffusers' ``AttnProcessor2_0`` for 3-D hidden states (what the
-    transformer blocks of an SD UNet pass): q from the image tokens, softmax(q k^T / sqrt(d)) v,
-    the output projection, dropout (a no-op at inference).
+    The call's rows are ``[uncond rows; cond rows]``. Each half attends over its own K/V, bound
+    in the layout the attention reads, so no K/V block is gathered, concatenated or transposed
+    per step:
+
+    - cond: ``k [N, heads, head_dim, 77]`` (K transposed per head), ``v [N, heads, 77, head_dim]``;
+    - uncond: the negative prompts' sets side by side on the token axis, ``k [heads, head_dim,
+      S]``, ``v [heads, S, head_dim]`` with S = 77 x sets; every uncond row scores all S tokens
+      and a bias masks the other sets' (each set is read once per layer, for every row).
+
+    Otherwise it is diffusers' attention for 3-D hidden states: q from the image tokens,
+    softmax(q k^T * scale) v, the output projection, dropout (a no-op at inference).
     """
 
-    def __init__(self, slots: _KVSlots, index: int):
-        self.slots = slots
+    def __init__(self, context: _StepContext, index: int):
+        self.context = context
         self.index = index
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
-        key, value = self.slots.kv[self.index]
+        cond_k, cond_v, uncond_k, uncond_v = self.context.kv[self.index]
         residual = hidden_states
-        batch = hidden_states.shape[0]
-        query = attn.to_q(hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-        key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        out = F.scaled_dot_product_attention(query, key, value)
-        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim)
+        rows, tokens, _ = hidden_states.shape
+        heads = attn.heads
+        head_dim = cond_v.shape[-1]
+        query = attn.to_q(hidden_states).view(rows, tokens, heads, head_dim).transpose(1, 2) * attn.scale
+        nu = self.context.uncond_rows
+        # 1. unconditional rows: scores over every set, other sets masked out
+        scores_u = torch.matmul(query[:nu], uncond_k) + self.context.set_bias
+        out_u = torch.matmul(scores_u.softmax(dim=-1), uncond_v)
+        # 2. conditional rows: each over its own row's K/V
+        out_c = torch.matmul(torch.matmul(query[nu:], cond_k).softmax(dim=-1), cond_v)
+        out = torch.cat([out_u, out_c]).transpose(1, 2).reshape(rows, tokens, heads * head_dim)
         out = attn.to_out[1](attn.to_out[0](out))
         if attn.residual_connection:
             out = out + residual
         return out / attn.rescale_output_factor
+
+
+def kv_layout(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, 77, C]`` projections -> the step graph's layout: K ``[B, heads, head_dim, 77]``,
+    V ``[B, heads, 77, head_dim]``."""
+    b, t, c = k.shape
+    k = k.view(b, t, heads, c // heads).permute(0, 2, 3, 1)
+    v = v.view(b, t, heads, c // heads).transpose(1, 2)
+    return k.contiguous(), v.contiguous()
 
 
 class TextEncoderGraph(nn.Module):
@@ -92,18 +115,21 @@ class TextEncoderGraph(nn.Module):
 
 
 class KVProjGraph(nn.Module):
-    """``hidden_states [B,77,D]`` -> ``(k_0, v_0, k_1, v_1, ...)``; K/V are linear in the text."""
+    """``hidden_states [B,77,D]`` -> ``(k_0, v_0, k_1, v_1, ...)`` in the step graph's layout
+    (:func:`kv_layout`); K/V are linear in the text, so an edit mixes them per element."""
 
     def __init__(self, unet: nn.Module):
         super().__init__()
         self.projections = nn.ModuleList()
+        self.heads = []
         for _, module in cross_attention_layers(unet):
             self.projections.append(nn.ModuleList([module.to_k, module.to_v]))
+            self.heads.append(module.heads)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
-        for to_k, to_v in self.projections:
-            out += [to_k(hidden_states), to_v(hidden_states)]
+        for (to_k, to_v), heads in zip(self.projections, self.heads):
+            out += kv_layout(to_k(hidden_states), to_v(hidden_states), heads)
         return tuple(out)
 
 
@@ -111,61 +137,69 @@ class UNetStepGraph(nn.Module):
     """One DDIM step with classifier-free guidance, K/V explicit.
 
     Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]``, ``alpha_t [N]``, ``alpha_prev [N]``,
-    ``guidance [N]``, ``uncond_index [N]`` (int64 row of the uncond K/V set), then per layer
-    ``cond_k_i, cond_v_i [N,77,C_i]`` and ``uncond_k_i, uncond_v_i [M,77,C_i]``.
-    The M unconditional K/V sets are shared: a negative prompt's K/V are bound once and rows
-    pick theirs by index, instead of every row carrying a copy.
-    Output: ``next_latents [N,c,h,w]``.
+    ``guidance [N]``, ``uncond_index [N]`` (int64: the row's negative-prompt set),
+    ``uncond_given [E,c,h,w]``, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i
+    [N,heads,77,d]``, ``uncond_k_i [heads,d,S]``, ``uncond_v_i [heads,S,d]`` (S = 77 x sets).
+
+    ``uncond_given`` holds the unconditional prediction of the *last* E rows, known already (a
+    row at its entry step re-enters the base's chain at a latent whose unconditional prediction
+    the base computed): the UNet runs N - E unconditional rows and N conditional ones.
+    Outputs: ``next_latents [N,c,h,w]`` and ``uncond_out [N,c,h,w]`` (each row's unconditional
+    prediction, which a base generation keeps for its edits' entry steps).
     """
 
-    def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None):
+    def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77):
         super().__init__()
         if prediction_type not in ("epsilon", "v_prediction", "sample"):
             raise ValueError(f"prediction_type {prediction_type!r} is not supported")
         self.unet = unet
         self.prediction_type = prediction_type
         self.clip_sample = clip_sample
+        self.text_len = text_len
         layers = cross_attention_layers(unet)
-        self.slots = _KVSlots(len(layers))
+        self.context = _StepContext(len(layers))
         for i, (_, module) in enumerate(layers):
-            module.set_processor(PrecomputedKVProcessor(self.slots, i))
+            module.set_processor(PrecomputedKVProcessor(self.context, i))
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
-    def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, *kv):
+    def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, uncond_given, *kv):
         n = latents.shape[0]
-        # 1. the 2N UNet rows: [uncond; cond], each uncond row gathered from the shared set
+        nu = n - uncond_given.shape[0]
+        # 1. the UNet's rows: [uncond rows 0..nu-1; cond rows 0..n-1]
         for i in range(self.num_layers):
-            cond_k, cond_v, uncond_k, uncond_v = kv[4 * i : 4 * i + 4]
-            self.slots.kv[i] = (
-                torch.cat([uncond_k.index_select(0, uncond_index), cond_k]),
-                torch.cat([uncond_v.index_select(0, uncond_index), cond_v]),
-            )
-        x2 = torch.cat([latents, latents])
-        t2 = torch.cat([timestep, timestep])
-        # The processors read the slots; encoder_hidden_states only has to exist.
-        dummy_text = latents.new_zeros(2 * n, 1, self.cross_attention_dim)
-        out = self.unet(x2, t2, encoder_hidden_states=dummy_text, return_dict=False)[0]
+            self.context.kv[i] = kv[4 * i : 4 * i + 4]
+        sets_tokens = kv[2].shape[-1]
+        token_set = torch.arange(sets_tokens, device=latents.device) // self.text_len
+        other = (token_set[None, :] != uncond_index[:nu, None]).to(latents.dtype)
+        self.context.set_bias = (other * _OTHER_SET).view(nu, 1, 1, sets_tokens)
+        self.context.uncond_rows = nu
+        x = torch.cat([latents[:nu], latents])
+        t = torch.cat([timestep[:nu], timestep])
+        # The processors read the context; encoder_hidden_states only has to exist.
+        dummy_text = latents.new_zeros(x.shape[0], 1, self.cross_attention_dim)
+        out = self.unet(x, t, encoder_hidden_states=dummy_text, return_dict=False)[0]
+        out_uncond = torch.cat([out[:nu], uncond_given])
+        out_cond = out[nu:]
         # 2. classifier-free guidance (Ho & Salimans 2022, eq. 6), per-row scale
-        out_uncond, out_cond = out.chunk(2)
         g = guidance.view(n, 1, 1, 1)
-        out = out_uncond + g * (out_cond - out_uncond)
+        pred = out_uncond + g * (out_cond - out_uncond)
         # 3. DDIM eta=0 (Song et al. 2020, eq. 12): predicted x0 and eps, then the step
         a_t = alpha_t.view(n, 1, 1, 1)
         a_prev = alpha_prev.view(n, 1, 1, 1)
         b_t = 1 - a_t
         if self.prediction_type == "epsilon":
-            x0 = (latents - b_t.sqrt() * out) / a_t.sqrt()
-            eps = out
+            x0 = (latents - b_t.sqrt() * pred) / a_t.sqrt()
+            eps = pred
         elif self.prediction_type == "v_prediction":
-            x0 = a_t.sqrt() * latents - b_t.sqrt() * out
-            eps = a_t.sqrt() * out + b_t.sqrt() * latents
+            x0 = a_t.sqrt() * latents - b_t.sqrt() * pred
+            eps = a_t.sqrt() * pred + b_t.sqrt() * latents
         else:
-            x0 = out
+            x0 = pred
             eps = (latents - a_t.sqrt() * x0) / b_t.sqrt()
         if self.clip_sample is not None:
             x0 = x0.clamp(-self.clip_sample, self.clip_sample)
-        return a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+        return a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps, out_uncond
 
 
 class VaeDecoderGraph(nn.Module):

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -118,6 +119,52 @@ def _export_graph(
     }
 
 
+@dataclass
+class StepIO:
+    """The step graph's inputs (name, role, example value, dynamic axes) and outputs, in order.
+
+    The one place that names them: the export traces with these, the manifest records their
+    roles, and the runtime allocates and fills its slots from the roles alone.
+    """
+
+    inputs: list[tuple[str, str, torch.Tensor, dict[int, str]]]
+    outputs: list[tuple[str, str]]
+    output_axes: dict[str, dict[int, str]]
+
+    @property
+    def roles(self) -> dict[str, str]:
+        return {name: role for name, role, _, _ in self.inputs} | dict(self.outputs)
+
+
+def step_io(layers: list, c: int, h: int, w: int) -> StepIO:
+    """Roles: ``latents``, ``step_scalar`` (changes every step), ``row_scalar`` (fixed per row),
+    ``set_index`` (the row's negative-prompt set), ``entry_uncond`` (rows at their entry step),
+    ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V)."""
+    # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
+    # or set count of 1 gets frozen into the graph as a broadcast.
+    n, e, sets = 3, 1, 2
+    latent_axes = {0: "N", 2: "H", 3: "W"}
+    inputs = [
+        ("latents", "latents", torch.randn(n, c, h, w), latent_axes),
+        ("timestep", "step_scalar", torch.tensor([900.0, 500.0, 20.0]), {0: "N"}),
+        ("alpha_t", "step_scalar", torch.tensor([0.1, 0.5, 0.9]), {0: "N"}),
+        ("alpha_prev", "step_scalar", torch.tensor([0.2, 0.6, 0.95]), {0: "N"}),
+        ("guidance", "row_scalar", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
+        ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
+        ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
+    ]
+    for i, layer in enumerate(layers):
+        d = layer.inner_dim // layer.heads
+        inputs += [
+            (f"cond_k_{i}", "row_kv", torch.randn(n, layer.heads, d, TEXT_LEN), {0: "N"}),
+            (f"cond_v_{i}", "row_kv", torch.randn(n, layer.heads, TEXT_LEN, d), {0: "N"}),
+            (f"uncond_k_{i}", "set_kv", torch.randn(layer.heads, d, sets * TEXT_LEN), {2: "S"}),
+            (f"uncond_v_{i}", "set_kv", torch.randn(layer.heads, sets * TEXT_LEN, d), {1: "S"}),
+        ]
+    outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out")]
+    return StepIO(inputs, outputs, {name: latent_axes for name, _ in outputs})
+
+
 def _write_tokenizer(tokenizer, out: Path) -> None:
     """Save the fast tokenizer as one ``tokenizer.json`` with SD's padding and truncation set."""
     backend = tokenizer.backend_tokenizer
@@ -148,7 +195,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     h = w = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else int(unet.config.sample_size[0])
     d_text = text_encoder.config.hidden_size
     layers = [layer for layer, _ in cross_attention_layers(unet)]
-    n1, n2 = 1, 2  # trace with N=2 so no batch-1 broadcast gets frozen into the graph
+    n2 = 2  # trace with B=2 so no batch-1 broadcast gets frozen into the graph
     graphs = {}
 
     log.info("exporting text_encoder")
@@ -168,35 +215,14 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     )  # fmt: skip
 
     log.info("exporting unet_step (prediction_type=%s)", prediction_type)
-    step = UNetStepGraph(unet, prediction_type, clip).eval()
-    kv_inputs, kv_args, kv_axes = [], [], {}
-    for i, layer in enumerate(layers):
-        for kind, rows in (("cond_k", "N"), ("cond_v", "N"), ("uncond_k", "M"), ("uncond_v", "M")):
-            name = f"{kind}_{i}"
-            kv_inputs.append(name)
-            kv_args.append(torch.randn(n2 if rows == "N" else n1, TEXT_LEN, layer.inner_dim))
-            kv_axes[name] = {0: rows}
-    step_args = (
-        torch.randn(n2, c, h, w),
-        torch.tensor([900.0, 500.0]),
-        torch.tensor([0.1, 0.5]),
-        torch.tensor([0.2, 0.6]),
-        torch.tensor([7.5, 5.0]),
-        torch.zeros(n2, dtype=torch.int64),
-        *kv_args,
-    )
-    row_axes = {0: "N"}
+    step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN).eval()
+    io = step_io(layers, c, h, w)
     graphs["unet_step"] = _export_graph(
-        step, step_args, staging / "unet_step.onnx",
-        ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", *kv_inputs],
-        ["next_latents"],
-        {
-            "latents": {0: "N", 2: "H", 3: "W"}, "next_latents": {0: "N", 2: "H", 3: "W"},
-            "timestep": row_axes, "alpha_t": row_axes, "alpha_prev": row_axes,
-            "guidance": row_axes, "uncond_index": row_axes, **kv_axes,
-        },
-        opset, threshold,
+        step, tuple(a for _, _, a, _ in io.inputs), staging / "unet_step.onnx",
+        [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
+        {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
     )  # fmt: skip
+    graphs["unet_step"]["roles"] = io.roles
 
     log.info("exporting vae_decoder")
     graphs["vae_decoder"] = _export_graph(
@@ -237,6 +263,8 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             "scheduler": scheduler,
         },
         "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
+        # K of a layer is [B, heads, head_dim, 77] (transposed per head), V [B, heads, 77, head_dim]
+        "kv_layout": "heads-major",
         "graphs": graphs,
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -71,13 +71,14 @@ class TorchCpuRunner(BaseRunner):
 
 
 def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.Generator, hw: int) -> OrderedDict:
-    """Random but plausible inputs for ``graph``: N = n rows, M = m uncond sets, hw latents."""
+    """Random but plausible inputs for ``graph``: N = n rows (n // 2 of them at their entry step,
+    their unconditional prediction given), m negative-prompt sets, hw x hw latents."""
     feeds = OrderedDict()
     schedule = DDIMSchedule(DDIMConfig.from_scheduler_config(manifest.scheduler_config), 20)
     picks = rng.integers(0, 20, size=n)
     vocab = manifest.data["model"].get("vocab_size", 49408)
     for spec in manifest.graphs[graph].inputs:
-        dims = {"N": n, "B": n, "M": m, "H": hw, "W": hw}
+        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "H": hw, "W": hw}
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
         if spec.name == "input_ids":
             feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)

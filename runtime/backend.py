@@ -1,11 +1,14 @@
 """Backends run one compiled graph; the pipeline sees only this interface.
 
 A graph is a context manager with ``activate()/infer()/deactivate()`` in Polygraphy's manner,
-plus ``bind(inputs, outputs, static)``: it binds caller-owned host buffers once and returns a
-:class:`Binding` whose ``run()`` executes the graph on them with no allocation. ``static``
-names the inputs that do not change between runs (cached K/V): a device backend uploads them
-once at bind time; the others (latents, per-row scalars) are read at every ``run()``. Outputs
-are written into the caller's buffers: ``run()`` returns nothing, and the buffers are reused.
+plus the two calls the step loop runs on:
+
+- ``allocate(capacity, dtype) -> DeviceTensor``: memory in the backend's own space (host RAM
+  for ONNX Runtime's CPU provider, device memory for the GPU backends), written by offset;
+- ``bind(inputs, outputs) -> Binding``: binds views of such tensors by address, once; the
+  binding's ``run()`` executes the graph on them with no allocation and no copy (on the GPU
+  backends it replays a CUDA graph captured on the first run), ``free()`` releases what the
+  binding holds (its captured graph).
 
 Backends: ``ort-cpu`` (ONNX Runtime, CPU; the default), ``ort-cuda`` and ``ort-tensorrt``
 (ONNX Runtime's CUDA and TensorRT execution providers), ``trt`` (native TensorRT plans, in
@@ -14,6 +17,7 @@ backend_trt.py). :func:`select_backend` resolves ``auto``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 from typing import Mapping, Optional, Protocol
@@ -21,6 +25,7 @@ from typing import Mapping, Optional, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from .device import DeviceTensor, HostTensor, TensorView
 from .errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,50 +39,53 @@ _PROVIDERS = {
 
 class Binding(Protocol):
     def run(self) -> None: ...
+    def free(self) -> None: ...
 
 
 class Graph(Protocol):
     def activate(self) -> "Graph": ...
     def deactivate(self) -> None: ...
     def infer(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]: ...
-    def bind(
-        self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], static: frozenset[str]
-    ) -> Binding: ...
+    def allocate(self, capacity: int, dtype) -> DeviceTensor: ...
+    def bind(self, inputs: Mapping[str, TensorView], outputs: Mapping[str, TensorView]) -> Binding: ...
 
 
 class OrtBinding:
-    """An ONNX Runtime IOBinding over caller-owned buffers; ``run()`` allocates nothing on the CPU."""
+    """An ONNX Runtime IOBinding over views of backend memory; ``run()`` allocates nothing.
 
-    def __init__(self, session: ort.InferenceSession, inputs, outputs, static, device: str):
+    With ``graph_id`` (ONNX Runtime's CUDA EP with ``enable_cuda_graph``) the first run captures
+    a CUDA graph under that id and later runs replay it (run option ``gpu_graph_id``).
+    """
+
+    def __init__(self, session: ort.InferenceSession, inputs: Mapping[str, TensorView],
+                 outputs: Mapping[str, TensorView], graph_id: Optional[int] = None):  # fmt: skip
         self.session = session
-        # Keep the buffers (and any device copies) alive for as long as the binding is.
-        self.buffers = {**inputs, **outputs}
-        self.device_values: dict[str, ort.OrtValue] = {}
         self.io = session.io_binding()
-        for name, array in inputs.items():
-            _check_buffer(name, array)
-            if device != "cpu" and name in static:
-                # Cached K/V go to the device once; per-step inputs stay on the host.
-                value = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
-                self.device_values[name] = value
-                self.io.bind_ortvalue_input(name, value)
-            else:
-                self.io.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        for name, array in outputs.items():
-            _check_buffer(name, array)
-            self.io.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        for name, view in inputs.items():
+            self.io.bind_input(name, view.device, 0, view.dtype, view.shape, view.ptr)
+        for name, view in outputs.items():
+            self.io.bind_output(name, view.device, 0, view.dtype, view.shape, view.ptr)
+        self.run_options: Optional[ort.RunOptions] = None
+        if graph_id is not None:
+            self.run_options = ort.RunOptions()
+            self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
 
     def run(self) -> None:
-        self.session.run_with_iobinding(self.io)
+        self.session.run_with_iobinding(self.io, self.run_options)
 
-
-def _check_buffer(name: str, array: np.ndarray) -> None:
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name}: bound buffers must be C-contiguous (a prefix of a batch buffer is)")
+    def free(self) -> None:
+        # ONNX Runtime keeps a captured CUDA graph for the session's life: ids are never reused
+        # (OrtGraph caps how many it hands out), so freeing drops only the binding.
+        self.io.clear_binding_inputs()
+        self.io.clear_binding_outputs()
 
 
 class OrtGraph:
     """One ONNX graph in an ONNX Runtime session on the given execution provider."""
+
+    # ONNX Runtime cannot free a captured CUDA graph before its session ends, so a session
+    # captures at most this many bindings; later ones run without a graph (and say so).
+    MAX_CUDA_GRAPHS = 64
 
     def __init__(
         self,
@@ -86,6 +94,7 @@ class OrtGraph:
         threads: int = 0,
         optimized: bool = False,
         provider_options: Optional[dict[str, str]] = None,
+        cuda_graphs: bool = False,
     ):
         if backend not in _PROVIDERS:
             raise ConfigError(f"backend: {backend!r} is not an ONNX Runtime backend ({', '.join(_PROVIDERS)})")
@@ -94,11 +103,26 @@ class OrtGraph:
         self.threads = threads
         # An engine from `edit-rt engines` is already optimized: loading it skips that work.
         self.optimized = optimized
-        self.provider_options = provider_options or {}
+        self.provider_options = dict(provider_options or {})
         self.device = "cpu" if backend == "ort-cpu" else "cuda"
+        # CUDA graphs need every node on the CUDA EP and every input on the device: only the
+        # step graph on ort-cuda asks for them.
+        self.cuda_graphs = cuda_graphs and backend == "ort-cuda"
         self.session: ort.InferenceSession | None = None
+        self.stream = None  # the CUDA stream the runtime copies on (GPU providers)
         self.input_names: list[str] = []
         self.output_names: list[str] = []
+        self._graph_ids = itertools.count(1)  # 0 is ONNX Runtime's own default id
+
+    def session_providers(self) -> list:
+        provider = _PROVIDERS[self.backend]
+        options = dict(self.provider_options)
+        if self.cuda_graphs:
+            options["enable_cuda_graph"] = "1"
+        providers: list = [(provider, options)] if options else [provider]
+        if provider != "CPUExecutionProvider" and not self.cuda_graphs:
+            providers.append("CPUExecutionProvider")  # ops a GPU provider lacks
+        return providers
 
     def activate(self) -> "OrtGraph":
         options = ort.SessionOptions()
@@ -107,20 +131,28 @@ class OrtGraph:
         )
         if self.threads:
             options.intra_op_num_threads = self.threads
-        provider = _PROVIDERS[self.backend]
-        providers = [(provider, self.provider_options)] if self.provider_options else [provider]
-        if provider != "CPUExecutionProvider":
-            providers.append("CPUExecutionProvider")  # ops a GPU provider lacks
         try:
-            self.session = ort.InferenceSession(str(self.path), options, providers=providers)
+            self.session = ort.InferenceSession(str(self.path), options, providers=self.session_providers())
         except Exception as err:  # onnxruntime raises its own exception types per failure
+            if self.cuda_graphs:
+                # e.g. a node ONNX Runtime places on the CPU: capture is impossible, run without
+                log.warning("%s: no CUDA graphs (%s); running without them", self.path.name, err)
+                self.cuda_graphs = False
+                return self.activate()
             raise ArtifactError(f"{self.path}: ONNX Runtime cannot load it ({err}); re-run `make export`") from None
+        if self.device == "cuda":
+            from .cuda import CudaStream
+
+            self.stream = CudaStream()
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         return self
 
     def deactivate(self) -> None:
         self.session = None
+        if self.stream is not None:
+            self.stream.free()
+            self.stream = None
 
     def __enter__(self) -> "OrtGraph":
         return self.activate()
@@ -137,10 +169,24 @@ class OrtGraph:
         """Run once on ``feeds``; outputs in ``output_names`` order, freshly allocated."""
         return self._active_session().run(self.output_names, feeds)
 
-    def bind(
-        self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], static: frozenset[str] = frozenset()
-    ) -> OrtBinding:
-        return OrtBinding(self._active_session(), inputs, outputs, static, self.device)
+    def allocate(self, capacity: int, dtype) -> DeviceTensor:
+        if self.device == "cpu":
+            return HostTensor(capacity, dtype)
+        from .cuda import CudaTensor
+
+        # ONNX Runtime's own device memory (an OrtValue), written by offset on our stream.
+        value = ort.OrtValue.ortvalue_from_shape_and_type([max(1, capacity)], np.dtype(dtype), "cuda", 0)
+        return CudaTensor(capacity, dtype, self.stream, ptr=value.data_ptr(), owner=value)
+
+    def bind(self, inputs: Mapping[str, TensorView], outputs: Mapping[str, TensorView]) -> OrtBinding:
+        graph_id = None
+        if self.cuda_graphs:
+            graph_id = next(self._graph_ids)
+            if graph_id > self.MAX_CUDA_GRAPHS:
+                log.info("%s: %d CUDA graphs captured already; this binding runs without one",
+                         self.path.name, self.MAX_CUDA_GRAPHS)  # fmt: skip
+                graph_id = -1  # ONNX Runtime: no capture or replay for this run
+        return OrtBinding(self._active_session(), inputs, outputs, graph_id)
 
 
 def available_backends() -> dict[str, str]:

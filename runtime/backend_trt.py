@@ -1,13 +1,13 @@
 """The ``trt`` backend: native TensorRT plans, run with ``execute_async_v3`` on one stream.
 
 Follows TensorRT's documented Python API (and its demo/Diffusion ``engine.py``): deserialize
-the plan, create an execution context, then per call ``set_input_shape``,
-``set_tensor_address`` and ``execute_async_v3``. Device memory comes from Polygraphy's small
-CUDA wrapper (``polygraphy.cuda``), so no other CUDA binding is needed. ``tensorrt`` is
-imported only when this backend is activated.
+the plan, create an execution context, ``set_input_shape`` and ``set_tensor_address`` per
+tensor, ``execute_async_v3``. Device memory, copies and CUDA graphs come from ``cuda.py``
+(NVIDIA's cuda-python). ``tensorrt`` is imported only when this backend is activated.
 
-A binding owns one device buffer per tensor. Static inputs (cached K/V) are uploaded once at
-bind time; per call only the per-step inputs go up and the output comes down.
+A binding fixes shapes and addresses (views of slot memory that never moves), runs once for
+real, then captures the launch as a CUDA graph; every later ``run()`` replays it with one
+``cudaGraphLaunch``. Freeing a binding (its bucket evicted) destroys its graph.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import numpy as np
+
+from .device import TensorView
 
 log = logging.getLogger(__name__)
 
@@ -31,64 +33,71 @@ def trt_unavailable_reason() -> Optional[str]:
     if ctypes.util.find_library("cuda") is None:
         return "no NVIDIA driver (libcuda) is present"
     try:
-        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
+        from .cuda import CudaStream
 
-        cuda.Stream().free()
+        CudaStream().free()
+    except ImportError:
+        return "NVIDIA's cuda-python is not installed (pip install 'edit-rt[trt]')"
     except Exception as err:  # CUDA reports a missing GPU in several ways
         return f"no usable NVIDIA GPU ({err})"
     return None
 
 
 class TrtBinding:
-    def __init__(self, graph: "TrtGraph", inputs, outputs, static):
-        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
+    """Shapes and addresses of one set of views, captured as a CUDA graph on the first run."""
 
+    def __init__(self, graph: "TrtGraph", inputs: Mapping[str, TensorView], outputs: Mapping[str, TensorView],
+                 cuda_graph: bool = True):  # fmt: skip
         self.graph = graph
-        self.host = {**inputs, **outputs}
         self.inputs = dict(inputs)
-        self.outputs = dict(outputs)
-        self.dynamic = [name for name in inputs if name not in static]
-        self.device = {name: cuda.DeviceArray(shape=a.shape, dtype=a.dtype) for name, a in self.host.items()}
-        for name in static:
-            self.device[name].copy_from(inputs[name], graph.stream)
-        graph.stream.synchronize()
+        self.addresses = {name: view.ptr for name, view in {**inputs, **outputs}.items()}
+        self.use_cuda_graph = cuda_graph
+        self.cuda_graph: Any = None
 
-    def run(self) -> None:
+    def _enqueue(self) -> None:
         context, stream = self.graph.context, self.graph.stream
-        for name in self.dynamic:
-            self.device[name].copy_from(self.inputs[name], stream)
-        # Shapes and addresses are context state: set them for this binding on every call
-        # (cheap host-side calls; several bindings share one context).
-        for name, array in self.inputs.items():
-            context.set_input_shape(name, array.shape)
-        for name, buffer in self.device.items():
-            context.set_tensor_address(name, buffer.ptr)
+        # Shapes and addresses are context state shared by every binding of this graph: set
+        # them for this one (cheap host calls; a replayed graph does not need them).
+        for name, view in self.inputs.items():
+            context.set_input_shape(name, view.shape)
+        for name, ptr in self.addresses.items():
+            context.set_tensor_address(name, ptr)
         if not context.execute_async_v3(stream.ptr):
             raise RuntimeError(f"{self.graph.path.name}: execute_async_v3 failed")
-        for name, array in self.outputs.items():
-            self.device[name].copy_to(array, stream)
-        stream.synchronize()
+
+    def run(self) -> None:
+        from .cuda import CudaGraph
+
+        if self.cuda_graph is not None:
+            self.cuda_graph.launch()
+        elif self.use_cuda_graph:
+            self.cuda_graph = CudaGraph(self.graph.stream, self._enqueue)  # runs, then captures
+        else:
+            self._enqueue()
+        self.graph.stream.synchronize()
 
     def free(self) -> None:
-        for buffer in self.device.values():
-            buffer.free()
+        if self.cuda_graph is not None:
+            self.cuda_graph.free()
+            self.cuda_graph = None
 
 
 class TrtGraph:
     """One TensorRT plan file."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, cuda_graphs: bool = True):
         self.path = Path(path)
+        self.cuda_graphs = cuda_graphs
         self.engine: Any = None
         self.context: Any = None
         self.stream: Any = None
         self.input_names: list[str] = []
         self.output_names: list[str] = []
-        self.bindings: list[TrtBinding] = []
 
     def activate(self) -> "TrtGraph":
         import tensorrt as trt
-        from polygraphy import cuda  # lazy: the trt backend only (its small CUDA wrapper)
+
+        from .cuda import CudaStream
 
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = runtime.deserialize_cuda_engine(self.path.read_bytes())
@@ -97,7 +106,7 @@ class TrtGraph:
 
             raise ArtifactError(f"{self.path}: TensorRT cannot load this plan; re-run `make engines`")
         self.context = self.engine.create_execution_context()
-        self.stream = cuda.Stream()
+        self.stream = CudaStream()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         is_input = lambda n: self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT  # noqa: E731
         self.input_names = [n for n in names if is_input(n)]
@@ -105,9 +114,6 @@ class TrtGraph:
         return self
 
     def deactivate(self) -> None:
-        for binding in self.bindings:
-            binding.free()
-        self.bindings = []
         if self.stream is not None:
             self.stream.free()
         self.context = self.engine = self.stream = None
@@ -118,10 +124,13 @@ class TrtGraph:
     def __exit__(self, *exc) -> None:
         self.deactivate()
 
-    def bind(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], static=frozenset()) -> TrtBinding:
-        binding = TrtBinding(self, inputs, outputs, static)
-        self.bindings.append(binding)
-        return binding
+    def allocate(self, capacity: int, dtype):
+        from .cuda import CudaTensor
+
+        return CudaTensor(capacity, dtype, self.stream)
+
+    def bind(self, inputs: Mapping[str, TensorView], outputs: Mapping[str, TensorView]) -> TrtBinding:
+        return TrtBinding(self, inputs, outputs, self.cuda_graphs)
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """One call on fresh buffers (text encoding, decoding: not in the step loop)."""
@@ -130,9 +139,19 @@ class TrtGraph:
         outputs = {
             name: np.empty(tuple(self.context.get_tensor_shape(name)), dtype=np.float32) for name in self.output_names
         }
-        binding = TrtBinding(self, {k: np.ascontiguousarray(v) for k, v in feeds.items()}, outputs, frozenset())
+        tensors = {}
         try:
-            binding.run()
+            views = {}
+            for name, array in {**feeds, **outputs}.items():
+                tensors[name] = self.allocate(max(1, array.size), array.dtype)
+                views[name] = tensors[name].view(array.shape)
+            for name, array in feeds.items():
+                tensors[name].write(np.ascontiguousarray(array))
+            TrtBinding(self, {k: views[k] for k in feeds}, {k: views[k] for k in outputs}, cuda_graph=False).run()
+            for name, array in outputs.items():
+                tensors[name].read(array)
         finally:
-            binding.free()
+            for tensor in tensors.values():
+                tensor.free()
         return [outputs[name] for name in self.output_names]
+

@@ -1,14 +1,17 @@
-"""Continuous batching at step granularity: one worker thread owns the engines.
+"""The request loop around the row scheduler: a queue, fair admission, deadlines, futures.
 
-Every ``unet_step`` call advances every active row by one step. Rows of different requests,
-bases, step counts and start steps share a call (each row carries its own timestep, alphas,
-guidance, K/V and unconditional set); new rows join at the next step boundary and finished rows
-leave, up to ``max_rows``. Base generations are rows too (they record their latents).
+:class:`Batcher` turns submitted jobs (an edit of a base, or a base's generation) into rows of
+its :class:`~edit_rt.runtime.slots.RowScheduler` and steps it. The same loop body,
+:meth:`Batcher.work_once`, runs in two ways: on a worker thread that owns the engines
+(``edit-rt serve``), or driven by the caller until its own request is done (``edit-rt run``,
+the bench, the pipeline's ``generate_base``/``run_tail``). Either way rows of different
+requests, bases, step counts and start steps share each ``unet_step`` call.
 
 The queue is bounded (``queue_limit`` rows) and fair: admission takes one row from the request
 at its head, then moves that request to the back, so one request's 64 edits do not hold back a
 later request's single edit. A request can be cancelled (client gone) or time out: its rows are
-dropped at the next step boundary.
+dropped at the next step boundary. A row whose admission fails (a prompt the tokenizer cannot
+take, say) fails alone: its request gets the error, every other row goes on.
 """
 
 from __future__ import annotations
@@ -19,16 +22,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from .buffers import StepBuffers
 from .config import Base
 from .errors import EditRtError
 from .metrics import Metrics
-from .pipeline import KV, BaseState, EditPipeline, TailRow, prepare_row
 from .scheduler_ddim import DDIMSchedule
+from .slots import Recording, Row, RowScheduler
+from .state import KV, BaseState, TailRow
+
+if TYPE_CHECKING:
+    from .pipeline import EditPipeline
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,18 @@ class CancelledError(EditRtError):
     """The request was cancelled (client disconnected) or passed its deadline."""
 
 
+class RowError(EditRtError):
+    """This row could not be run (its input, not the server); the message says why."""
+
+
+@dataclass
+class RowResult:
+    latent: np.ndarray  # x_T, [c, h, w]
+    image: Optional[np.ndarray]  # [H, W, 3] in [0, 1] when the request asked for images
+    state: Optional[BaseState]  # a generation's recorded state
+    seconds: float
+
+
 @dataclass
 class Job:
     """One row: an edit of ``state``, or (``state`` None) the generation of base ``base``."""
@@ -54,16 +72,10 @@ class Job:
     base: Base
     row: TailRow
     state: Optional[BaseState] = None
-    noise: Optional[np.ndarray] = None  # generation: x_0
+    noise: Optional[np.ndarray] = None  # generation: x_0, [1, c, h, w]
     future: Future = field(default_factory=Future)
-    # filled at admission
-    schedule: Optional[DDIMSchedule] = None
-    step: int = 0
-    cond_kv: Optional[KV] = None
-    uncond_key: str = ""
-    uncond_kv: Optional[KV] = None
-    record: Optional[np.ndarray] = None
     started: float = 0.0
+    scheduled: Optional[Row] = None
 
 
 @dataclass
@@ -73,6 +85,7 @@ class Request:
     id: str
     deadline: float = float("inf")
     on_progress: Optional[Callable[[int, int, int], None]] = None  # (index, step, of)
+    decode: bool = True  # images for the results (the server); latents only otherwise
     cancelled: threading.Event = field(default_factory=threading.Event)
     pending: deque = field(default_factory=deque)
 
@@ -81,28 +94,25 @@ class Request:
 
 
 class Batcher:
-    def __init__(self, pipe: EditPipeline, latent_shape: tuple[int, int, int], max_rows: int, queue_limit: int,
+    def __init__(self, pipe: "EditPipeline", scheduler: RowScheduler, queue_limit: Optional[int] = None,
                  metrics: Optional[Metrics] = None):  # fmt: skip
         self.pipe = pipe
-        self.max_rows = max_rows
+        self.scheduler = scheduler
         self.queue_limit = queue_limit
         self.metrics = metrics or Metrics()
-        self.buf = StepBuffers(max_rows, latent_shape, pipe.kv_dims, pipe.text_len)
-        # Unconditional K/V sets, [max_rows, 77, C] per layer: rows index theirs.
-        self.uncond = [np.zeros((max_rows, pipe.text_len, c), dtype=np.float32) for c in pipe.kv_dims]
-        self.uncond_slots: dict[str, list[int]] = {}  # key -> [index, rows using it]
-        self.slots: list[Job] = []  # active rows, in buffer order
         self.queue: deque[Request] = deque()
         self.queued_rows = 0
-        self.bindings: dict[int, object] = {}
         self._cv = threading.Condition()
+        self._work = threading.Lock()  # one work_once at a time: the engines are not reentrant
         self._closing = False
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="edit-rt-batcher", daemon=True)
+        self._thread: Optional[threading.Thread] = None
 
     # --- submitting -----------------------------------------------------------------------------
 
     def start(self) -> "Batcher":
+        """Run the loop on a worker thread (the server); without it, :meth:`run` drives it."""
+        self._thread = threading.Thread(target=self._loop, name="edit-rt-batcher", daemon=True)
         self._thread.start()
         return self
 
@@ -110,13 +120,21 @@ class Batcher:
         with self._cv:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down and takes no new work")
-            if self.queued_rows + len(jobs) > self.queue_limit:
+            if self.queue_limit is not None and self.queued_rows + len(jobs) > self.queue_limit:
                 raise QueueFullError(f"the queue is full ({self.queued_rows}/{self.queue_limit} rows)")
             request.pending.extend(jobs)
             self.queue.append(request)
             self.queued_rows += len(jobs)
             self.metrics.gauge("edit_rt_queue_rows", self.queued_rows)
             self._cv.notify()
+
+    def run(self, request: Request, jobs: list[Job]) -> list[RowResult]:
+        """Submit and wait: on the worker thread if one runs, else by driving the loop here."""
+        self.submit(request, jobs)
+        if self._thread is None:
+            while not all(job.future.done() for job in jobs):
+                self.work_once()
+        return [job.future.result() for job in jobs]
 
     def queue_position(self, request: Request) -> int:
         with self._cv:
@@ -132,38 +150,49 @@ class Batcher:
             self._cv.notify()
         deadline = time.monotonic() + timeout
         with self._cv:
-            while (self.queue or self.slots) and time.monotonic() < deadline:
+            while (self.queue or self.scheduler.active or self.scheduler.pending) and time.monotonic() < deadline:
                 self._cv.wait(0.05)
             self._stopped = True
             self._cv.notify()
-        self._thread.join(timeout=10)
-        leftover = [j for j in self.slots] + [j for r in self.queue for j in r.pending]
-        for job in leftover:
-            if not job.future.done():
-                job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._work:
+            rows = self.scheduler.active + self.scheduler.pending
+            leftover = [row.owner for row in rows] + [j for r in self.queue for j in r.pending]
+            for row in rows:
+                self.scheduler.remove(row)
+            for job in leftover:
+                if not job.future.done():
+                    job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
 
-    # --- the worker -----------------------------------------------------------------------------
+    # --- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self.slots and not self.queue:
+                while not self._stopped and not self.scheduler.active and not self.queue:
                     self._cv.wait()
                 if self._stopped:
                     return
-                admitted = self._take_locked(self.max_rows - len(self.slots))
+            self.work_once()
+
+    def work_once(self) -> None:
+        """Admit what fits, drop what expired, run one step, hand out what finished."""
+        with self._work:
             try:
-                self._admit(admitted)
+                with self._cv:
+                    jobs = self._take_locked(self.scheduler.free_slots)
+                self._admit(jobs)
                 self._drop_expired()
-                if self.slots:
-                    self._step()
-            except Exception as err:  # a bug or a broken engine: fail the rows, keep serving
+                finished = self.scheduler.step()
+                self._observe()
+                self._finish([row.owner for row in finished])
+            except Exception as err:  # a bug or a broken engine: fail the rows in flight, keep serving
                 log.exception("batcher step failed")
-                for job in self.slots:
-                    if not job.future.done():
-                        job.future.set_exception(err)
-                self.slots = []
-                self.uncond_slots = {}
+                for row in self.scheduler.active + self.scheduler.pending:
+                    self.scheduler.remove(row)
+                    if not row.owner.future.done():
+                        row.owner.future.set_exception(err)
             with self._cv:
                 self._cv.notify_all()
 
@@ -175,6 +204,7 @@ class Batcher:
                 for job in request.pending:
                     job.future.set_exception(CancelledError("cancelled or past its deadline"))
                 self.queued_rows -= len(request.pending)
+                request.pending.clear()
                 continue
             taken.append(request.pending.popleft())
             self.queued_rows -= 1
@@ -184,105 +214,130 @@ class Batcher:
         self.metrics.gauge("edit_rt_queue_rows", self.queued_rows)
         return taken
 
+    def _requeue(self, jobs: list[Job]) -> None:
+        """Put jobs that found no room back at the head of the queue, in order."""
+        with self._cv:
+            for job in reversed(jobs):
+                job.request.pending.appendleft(job)
+                if job.request not in self.queue:
+                    self.queue.appendleft(job.request)
+                self.queued_rows += 1
+
+    def _encode(self, prompts: list[str]) -> dict[str, Optional[KV] | Exception]:
+        """K/V per prompt, one batched encoding; a prompt that fails is retried alone, so only
+        its own rows fail."""
+        try:
+            kv = self.pipe.kv_from_prompts(prompts)
+            return {p: kv.row(k) for k, p in enumerate(prompts)}
+        except Exception:
+            out: dict[str, Optional[KV] | Exception] = {}
+            for p in prompts:
+                try:
+                    out[p] = self.pipe.kv_from_prompts([p])
+                except Exception as err:  # the tokenizer or text encoder refused this text
+                    out[p] = err
+            return out
+
     def _admit(self, jobs: list[Job]) -> None:
         if not jobs:
             return
         prompts = sorted({j.row.prompt for j in jobs} | {j.base.negative_prompt for j in jobs if j.state is None})
-        kv = self.pipe.kv_from_prompts(prompts)
+        kv = self._encode(prompts)
+        waiting = []
         for job in jobs:
-            job.schedule = DDIMSchedule(self.pipe.ddim_config, job.base.steps)
-            row_kv = [t[prompts.index(job.row.prompt)] for t in kv.tensors]
-            r = len(self.slots)
-            if job.state is None:  # a base: its own prompt's K/V, from noise, recording
-                job.cond_kv = KV([t[None] for t in row_kv])
-                job.uncond_kv = KV([t[prompts.index(job.base.negative_prompt)][None] for t in kv.tensors])
-                job.record = np.empty((job.base.steps + 1, *self.buf.latents.shape[1:]), dtype=np.float32)
-                job.record[0] = job.noise[0]
-                for dst, src in zip(self.buf.cond_kv, row_kv):
-                    dst[r] = src
-                self.buf.latents[r] = job.noise[0]
-                self.buf.guidance[r] = job.row.guidance
-                self.buf.keep[r] = False
-            else:
-                job.uncond_kv = job.state.uncond_kv
-                prepare_row(job.state, job.row, row_kv, job.schedule, self.pipe.scale, self.buf, r)
-            job.uncond_key = job.base.negative_prompt
-            self.buf.uncond_index[r] = self._uncond_slot(job)
-            self.buf.guidance[r] = max(float(self.buf.guidance[r]), 1.0)  # <= 1: no CFG (diffusers)
-            job.step = job.row.start_step
+            try:
+                row = self._row(job, kv)
+            except Exception as err:  # this row's input: fail it alone
+                log.info("row %s/%d refused: %s", job.request.id, job.index, err)
+                job.future.set_exception(err if isinstance(err, EditRtError) else RowError(f"{type(err).__name__}: {err}"))
+                continue
+            if not self.scheduler.can_admit(row):
+                waiting.append(job)
+                continue
+            job.scheduled = row
             job.started = time.perf_counter()
-            self.slots.append(job)
+            self.scheduler.admit(row)
+        if waiting:
+            self._requeue(waiting)
 
-    def _uncond_slot(self, job: Job) -> int:
-        slot = self.uncond_slots.get(job.uncond_key)
-        if slot is None:
-            used = {s[0] for s in self.uncond_slots.values()}
-            index = next(k for k in range(self.max_rows) if k not in used)
-            for dst, src in zip(self.uncond, job.uncond_kv.tensors):
-                dst[index] = src[0]
-            slot = self.uncond_slots[job.uncond_key] = [index, 0]
-        slot[1] += 1
-        return slot[0]
-
-    def _remove(self, r: int) -> Job:
-        """Take row r out of the batch: the last row moves into its slot (a copy per leave,
-        never per step)."""
-        job, last = self.slots[r], len(self.slots) - 1
-        if r != last:
-            b = self.buf
-            for arr in (b.latents, b.guidance, b.uncond_index, b.keep, *b.cond_kv):
-                arr[r] = arr[last]
-            self.slots[r] = self.slots[last]
-        self.slots.pop()
-        slot = self.uncond_slots[job.uncond_key]
-        slot[1] -= 1
-        if slot[1] == 0:
-            del self.uncond_slots[job.uncond_key]
-        return job
+    def _row(self, job: Job, kv: dict) -> Row:
+        """The scheduler row of ``job``: its K/V mix, entry latent, mask, what it records."""
+        for prompt in (job.row.prompt, job.base.negative_prompt if job.state is None else None):
+            if isinstance(kv.get(prompt), Exception):
+                err = kv[prompt]
+                raise RowError(f"the prompt {prompt[:40]!r} cannot be encoded ({type(err).__name__}: {err})")
+        edit = kv[job.row.prompt]
+        schedule = DDIMSchedule(self.pipe.ddim_config, job.base.steps)
+        if job.state is None:  # a base: its own prompt's K/V, from noise, recording
+            T = job.base.steps
+            record = Recording(np.empty((T + 1, *job.noise.shape[1:]), dtype=np.float32),
+                               np.empty((T, *job.noise.shape[1:]), dtype=np.float32))  # fmt: skip
+            record.latents[0] = job.noise[0]
+            return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
+                       kv[job.base.negative_prompt], record=record, owner=job)  # fmt: skip
+        state, tail = job.state, job.row
+        return Row(
+            schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
+            mix_kv(state.cond_kv, edit, tail.strength), state.uncond_kv,
+            entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
+            keep=self.pipe.keep_mask(tail.mask, state.latents.shape[1:]), base=state, owner=job,
+        )  # fmt: skip
 
     def _drop_expired(self) -> None:
-        for r in reversed(range(len(self.slots))):
-            if self.slots[r].request.expired():
-                job = self._remove(r)
-                job.future.set_exception(CancelledError("cancelled or past its deadline"))
+        for row in list(self.scheduler.active + self.scheduler.pending):
+            if row.owner.request.expired():
+                self.scheduler.remove(row)
+                row.owner.future.set_exception(CancelledError("cancelled or past its deadline"))
 
-    def _step(self) -> None:
-        n, b = len(self.slots), self.buf
-        for r, job in enumerate(self.slots):
-            s = job.schedule
-            b.timestep[r], b.alpha_t[r], b.alpha_prev[r] = s.timesteps[job.step], s.alpha_t[job.step], s.alpha_prev[job.step]
-        binding = self.bindings.get(n)
-        if binding is None:
-            inputs = b.step_inputs(n, self.uncond)
-            # Nothing is static here: rows join and leave, so K/V rows change between calls.
-            binding = self.bindings[n] = self.pipe.graphs["unet_step"].bind(inputs, {"next_latents": b.next_latents[:n]}, frozenset())
-        start = time.perf_counter()
-        binding.run()
-        self.metrics.observe("edit_rt_step_seconds", time.perf_counter() - start)
-        self.metrics.observe("edit_rt_batch_rows", n)
-        self.metrics.gauge("edit_rt_active_rows", n)
-        b.latents[:n] = b.next_latents[:n]
-        finished = []
-        for r, job in enumerate(self.slots):
-            job.step += 1
-            if job.record is not None:
-                job.record[job.step] = b.latents[r]
-            elif job.row.mask is not None:
-                np.copyto(b.latents[r], job.state.latent(job.step)[0], where=b.keep[r])
+    def _observe(self) -> None:
+        stats = self.scheduler.stats
+        if stats.last_rows:
+            self.metrics.observe("edit_rt_step_seconds", stats.last_seconds)
+            self.metrics.observe("edit_rt_batch_rows", stats.last_rows)
+        self.metrics.gauge("edit_rt_active_rows", len(self.scheduler.active))
+        for row in self.scheduler.active:
+            job = row.owner
             if job.request.on_progress is not None:
-                job.request.on_progress(job.index, job.step - job.row.start_step, job.base.steps - job.row.start_step)
-            if job.step == job.base.steps:
-                finished.append(r)
-        if finished:
-            latents = np.stack([b.latents[r] for r in finished])
-            jobs = [self._remove(r) for r in sorted(finished, reverse=True)][::-1]
-            images = self.pipe.decode(latents)
-            for job, image, latent in zip(jobs, images, latents):
-                seconds = time.perf_counter() - job.started
-                self.metrics.observe("edit_rt_row_seconds", seconds)
-                if job.record is not None:
-                    state = BaseState(job.base, self.pipe.manifest.fingerprint, 0, job.record, job.cond_kv, job.uncond_kv)
-                    job.future.set_result((image, state, seconds))
-                else:
-                    self.metrics.inc("edit_rt_edits_served_total")
-                    job.future.set_result((image, latent, seconds))
+                job.request.on_progress(job.index, row.step - job.row.start_step, job.base.steps - job.row.start_step)
+
+    def _finish(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        for job in jobs:  # the rows that finished this step made progress too
+            if job.request.on_progress is not None:
+                of = job.base.steps - job.row.start_step
+                job.request.on_progress(job.index, of, of)
+        decode = [job for job in jobs if job.request.decode]
+        images = self.pipe.decode(np.stack([job.scheduled.latent for job in decode])) if decode else []
+        image_of = {id(job): image for job, image in zip(decode, images)}
+        for job in jobs:
+            seconds = time.perf_counter() - job.started
+            self.metrics.observe("edit_rt_row_seconds", seconds)
+            row = job.scheduled
+            state = None
+            if row.record is not None:
+                state = BaseState(job.base, self.pipe.manifest.fingerprint, 0, row.record.latents,
+                                  KV([t[None] for t in row.kv]), row.uncond, row.record.uncond)  # fmt: skip
+            else:
+                self.metrics.inc("edit_rt_edits_served_total")
+            job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds))
+
+
+def mix_kv(base: KV, edit: KV, strength: float) -> list[np.ndarray]:
+    """``K_base + strength * (K_edit - K_base)`` per tensor (same for V), batch axis dropped."""
+    out = []
+    for b, e in zip(base.tensors, edit.tensors):
+        mixed = e[0] - b[0]
+        mixed *= strength
+        mixed += b[0]
+        out.append(mixed)
+    return out
+
+
+def entry_latent(state: BaseState, row: TailRow, schedule: DDIMSchedule) -> np.ndarray:
+    """The base's own x_s, or (``row.seed``) x_s re-noised from the final latent for a variation."""
+    if row.seed is None:
+        return state.latent(row.start_step)[0].copy()
+    a = schedule.alpha_t[row.start_step]
+    noise = np.random.default_rng(row.seed).standard_normal(state.latents.shape[1:], dtype=np.float32)
+    return (np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise).astype(np.float32)

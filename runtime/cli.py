@@ -152,6 +152,20 @@ def _print_bench(report: dict, output_dir: Path) -> None:
     )  # fmt: skip
     full = points[("edit-rt full", 1, None)]
     out.print(f"(c) edit-rt full generation: {full['seconds']:.2f} s; base state {report['base_state_bytes'] / 1024:.0f} KiB per base")
+    serve = report.get("server_vs_run")
+    if serve:
+        out.print(
+            f"server, {serve['n']} concurrent single-edit requests of one base ({serve['tail_steps']}-step tails): "
+            f"{serve['server_edits_per_s']:.2f} edits/s vs {serve['run_edits_per_s']:.2f} as one run tail "
+            f"({serve['ratio']:.2f}x)"
+        )  # fmt: skip
+    entry = report.get("entry_reuse")
+    if entry:
+        out.print(
+            f"entry-step reuse, {entry['n']} rows x {entry['tail_steps']} steps: {entry['half_rows_skipped']} of "
+            f"{entry['half_rows']} half-rows skipped ({entry['expected_saving']:.1%}), tail "
+            f"{entry['seconds_without']:.2f} s -> {entry['seconds_with']:.2f} s ({entry['measured_saving']:.1%} faster)"
+        )  # fmt: skip
     out.print(f"wrote {output_dir}/bench.json and bench.png")
 
 

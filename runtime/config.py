@@ -158,6 +158,12 @@ class Engines:
     max_batch: int = 32
     # fp16 halves memory and doubles tensor-core throughput; SD's UNet is trained for it.
     precision: Precision = "fp16"
+    # Distinct negative prompts one unet_step call mixes: each adds 77 tokens that every
+    # unconditional row's cross-attention scores (the sets are read once, not gathered per
+    # row). Rows with a further negative prompt wait for a step that has room.
+    max_uncond_sets: int = 4
+    # Capture each bound step shape as a CUDA graph on the GPU backends (one launch per step).
+    cuda_graphs: bool = True
 
     def validate(self, where: str) -> None:
         if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch <= 1024:
@@ -165,6 +171,8 @@ class Engines:
                 f"{where}: need 1 <= min_batch <= opt_batch <= max_batch <= 1024, got "
                 f"{self.min_batch}/{self.opt_batch}/{self.max_batch}"
             )
+        if not 1 <= self.max_uncond_sets <= 64:
+            raise ConfigError(f"{where}.max_uncond_sets: must lie in [1, 64], got {self.max_uncond_sets}")
 
 
 @dataclass(frozen=True)
@@ -326,6 +334,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: must be a path string, got {type(value).__name__}")
         return Path(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: must be true or false, got {value!r}")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: must be a number, got {value!r}")

@@ -76,7 +76,9 @@ def graphs_from_artifacts(
     backend: str,
     threads: int,
     profile: EditBatchProfile,
+    cuda_graphs: bool = True,
 ) -> GraphSet:
+    """``cuda_graphs``: capture the step graph's bindings as CUDA graphs on GPU backends."""
     built = set()
     if engines_dir is not None and Path(engines_dir).is_dir():
         built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
@@ -89,7 +91,8 @@ def graphs_from_artifacts(
 
         engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), latent_hw)
         files = {g: engines.path(g) for g in GRAPHS}
-        return GraphSet(chosen, reason, {g: TrtGraph(f) for g, f in files.items()}, files, engines.profile)
+        graphs = {g: TrtGraph(f, cuda_graphs=cuda_graphs and g == "unet_step") for g, f in files.items()}
+        return GraphSet(chosen, reason, graphs, files, engines.profile)
 
     if chosen == "ort-cpu" and "ort-cpu" in built:
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
@@ -110,7 +113,7 @@ def graphs_from_artifacts(
                 "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": "True",
             }
-        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options)
+        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and g == "unet_step")
     if chosen == "ort-cpu":
         reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
     return GraphSet(chosen, reason, graphs, files, profile)

@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: K/V in the attention layout, unet_step roles, entry-step reuse
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt")
@@ -75,7 +75,7 @@ def sha256_file(path: Path) -> str:
 class TensorSpec:
     name: str
     dtype: str
-    shape: list[Any]  # ints and symbolic names ("N", "M")
+    shape: list[Any]  # ints and symbolic names ("N", "E", "S")
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,11 @@ class Manifest:
     @property
     def vae_scale_factor(self) -> int:
         return self.data["model"]["vae_scale_factor"]
+
+    @property
+    def step_roles(self) -> dict[str, str]:
+        """Each ``unet_step`` input's and output's role, in the graph's order (export's ``step_io``)."""
+        return self.data["graphs"]["unet_step"]["roles"]
 
     @property
     def scheduler_config(self) -> dict[str, Any]:

@@ -1,123 +1,37 @@
-"""The edit pipeline: text -> K/V, base generation that records its state, the batched edit tail.
+"""The edit pipeline: the compiled graphs, text -> K/V, base generation and batched edit tails.
 
-Step i of a T-step DDIM chain maps latent x_i to x_{i+1} (x_0 is the noise, x_T the final
-latent). A base keeps x_i for every i of its cache window, its prompt's K/V for every
-cross-attention layer and its negative prompt's (unconditional) K/V. An edit row re-enters at
-x_s with its own K/V and runs steps s..T-1. Rows are sorted by start step, so at step i the
-active rows are a prefix of the batch: one ``unet_step`` call advances them all.
-
-The step loop runs on :class:`StepBuffers` bound to the graph once per active-row count: per
-step it writes three scalars per row, runs the binding and moves the output latents back
-(blending masked rows with the base). The cached K/V are bound where they live and never
-copied inside the loop.
+Generation and tails are rows of one :class:`~edit_rt.runtime.slots.RowScheduler` (one per
+latent size), driven by its :class:`~edit_rt.runtime.batcher.Batcher`: ``generate_base`` and
+``run_tail`` submit one request and drive the loop until it is done; ``edit-rt serve`` runs the
+same batcher on a worker thread. There is no other step loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from .backend import Binding
-from .buffers import StepBuffers
+from .batcher import Batcher, Job, Request
 from .config import Base, Mask
 from .errors import ConfigError
 from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
 from .profiles import EditBatchProfile
-from .scheduler_ddim import DDIMConfig, DDIMSchedule
+from .scheduler_ddim import DDIMConfig
+from .slots import RowScheduler
+from .state import KV, BaseState, TailRow
+
+__all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int], None]  # called with the number of steps just completed
-
-
-@dataclass
-class KV:
-    """Cross-attention K/V of B prompts: ``tensors[2*i]`` is K of layer i, ``[2*i+1]`` its V."""
-
-    tensors: list[np.ndarray]  # each [B, 77, C_i], float32
-
-    def row(self, b: int) -> "KV":
-        return KV([t[b : b + 1] for t in self.tensors])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass
-class BaseState:
-    """What a base keeps so that edits can re-enter its chain (see ARCHITECTURE.md, cache)."""
-
-    base: Base
-    fingerprint: str
-    window_start: int
-    latents: np.ndarray  # [T - window_start + 1, c, h, w]: x_i for i in window_start..T
-    cond_kv: KV  # the base prompt's K/V, B = 1
-    uncond_kv: KV  # the negative prompt's K/V, B = 1
-
-    def latent(self, i: int) -> np.ndarray:
-        """x_i as a [1, c, h, w] view into the cache (no copy)."""
-        return self.latents[i - self.window_start][None]
-
-    @property
-    def final_latent(self) -> np.ndarray:
-        return self.latents[-1][None]
-
-    @property
-    def nbytes(self) -> int:
-        return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes
-
-
-@dataclass
-class TailRow:
-    """One edit, resolved: the K/V mix, where it enters and how it is guided."""
-
-    prompt: str
-    strength: float
-    start_step: int
-    guidance: float
-    mask: Optional[Mask] = None
-    seed: Optional[int] = None
-
-
-def prepare_row(
-    state: BaseState,
-    row: TailRow,
-    edit_kv: Sequence[np.ndarray],
-    schedule: DDIMSchedule,
-    scale: int,
-    buf: StepBuffers,
-    r: int,
-) -> None:
-    """Write edit ``row``'s inputs into slot ``r`` of ``buf``, once, before its first step.
-
-    ``edit_kv`` holds the edit prompt's K/V per layer, each [77, C_i].
-    """
-    # 1. K/V = K_base + strength * (K_edit - K_base), per layer (same for V)
-    for dst, base_kv, e in zip(buf.cond_kv, state.cond_kv.tensors, edit_kv):
-        np.subtract(e, base_kv[0], out=dst[r])
-        dst[r] *= row.strength
-        dst[r] += base_kv[0]
-    # 2. the entry latent: the base's own x_s, or x_s re-noised from the final latent (seed)
-    if row.seed is None:
-        buf.latents[r] = state.latent(row.start_step)[0]
-    else:
-        a = schedule.alpha_t[row.start_step]
-        noise = np.random.default_rng(row.seed).standard_normal(buf.latents.shape[1:], dtype=np.float32)
-        buf.latents[r] = np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise
-    buf.guidance[r] = row.guidance
-    # 3. the mask in latent space: True where the row keeps the base's latent (the rectangle
-    #    grows to whole latent pixels, so every pixel inside it may change)
-    buf.keep[r] = row.mask is not None
-    if row.mask is not None:
-        m = row.mask
-        buf.keep[r, :, m.y // scale : -(-(m.y + m.height) // scale), m.x // scale : -(-(m.x + m.width) // scale)] = False
+Progress = Callable[[int], None]  # called with the number of row-steps just completed
 
 
 class EditPipeline:
@@ -132,9 +46,14 @@ class EditPipeline:
         engines_dir: Optional[Path] = None,
         batch_profile: tuple[int, int, int] = (1, 8, 32),
         image_size: Optional[tuple[int, int]] = None,
+        max_uncond_sets: int = 4,
+        cuda_graphs: bool = True,
+        reuse_entry: bool = True,
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
-        pixels for the engines of fixed latent size (TensorRT); both come from the config."""
+        pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
+        negative prompts one call may mix; all come from the config. ``reuse_entry`` takes an
+        edit's first unconditional prediction from its base (off only to measure the saving)."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -145,17 +64,18 @@ class EditPipeline:
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
-        profile = EditBatchProfile(*batch_profile, h, w)
-        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile)
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets)
+        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile, cuda_graphs)
         self.graphs = self.graph_set.graphs
         self.profile = self.graph_set.profile
         self.max_batch = self.profile.max_batch
+        self.max_uncond_sets = self.profile.max_sets
+        self.reuse_entry = reuse_entry
         self.num_layers = len(self.manifest.layers)
-        self.kv_dims = [layer["inner_dim"] for layer in self.manifest.layers for _ in ("k", "v")]
         self.text_len = self.manifest.data["model"]["text_len"]
         self.latent_channels = self.manifest.latent_channels
-        # (bucket rows, latent shape) -> buffers, made on first use and kept for later tails
-        self.buffers: dict[tuple[int, tuple[int, int, int]], StepBuffers] = {}
+        # latent shape -> the batcher (and its row scheduler), made on first use and kept
+        self.batchers: dict[tuple[int, int, int], Batcher] = {}
 
     def activate(self) -> "EditPipeline":
         for graph in self.graphs.values():
@@ -163,9 +83,12 @@ class EditPipeline:
         return self
 
     def deactivate(self) -> None:
+        for batcher in self.batchers.values():
+            batcher.stop(timeout=0)
+            batcher.scheduler.free()
+        self.batchers.clear()
         for graph in self.graphs.values():
             graph.deactivate()
-        self.buffers.clear()
 
     def __enter__(self) -> "EditPipeline":
         return self.activate()
@@ -207,13 +130,44 @@ class EditPipeline:
         rng = np.random.default_rng(base.seed)
         return rng.standard_normal((1, *self.latent_shape(base)), dtype=np.float32)
 
-    def step_buffers(self, rows: int, latent_shape: tuple[int, int, int]) -> StepBuffers:
-        """The buffers of the bucket that holds ``rows`` rows (made once, then reused)."""
-        bucket = self.profile.bucket_for(rows)
-        key = (bucket, latent_shape)
-        if key not in self.buffers:
-            self.buffers[key] = StepBuffers(bucket, latent_shape, self.kv_dims, self.text_len)
-        return self.buffers[key]
+    def keep_mask(self, mask: Optional[Mask], latent_shape: Sequence[int]) -> Optional[np.ndarray]:
+        """[1, h, w] bool, True where a masked edit keeps the base's latent (None: no mask).
+
+        The rectangle grows to whole latent pixels, so every pixel inside it may change.
+        """
+        if mask is None:
+            return None
+        keep = np.ones((1, *latent_shape[1:]), dtype=bool)
+        s, m = self.scale, mask
+        keep[:, m.y // s : -(-(m.y + m.height) // s), m.x // s : -(-(m.x + m.width) // s)] = False
+        return keep
+
+    def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None) -> RowScheduler:
+        """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
+        latents on ``graph`` (this pipeline's step graph)."""
+        step = self.manifest.graphs["unet_step"]
+        return RowScheduler(
+            graph or self.graphs["unet_step"], self.manifest.step_roles, {t.name: t.shape for t in step.inputs},
+            tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
+        )  # fmt: skip
+
+    def batcher(self, latent_shape: Sequence[int]) -> Batcher:
+        """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
+        latent_shape = tuple(latent_shape)
+        if latent_shape not in self.batchers:
+            self.batchers[latent_shape] = Batcher(self, self.new_scheduler(latent_shape))
+        return self.batchers[latent_shape]
+
+    def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress]) -> list:
+        if progress is not None:
+            done = {}
+
+            def on_progress(index: int, step: int, of: int) -> None:
+                progress(step - done.get(index, 0))
+                done[index] = step
+
+            request.on_progress = on_progress
+        return self.batcher(shape).run(request, jobs)
 
     def generate_base(
         self,
@@ -223,34 +177,22 @@ class EditPipeline:
         progress: Optional[Progress] = None,
     ) -> BaseState:
         """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on."""
-        schedule = DDIMSchedule(self.ddim_config, base.steps)
         shape = self.latent_shape(base)
-        kv = self.kv_from_prompts([base.prompt, base.negative_prompt])
-        cond, uncond = kv.row(0), kv.row(1)
-        latents = np.empty((base.steps - window_start + 1, *shape), dtype=np.float32)
-
-        buf = self.step_buffers(1, shape)
-        buf.latents[0] = self.initial_noise(base)[0] if noise is None else noise[0]
-        for dst, src in zip(buf.cond_kv, cond.tensors):
-            dst[0] = src[0]
-        buf.guidance[0] = base.guidance
-        buf.keep[0] = False
-        if window_start == 0:
-            latents[0] = buf.latents[0]
-
-        def record(i: int, n: int) -> None:
-            if i >= window_start:
-                latents[i - window_start] = buf.latents[0]
-
-        self._denoise(buf, 1, schedule, np.array([0]), uncond, [], record, progress)
-        state = BaseState(base, self.manifest.fingerprint, window_start, latents, cond, uncond)
-        log.debug("base state: %d latents, %.1f KiB", len(latents), state.nbytes / 1024)
+        noise = self.initial_noise(base) if noise is None else noise
+        request = Request(uuid.uuid4().hex, decode=False)
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise)
+        (result,) = self._run([job], request, shape, progress)
+        state = result.state
+        if window_start:
+            state = dataclasses.replace(state, window_start=window_start, latents=state.latents[window_start:],
+                                        uncond_out=state.uncond_out[window_start:])  # fmt: skip
+        log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
         return state
 
     def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
         """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order.
 
-        More rows than the profile's max_batch run as consecutive calls of max_batch rows.
+        Rows join the loop as slots free up: more rows than ``max_batch`` need no chunking.
         """
         T = state.base.steps
         for r, row in enumerate(rows):
@@ -259,79 +201,12 @@ class EditPipeline:
                     f"edits[{r}].start_step: {row.start_step} is outside the cache window "
                     f"[{state.window_start}, {T - 1}]"
                 )
-        final = np.empty((len(rows), *state.latents.shape[1:]), dtype=np.float32)
+        shape = tuple(state.latents.shape[1:])
         if not rows:
-            return final
-        # 1. every row's K/V: K_base + strength * (K_edit - K_base); one text encoding per prompt
-        prompts = sorted({row.prompt for row in rows})
-        edit_kv = self.kv_from_prompts(prompts)
-        for chunk in self.profile.chunks(len(rows)):
-            final[chunk.start : chunk.stop] = self._tail_chunk(state, [rows[r] for r in chunk], prompts, edit_kv, progress)
-        return final
-
-    def _tail_chunk(self, state, rows, prompts, edit_kv: KV, progress) -> np.ndarray:
-        schedule = DDIMSchedule(self.ddim_config, state.base.steps)
-        # Sort by entry step: at step i the active rows are then a prefix of the batch.
-        order = sorted(range(len(rows)), key=lambda r: rows[r].start_step)
-        rows = [rows[r] for r in order]
-        n = len(rows)
-        c, h, w = shape = state.latents.shape[1:]
-        buf = self.step_buffers(n, shape)
-
-        masked = []
-        for r, row in enumerate(rows):
-            e = prompts.index(row.prompt)
-            prepare_row(state, row, [t[e] for t in edit_kv.tensors], schedule, self.scale, buf, r)
-            if row.mask is not None:
-                masked.append(r)
-
-        starts = np.array([row.start_step for row in rows])
-        self._denoise(buf, n, schedule, starts, state.uncond_kv, masked, lambda i, k: None, progress, state)
-        final = np.empty((n, c, h, w), dtype=np.float32)
-        final[order] = buf.latents[:n]
-        return final
-
-    def _denoise(
-        self,
-        buf: StepBuffers,
-        n: int,
-        schedule: DDIMSchedule,
-        starts: np.ndarray,
-        uncond: KV,
-        masked: Sequence[int],
-        after_step: Callable[[int, int], None],
-        progress: Optional[Progress],
-        state: Optional[BaseState] = None,
-    ) -> None:
-        """Advance rows ``buf.latents[:n]`` (sorted by ``starts``) in place to x_T.
-
-        A row joins at its start step. Masked rows are blended with ``state``'s latent of the
-        same step after every step.
-        """
-        # diffusers' convention: guidance <= 1 disables CFG (the conditional prediction alone),
-        # which the fused formula uncond + g (cond - uncond) gives at g = 1.
-        np.maximum(buf.guidance[:n], 1.0, out=buf.guidance[:n])
-        buf.uncond_index[:n] = 0
-        static = frozenset(name for name in buf.step_inputs(0, uncond.tensors) if "cond_" in name)
-        bindings: dict[int, Binding] = {}
-        step_graph = self.graphs["unet_step"]
-        for i in range(int(starts.min()), schedule.num_inference_steps):
-            active = int(np.searchsorted(starts, i, side="right"))
-            if active not in bindings:
-                # Once per active-row count, not per step: rows join at only a few steps.
-                inputs = buf.step_inputs(active, uncond.tensors)
-                bindings[active] = step_graph.bind(inputs, {"next_latents": buf.next_latents[:active]}, static)
-            buf.timestep[:active] = schedule.timesteps[i]
-            buf.alpha_t[:active] = schedule.alpha_t[i]
-            buf.alpha_prev[:active] = schedule.alpha_prev[i]
-            bindings[active].run()
-            buf.latents[:active] = buf.next_latents[:active]
-            for r in masked:
-                if r < active:
-                    np.copyto(buf.latents[r], state.latent(i + 1)[0], where=buf.keep[r])
-            after_step(i + 1, active)
-            if progress is not None:
-                progress(1)
+            return np.empty((0, *shape), dtype=np.float32)
+        request = Request(uuid.uuid4().hex, decode=False)
+        jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
+        return np.stack([r.latent for r in self._run(jobs, request, shape, progress)])
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""

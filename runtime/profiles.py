@@ -1,10 +1,11 @@
-"""Edit-batch profiles: the shapes an engine accepts, and the batch buckets the runtime uses.
+"""Edit-batch profiles: the shapes an engine accepts.
 
 A TensorRT engine (and the TensorRT execution provider) is built for a range of shapes per
-input: ``min``/``opt``/``max``. Here every dynamic axis is a row count: ``N`` (tail rows),
-``B`` (prompts being encoded), ``M`` (unconditional K/V sets); the latent size is fixed per
-engine. The runtime groups calls into power-of-two buckets so that buffers (and CUDA graphs)
-are made once per bucket and reused.
+input: ``min``/``opt``/``max``. Here every dynamic axis is a count: ``N`` (rows of a step),
+``B`` (prompts being encoded), ``E`` (rows at their entry step, whose unconditional prediction
+is given), ``S`` (tokens of the negative prompts' K/V sets, 77 per set); the latent size is
+fixed per engine. The runtime binds each shape it runs once and reuses the binding (and its
+CUDA graph) for every later step of that shape.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 Shape = tuple[int, ...]
+TEXT_LEN = 77  # CLIP's context: every negative prompt's set is 77 tokens
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,9 @@ class EditBatchProfile:
     max_batch: int
     latent_height: int
     latent_width: int
+    # Distinct negative prompts one step may mix (each adds 77 tokens to every unconditional
+    # row's cross-attention): the server waits to admit a row whose set would pass it.
+    max_sets: int = 4
 
     def dims(self, which: str) -> dict[str, int]:
         """Values of the symbolic dims at ``which`` in (min, opt, max)."""
@@ -29,8 +34,9 @@ class EditBatchProfile:
         return {
             "N": rows,
             "B": rows,
-            # Unconditional K/V sets: one per negative prompt in a call, at most one per row.
-            "M": 1 if which != "max" else self.max_batch,
+            # At least one row computes its unconditional prediction, so E < N.
+            "E": 0 if which != "max" else self.max_batch - 1,
+            "S": TEXT_LEN * (1 if which != "max" else self.max_sets),
             "H": self.latent_height,
             "W": self.latent_width,
             # vae_decoder's image size is fixed by the latent size; it is an output only.
@@ -45,24 +51,6 @@ class EditBatchProfile:
                 for which in ("min", "opt", "max")
             )
         return out
-
-    def buckets(self) -> list[int]:
-        """Power-of-two row counts from 1 up to max_batch (max_batch itself included)."""
-        sizes, b = [], 1
-        while b < self.max_batch:
-            sizes.append(b)
-            b *= 2
-        return sizes + [self.max_batch]
-
-    def bucket_for(self, rows: int) -> int:
-        """The smallest bucket that holds ``rows`` (1 <= rows <= max_batch)."""
-        if not 1 <= rows <= self.max_batch:
-            raise ValueError(f"{rows} rows do not fit the profile (max_batch {self.max_batch})")
-        return next(b for b in self.buckets() if b >= rows)
-
-    def chunks(self, rows: int) -> list[range]:
-        """Split ``rows`` into calls of at most max_batch rows, in order."""
-        return [range(s, min(s + self.max_batch, rows)) for s in range(0, rows, self.max_batch)]
 
 
 def ort_trt_profile_options(profile: EditBatchProfile, inputs: Sequence[Any]) -> dict[str, str]:

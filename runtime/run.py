@@ -22,7 +22,8 @@ import onnxruntime
 from . import __version__
 from .config import Edit, RunConfig
 from .images import contact_sheet, parameters_text, save_png
-from .pipeline import EditPipeline, TailRow
+from .pipeline import EditPipeline
+from .state import TailRow
 from .store import BaseStore, base_id
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,16 @@ def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
     return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
 
 
+def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
+    """The config's pipeline (not activated): its graphs, backend, profile and image size."""
+    e = cfg.engines
+    options = dict(
+        threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
+        image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
+    )  # fmt: skip
+    return EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+
+
 def tail_rows(cfg: RunConfig) -> list[TailRow]:
     return [
         TailRow(
@@ -88,10 +99,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
     with timer.stage("load"):
-        pipe = EditPipeline(
-            cfg.onnx_dir, cfg.model, threads=cfg.threads, backend=cfg.backend,
-            engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
-        ).activate()  # fmt: skip
+        pipe = pipeline_of(cfg).activate()
     try:
         store = store_of(cfg, pipe.manifest.fingerprint)
         bid = base_id(pipe.manifest.fingerprint, base)
@@ -105,8 +113,8 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
                 store.put(state)
                 base_source = "generated"
         with timer.stage("edit_tail"):
-            tail_steps = T - min((r.start_step for r in rows), default=T)
-            finals = pipe.run_tail(state, rows, progress=progress(tail_steps, "edit tail")) if rows else None
+            row_steps = sum(T - r.start_step for r in rows)
+            finals = pipe.run_tail(state, rows, progress=progress(row_steps, "edit tail")) if rows else None
         with timer.stage("decode"):
             images = pipe.decode(
                 state.final_latent if finals is None else np.concatenate([state.final_latent, finals])

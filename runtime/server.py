@@ -30,12 +30,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import ApiError, EditItem, EditsRequest, GenerationRequest, validation_error
-from .batcher import Batcher, CancelledError, Job, QueueFullError, Request, ShuttingDownError
+from .batcher import Batcher, CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
 from .config import Base, Mask, RunConfig
 from .images import parameters_text, png_bytes
 from .metrics import Metrics
-from .pipeline import EditPipeline, TailRow
-from .run import batch_profile_of, store_of
+from .pipeline import EditPipeline
+from .state import TailRow
+from .run import pipeline_of, store_of
 from .store import BaseStore, StoreFullError, UnknownBaseError, base_id
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,12 @@ class Service:
         """Load the engines (in a thread: /health answers 503 meanwhile)."""
         try:
             cfg, base = self.cfg, self.cfg.base
-            pipe = EditPipeline(
-                cfg.onnx_dir, cfg.model, threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir,
-                batch_profile=batch_profile_of(cfg), image_size=(base.height, base.width),
-            ).activate()  # fmt: skip
+            pipe = pipeline_of(cfg).activate()
             self.store = store_of(cfg, pipe.manifest.fingerprint)
-            shape = pipe.latent_shape(base)
-            self.batcher = Batcher(pipe, shape, pipe.max_batch, cfg.serve.queue_limit, self.metrics).start()
+            batcher = pipe.batcher(pipe.latent_shape(base))
+            batcher.queue_limit = cfg.serve.queue_limit
+            batcher.metrics = self.metrics
+            self.batcher = batcher.start()
             self.pipe = pipe
             self.ready.set()
             log.info("ready: backend %s (%s)", pipe.graph_set.backend, pipe.graph_set.reason)
@@ -180,7 +180,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
         request = Request(uuid.uuid4().hex, deadline=time.monotonic() + limits.request_timeout_s)
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
         _submit(batcher, request, [job])
-        image, state, seconds = await _wait(http, request, job)
+        result = await _wait(http, request, job)
+        image, state, seconds = result.image, result.state, result.seconds
         try:
             await asyncio.to_thread(store.put, state)
         except StoreFullError as err:
@@ -228,7 +229,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         return {
             "created": int(time.time()),
             "base_id": body.base_id,
-            "data": [_edit_result(i, row, image, seconds, state, pipe) for i, (row, (image, _, seconds)) in enumerate(zip(rows, results))],
+            "data": [_edit_result(i, row, r.image, r.seconds, state, pipe) for i, (row, r) in enumerate(zip(rows, results))],
         }
 
     @app.get("/v1/bases/{bid}")
@@ -274,8 +275,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 if job.future.exception() is not None:
                     yield _sse("error", {"index": job.index, **ApiError(500, str(job.future.exception()), "server_error").body()})
                     continue
-                image, _, seconds = job.future.result()
-                yield _sse("image_edit.completed", _edit_result(job.index, job.row, image, seconds, state, pipe))
+                result = job.future.result()
+                yield _sse("image_edit.completed", _edit_result(job.index, job.row, result.image, result.seconds, state, pipe))
             yield _sse("done", {"base_id": body.base_id})
         finally:
             request.cancelled.set()  # a client that left: its rows go at the next step
@@ -315,6 +316,8 @@ async def _wait_all(http: HttpRequest, request: Request, jobs: list[Job]) -> lis
         return [f.result() for f in futures]
     except (CancelledError, ShuttingDownError) as err:
         raise ApiError(503, str(err), "server_error", code="cancelled") from None
+    except RowError as err:
+        raise ApiError(422, str(err), code="row_refused") from None
     finally:
         if any(not f.done() for f in futures):
             request.cancelled.set()

@@ -29,7 +29,7 @@ import numpy as np
 
 from .config import Base
 from .errors import ArtifactError, EditRtError
-from .pipeline import KV, BaseState
+from .state import KV, BaseState
 from .store_codec import StoragePrecision, decode, encode, from_bytes, to_bytes
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ def _header(path: Path) -> dict:
             return json.loads(f.read(n)).get("__metadata__") or {}
     except (OSError, ValueError):
         return {}
+
+
+def _token_axis(i: int) -> int:
+    """K/V tensor i's token axis (K is [1, heads, head_dim, 77], V [1, heads, 77, head_dim])."""
+    return -1 if i % 2 == 0 else -2
 
 
 def _uncond_id(fingerprint: str, negative_prompt: str) -> str:
@@ -121,12 +126,15 @@ class BaseStore:
             raise ArtifactError("this base state comes from another model than the store's")
         bid = base_id(self.fingerprint, state.base)
         uid = _uncond_id(self.fingerprint, state.base.negative_prompt)
-        tensors = encode("latents", state.latents, self.latents_precision, channel_axis=1)
+        pixels = (2, 3)  # a latent stack [steps, c, h, w]: one scale per step and channel
+        tensors = encode("latents", state.latents, self.latents_precision, pixels)
+        if state.uncond_out is not None:
+            tensors.update(encode("uncond_out", state.uncond_out, self.latents_precision, pixels))
         for i, t in enumerate(state.cond_kv.tensors):
-            tensors.update(encode(f"cond_{i}", t, self.kv_precision, channel_axis=-1))
+            tensors.update(encode(f"cond_{i}", t, self.kv_precision, (_token_axis(i),)))
         uncond = {}
         for i, t in enumerate(state.uncond_kv.tensors):
-            uncond.update(encode(f"uncond_{i}", t, self.kv_precision, channel_axis=-1))
+            uncond.update(encode(f"uncond_{i}", t, self.kv_precision, (_token_axis(i),)))
         meta = {
             "fingerprint": self.fingerprint,
             "base": json.dumps(asdict(state.base)),
@@ -383,4 +391,5 @@ class BaseStore:
             latents=decode("latents", entry.tensors),
             cond_kv=KV([decode(f"cond_{i}", entry.tensors) for i in range(layers)]),
             uncond_kv=KV([decode(f"uncond_{i}", uncond) for i in range(layers)]),
+            uncond_out=decode("uncond_out", entry.tensors) if "uncond_out" in entry.tensors else None,
         )

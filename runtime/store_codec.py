@@ -4,8 +4,9 @@ Precision is chosen per tensor kind (``latents``, ``kv``):
 
 - ``fp32``: exact.
 - ``fp16``: half the bytes; latents and K/V are O(1) values, well inside fp16's range.
-- ``int8``: a quarter of the bytes, symmetric, with one fp32 scale per channel (the last axis
-  of K/V, axis 1 of a latent stack, per step): ``q = round(x / s)``, ``s = max|x| / 127``.
+- ``int8``: a quarter of the bytes, symmetric, with one fp32 scale per channel (per head
+  dimension of K/V, reduced over the 77 tokens; per channel and step of a latent stack,
+  reduced over the pixels): ``q = round(x / s)``, ``s = max|x| / 127``.
 
 A stored state is a flat ``{name: array}`` dict; on disk it is one safetensors file whose
 metadata holds the format version, the model fingerprint, the base key, the precisions and a
@@ -23,18 +24,17 @@ import numpy as np
 from .errors import ArtifactError
 
 StoragePrecision = Literal["fp32", "fp16", "int8"]
-FILE_FORMAT = "edit-rt-base/1"
+FILE_FORMAT = "edit-rt-base/2"  # 2: K/V in the attention layout, u of the window steps
 
 
-def encode(name: str, x: np.ndarray, precision: StoragePrecision, channel_axis: int) -> dict[str, np.ndarray]:
-    """``x`` as stored tensors under ``name`` (and ``name.scale`` for int8)."""
+def encode(name: str, x: np.ndarray, precision: StoragePrecision, reduce_axes: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """``x`` as stored tensors under ``name`` (and ``name.scale`` for int8, one scale per index
+    of the axes not in ``reduce_axes``)."""
     if precision == "fp32":
         return {name: np.ascontiguousarray(x, dtype=np.float32)}
     if precision == "fp16":
         return {name: x.astype(np.float16)}
-    # int8: one scale per channel (and per leading index, e.g. per step of a latent stack)
-    axes = tuple(a for a in range(x.ndim) if a not in (0, channel_axis % x.ndim))
-    scale = np.abs(x).max(axis=axes, keepdims=True) / 127.0
+    scale = np.abs(x).max(axis=reduce_axes, keepdims=True) / 127.0
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
     q = np.clip(np.round(x / scale), -127, 127).astype(np.int8)
     return {name: q, f"{name}.scale": scale}

@@ -14,7 +14,7 @@ from .conftest import TEST_BASE
 
 
 def _batcher(pipeline, base_state, max_rows: int) -> Batcher:
-    return Batcher(pipeline, base_state.latents.shape[1:], max_rows, queue_limit=64).start()
+    return Batcher(pipeline, pipeline.new_scheduler(base_state.latents.shape[1:], max_rows), queue_limit=64).start()
 
 
 def _edit(request, i, state, prompt="a blue square", start=5, **kw) -> Job:
@@ -56,9 +56,10 @@ def test_rows_of_different_bases_and_steps_share_calls_and_match_alone(pipeline,
         results = [j.future.result(timeout=120) for j in jobs]
     finally:
         batcher.stop()
-    for job, (image, latent, _) in zip(jobs, results):
+    for job, result in zip(jobs, results):
         (alone,) = pipeline.run_tail(job.state, [job.row])
-        np.testing.assert_allclose(latent, alone, atol=1e-5)
+        np.testing.assert_allclose(result.latent, alone, atol=1e-5)
+        assert result.image.shape == (32, 32, 3)
     counts = batcher.metrics.histogram_counts("edit_rt_batch_rows")
     assert sum(c for rows, c in counts.items() if rows >= 2) > 0
 
@@ -70,10 +71,11 @@ def test_generation_rows_record_the_same_state_as_the_pipeline(pipeline, base_st
         base = TEST_BASE
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipeline.initial_noise(base))
         batcher.submit(request, [job])
-        image, state, _ = job.future.result(timeout=120)
+        state = job.future.result(timeout=120).state
     finally:
         batcher.stop()
     np.testing.assert_allclose(state.latents, base_state.latents, atol=1e-5)
+    np.testing.assert_allclose(state.uncond_out, base_state.uncond_out, atol=1e-5)
     for a, b in zip(state.uncond_kv.tensors + state.cond_kv.tensors, base_state.uncond_kv.tensors + base_state.cond_kv.tensors):
         np.testing.assert_allclose(a, b, atol=1e-6)
 

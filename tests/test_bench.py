@@ -43,4 +43,8 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir):
     for c in (c1, c2):
         assert c["tail_steps"] == 2 and c["ideal_speedup_vs_diffusers"] > 0 and 0 < c["efficiency"]
     assert report["base_state_bytes"] > 0 and report["machine"]["threads"] >= 1
+    serve = report["server_vs_run"]  # 2 concurrent requests to the in-process server vs one tail
+    assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
+    entry = report["entry_reuse"]  # 2 rows joined at once: one takes u from the base
+    assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
     assert _finite(report)

@@ -44,7 +44,7 @@ def test_graphs_pass_onnx_checker_and_shape_inference(onnx_dir):
         inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
         # The edit batch is symbolic on every input and output that has one.
         batch_dims = [v.type.tensor_type.shape.dim[0].dim_param for v in [*inferred.graph.input, *inferred.graph.output]]
-        assert all(d in ("N", "B", "M") for d in batch_dims), (name, batch_dims)
+        assert all(d in ("N", "B", "E", "") for d in batch_dims), (name, batch_dims)
 
 
 def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
@@ -54,6 +54,11 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     unet = torch_components[0]
     assert [l["name"] for l in manifest.layers] == [l.name for l, _ in cross_attention_layers(unet)]
     step_inputs = [t.name for t in manifest.graphs["unet_step"].inputs]
-    assert step_inputs[:6] == ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index"]
-    assert len(step_inputs) == 6 + 4 * len(manifest.layers)
+    assert step_inputs[:7] == ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", "uncond_given"]
+    assert len(step_inputs) == 7 + 4 * len(manifest.layers)
+    # every input and output has its role, in graph order (what the runtime's slots read)
+    roles = manifest.step_roles
+    assert list(roles) == step_inputs + ["next_latents", "uncond_out"]
+    assert [roles[n] for n in step_inputs[:8]] == [
+        "latents", "step_scalar", "step_scalar", "step_scalar", "row_scalar", "set_index", "entry_uncond", "row_kv"]
     assert manifest.data["opset"] == 17 and manifest.data["tools"]["torch"] == torch.__version__

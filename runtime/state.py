@@ -1,0 +1,94 @@
+"""What a base keeps and what an edit asks for: the types the store, the loop and the server share.
+
+Step i of a T-step DDIM chain maps latent x_i to x_{i+1} (x_0 is the noise, x_T the final
+latent). A base keeps x_i for every i of its cache window, the unconditional prediction u_i the
+chain computed at each of those steps, its prompt's K/V for every cross-attention layer and its
+negative prompt's (unconditional) K/V. An edit row re-enters at x_s with its own K/V and runs
+steps s..T-1; at step s its unconditional prediction is the base's u_s (same latent, timestep
+and negative prompt), so it is taken from the base instead of computed again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .config import Base, Mask
+
+
+@dataclass
+class KV:
+    """Cross-attention K/V of B prompts: ``tensors[2*i]`` is K of layer i, ``[2*i+1]`` its V.
+
+    Each tensor is in the layout the step graph's attention reads (manifest ``kv_layout``):
+    K ``[B, heads, head_dim, 77]``, V ``[B, heads, 77, head_dim]``, float32.
+    """
+
+    tensors: list[np.ndarray]
+    _digest: Optional[str] = field(default=None, repr=False, compare=False)
+
+    def row(self, b: int) -> "KV":
+        return KV([t[b : b + 1] for t in self.tensors])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def digest(self) -> str:
+        """A hash of the values: two sets with the same digest hold the same numbers (a fresh
+        encoding and an int8-stored copy of one negative prompt do not)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for t in self.tensors:
+                h.update(np.ascontiguousarray(t).data)
+            self._digest = h.hexdigest()
+        return self._digest
+
+
+@dataclass
+class BaseState:
+    """What a base keeps so that edits can re-enter its chain (see ARCHITECTURE.md, cache)."""
+
+    base: Base
+    fingerprint: str
+    window_start: int
+    latents: np.ndarray  # [T - window_start + 1, c, h, w]: x_i for i in window_start..T
+    cond_kv: KV  # the base prompt's K/V, B = 1
+    uncond_kv: KV  # the negative prompt's K/V, B = 1
+    # [T - window_start, c, h, w]: the unconditional prediction at x_i, i in window_start..T-1
+    uncond_out: Optional[np.ndarray] = None
+
+    def latent(self, i: int) -> np.ndarray:
+        """x_i as a [1, c, h, w] view into the cache (no copy)."""
+        return self.latents[i - self.window_start][None]
+
+    def entry_uncond(self, i: int) -> Optional[np.ndarray]:
+        """u_i, the unconditional prediction at x_i, [c, h, w] (None if not kept)."""
+        if self.uncond_out is None or not self.window_start <= i < self.base.steps:
+            return None
+        return self.uncond_out[i - self.window_start]
+
+    @property
+    def final_latent(self) -> np.ndarray:
+        return self.latents[-1][None]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.uncond_out is None else self.uncond_out.nbytes
+        return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes + extra
+
+
+@dataclass
+class TailRow:
+    """One edit, resolved: the K/V mix, where it enters and how it is guided."""
+
+    prompt: str
+    strength: float
+    start_step: int
+    guidance: float
+    mask: Optional[Mask] = None
+    seed: Optional[int] = None
