@@ -198,6 +198,8 @@ def run_bench(
     report["server_vs_run"] = _server_vs_run(cfg, rt, state, prompts[: max(ns)], k_serve, repeats)
     say("bench: entry-step reuse on and off")
     report["entry_reuse"] = _entry_reuse(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
+    say("bench: preserve: auto against none")
+    report["preserve_cost"] = _preserve_cost(rt, state, prompts[: max(ns)], max(ks.values()), repeats)
     rt.deactivate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +302,20 @@ def _entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: i
             # every row skips its entry step's unconditional half, but one per call is computed
             # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
             "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
+def _preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """One N-row tail of k steps with ``preserve: auto`` on every row against the same tail
+    without it, interleaved: the maps graph's first steps and the masks are the difference."""
+    base, T = state.base, state.base.steps
+    seconds: dict[str, list[float]] = {"auto": [], "none": []}
+    for _ in range(repeats + 1):  # the first round warms up both graphs
+        for mode in ("auto", "none"):
+            rows = [TailRow(p, 1.0, T - k, base.guidance, preserve=mode) for p in prompts]
+            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
+    auto, none = statistics.median(seconds["auto"][1:]), statistics.median(seconds["none"][1:])
+    return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preserve.steps, "seconds_auto": auto,
+            "seconds_none": none, "ratio": auto / none}  # fmt: skip
 
 
 def _step_cost_probes(pipe, rt: EditPipeline, state, base, ns) -> dict[str, Callable[[int], float]]:

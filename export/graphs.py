@@ -49,6 +49,8 @@ class _StepContext:
         self.kv: list[tuple[torch.Tensor, ...] | None] = [None] * n
         self.uncond_rows = 0
         self.set_bias: torch.Tensor | None = None
+        self.want_maps = False
+        self.maps: list[torch.Tensor] = []  # per map layer: [N, 77, image tokens]
 
 
 # Added to the scores of another set's tokens: exp() of it underflows to exactly 0 in fp32
@@ -72,9 +74,10 @@ class PrecomputedKVProcessor:
     softmax(q k^T * scale) v, the output projection, dropout (a no-op at inference).
     """
 
-    def __init__(self, context: _StepContext, index: int):
+    def __init__(self, context: _StepContext, index: int, map_layer: bool = False):
         self.context = context
         self.index = index
+        self.map_layer = map_layer
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
         cond_k, cond_v, uncond_k, uncond_v = self.context.kv[self.index]
@@ -88,7 +91,11 @@ class PrecomputedKVProcessor:
         scores_u = torch.matmul(query[:nu], uncond_k) + self.context.set_bias
         out_u = torch.matmul(scores_u.softmax(dim=-1), uncond_v)
         # 2. conditional rows: each over its own row's K/V
-        out_c = torch.matmul(torch.matmul(query[nu:], cond_k).softmax(dim=-1), cond_v)
+        probs_c = torch.matmul(query[nu:], cond_k).softmax(dim=-1)
+        out_c = torch.matmul(probs_c, cond_v)
+        if self.map_layer and self.context.want_maps:
+            # 3. the attention each image token pays to each text position, head mean: [N, 77, tokens]
+            self.context.maps.append(probs_c.mean(dim=1).transpose(1, 2))
         out = torch.cat([out_u, out_c]).transpose(1, 2).reshape(rows, tokens, heads * head_dim)
         out = attn.to_out[1](attn.to_out[0](out))
         if attn.residual_connection:
@@ -146,9 +153,14 @@ class UNetStepGraph(nn.Module):
     the base computed): the UNet runs N - E unconditional rows and N conditional ones.
     Outputs: ``next_latents [N,c,h,w]`` and ``uncond_out [N,c,h,w]`` (each row's unconditional
     prediction, which a base generation keeps for its edits' entry steps).
+
+    With ``map_layers`` (the ``unet_step_maps`` variant) it also returns ``attn_maps [N, 77,
+    h/f, w/f]``: per row and text position, the conditional cross-attention the image tokens
+    pay to it, averaged over heads and over the layers at 1/f of the latent resolution.
     """
 
-    def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77):
+    def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77,
+                 map_layers: frozenset[int] | None = None, map_factor: int = 1):  # fmt: skip
         super().__init__()
         if prediction_type not in ("epsilon", "v_prediction", "sample"):
             raise ValueError(f"prediction_type {prediction_type!r} is not supported")
@@ -156,14 +168,18 @@ class UNetStepGraph(nn.Module):
         self.prediction_type = prediction_type
         self.clip_sample = clip_sample
         self.text_len = text_len
+        self.map_layers = map_layers
+        self.map_factor = map_factor
         layers = cross_attention_layers(unet)
         self.context = _StepContext(len(layers))
         for i, (_, module) in enumerate(layers):
-            module.set_processor(PrecomputedKVProcessor(self.context, i))
+            module.set_processor(PrecomputedKVProcessor(self.context, i, map_layers is not None and i in map_layers))
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
     def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, uncond_given, *kv):
+        self.context.maps = []
+        self.context.want_maps = self.map_layers is not None
         n = latents.shape[0]
         nu = n - uncond_given.shape[0]
         # 1. the UNet's rows: [uncond rows 0..nu-1; cond rows 0..n-1]
@@ -199,7 +215,35 @@ class UNetStepGraph(nn.Module):
             eps = (latents - a_t.sqrt() * x0) / b_t.sqrt()
         if self.clip_sample is not None:
             x0 = x0.clamp(-self.clip_sample, self.clip_sample)
-        return a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps, out_uncond
+        next_latents = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+        if self.map_layers is None:
+            return next_latents, out_uncond
+        maps = torch.stack(self.context.maps).mean(dim=0)
+        f = self.map_factor
+        return next_latents, out_uncond, maps.reshape(n, self.text_len, latents.shape[2] // f, latents.shape[3] // f)
+
+
+def layer_factor(name: str, levels: int) -> int:
+    """How much smaller than the latent an ``attn2`` layer's image grid is, from its place in a
+    ``UNet2DConditionModel`` (each down block but the last halves the grid; up blocks undo it)."""
+    block, index = name.split(".")[0], name.split(".")[1]
+    if block == "mid_block":
+        return 2 ** (levels - 1)
+    if block == "down_blocks":
+        return 2 ** int(index)
+    return 2 ** (levels - 1 - int(index))
+
+
+def attention_map_layers(unet: nn.Module) -> tuple[frozenset[int], int]:
+    """The cross-attention layers whose maps edit-rt reads, and their factor f.
+
+    Prompt-to-prompt reads SD's maps at 16x16 for 64x64 latents: the coarsest grid that still
+    resolves an object. Here: every layer at the largest factor <= 4 the UNet has.
+    """
+    levels = len(unet.config.block_out_channels)
+    factors = [layer_factor(layer.name, levels) for layer, _ in cross_attention_layers(unet)]
+    f = max(x for x in factors if x <= 4) if any(x <= 4 for x in factors) else min(factors)
+    return frozenset(i for i, x in enumerate(factors) if x == f), f
 
 
 class VaeDecoderGraph(nn.Module):

@@ -23,7 +23,14 @@ import torch
 from edit_rt.runtime.errors import ModelError
 from edit_rt.runtime.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
-from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, cross_attention_layers
+from .graphs import (
+    KVProjGraph,
+    TextEncoderGraph,
+    UNetStepGraph,
+    VaeDecoderGraph,
+    attention_map_layers,
+    cross_attention_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +143,11 @@ class StepIO:
         return {name: role for name, role, _, _ in self.inputs} | dict(self.outputs)
 
 
-def step_io(layers: list, c: int, h: int, w: int) -> StepIO:
+def step_io(layers: list, c: int, h: int, w: int, maps: bool = False) -> StepIO:
     """Roles: ``latents``, ``step_scalar`` (changes every step), ``row_scalar`` (fixed per row),
     ``set_index`` (the row's negative-prompt set), ``entry_uncond`` (rows at their entry step),
-    ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V)."""
+    ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V); outputs
+    ``next_latents``, ``uncond_out`` and (the maps variant) ``attn_maps``."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
     # or set count of 1 gets frozen into the graph as a broadcast.
     n, e, sets = 3, 1, 2
@@ -153,6 +161,7 @@ def step_io(layers: list, c: int, h: int, w: int) -> StepIO:
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
     ]
+
     for i, layer in enumerate(layers):
         d = layer.inner_dim // layer.heads
         inputs += [
@@ -162,7 +171,11 @@ def step_io(layers: list, c: int, h: int, w: int) -> StepIO:
             (f"uncond_v_{i}", "set_kv", torch.randn(layer.heads, sets * TEXT_LEN, d), {1: "S"}),
         ]
     outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out")]
-    return StepIO(inputs, outputs, {name: latent_axes for name, _ in outputs})
+    axes = {name: latent_axes for name, _ in outputs}
+    if maps:
+        outputs.append(("attn_maps", "attn_maps"))
+        axes["attn_maps"] = {0: "N", 2: "HM", 3: "WM"}
+    return StepIO(inputs, outputs, axes)
 
 
 def _write_tokenizer(tokenizer, out: Path) -> None:
@@ -214,15 +227,19 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}}, opset, threshold,
     )  # fmt: skip
 
-    log.info("exporting unet_step (prediction_type=%s)", prediction_type)
-    step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN).eval()
-    io = step_io(layers, c, h, w)
-    graphs["unet_step"] = _export_graph(
-        step, tuple(a for _, _, a, _ in io.inputs), staging / "unet_step.onnx",
-        [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
-        {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
-    )  # fmt: skip
-    graphs["unet_step"]["roles"] = io.roles
+    map_layers, map_factor = attention_map_layers(unet)
+    for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
+        log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
+        step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN, map_layers if maps else None, map_factor).eval()
+        io = step_io(layers, c, h, w, maps)
+        graphs[graph] = _export_graph(
+            step, tuple(a for _, _, a, _ in io.inputs), staging / f"{graph}.onnx",
+            [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
+            {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
+        )  # fmt: skip
+        graphs[graph]["roles"] = io.roles
+    graphs["unet_step_maps"]["map_factor"] = map_factor
+    graphs["unet_step_maps"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
 
     log.info("exporting vae_decoder")
     graphs["vae_decoder"] = _export_graph(

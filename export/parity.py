@@ -31,7 +31,7 @@ from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
 
-from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph
+from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, attention_map_layers
 from .onnx_export import load_components
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
@@ -102,9 +102,10 @@ def torch_module(graph: str, model_dir: Path) -> torch.nn.Module:
         return TextEncoderGraph(text_encoder)
     if graph == "kv_proj":
         return KVProjGraph(unet)
-    if graph == "unet_step":
+    if graph in ("unet_step", "unet_step_maps"):
         clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
-        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip)
+        map_layers, factor = attention_map_layers(unet) if graph == "unet_step_maps" else (None, 1)
+        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip, map_layers=map_layers, map_factor=factor)
     return VaeDecoderGraph(vae)
 
 

@@ -1,11 +1,21 @@
-"""`edit-rt quality`: does an edit do what it says, and keep the rest? Measured by the reader.
+"""`edit-rt quality`: does an edit do what it says, and keep the rest? Measured on the shapes world.
 
 On the shapes model, for bases drawn from the world and edits that change one attribute (the
-shape's colour, the background's colour, the shape's kind), at several tail fractions K/T and
-strengths: *success* = the reader finds the edit's target attribute; *preservation* = every
-other attribute, the position included, reads as in the base. Side by side, the same edits as
-a user would do them without edit-rt: diffusers' img2img at strength K/T on the base image with
-the edit prompt (same model, same steps, fresh noise). Writes quality.json and quality.png.
+shape's colour, the background's colour, the shape's kind), as a user would make them: the
+base prompt with that one word replaced. Scores, per edit:
+
+- *success*: the reader finds the edit's target attribute; *preservation*: every other
+  attribute, position included, reads as in the base; *both*;
+- *untouched PSNR*: PSNR (8-bit, capped at 60 dB for identical pixels) of the region the edit
+  should not touch, from the reader's segmentation of the base: the background for colour and
+  shape edits (less the new shape, for shape edits), the shape for background edits;
+- *silhouette IoU*: the shape's pixels in the base against the edit's (colour and background
+  edits; a shape edit changes the silhouette on purpose).
+
+Side by side on the same bases: edit-rt at several tail fractions K/T and strengths with
+``preserve: none``; edit-rt with ``preserve: auto`` at the default tail and strength, for each
+setting of its knobs; diffusers' img2img at strength K/T (same model and steps, fresh noise);
+prompt-to-prompt from the same base tail (export/p2p.py). Writes quality.json and quality.png.
 """
 
 from __future__ import annotations
@@ -13,31 +23,41 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from edit_rt.runtime.config import Base, RunConfig
 from edit_rt.runtime.images import to_uint8
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.state import TailRow
 
 from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read
 
 EDIT_KINDS = ("colour", "background", "shape")
-
-
-def edited(scene: Scene, kind: str, rng: np.random.Generator) -> Scene:
-    """``scene`` with one attribute changed to another valid value."""
-    if kind == "shape":
-        return dataclasses.replace(scene, shape=str(rng.choice([s for s in SHAPES if s != scene.shape])))
-    taken = {scene.colour, scene.background}
-    new = str(rng.choice([c for c in COLOURS if c not in taken]))
-    return dataclasses.replace(scene, **{kind: new})
-
-
 FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
+PSNR_CAP = 60.0  # dB given to identical regions (no error to take the log of)
+# preserve: auto knobs measured (threshold, dilate, region); the config's default is one of them
+AUTO_KNOBS = tuple((t, d, r) for t in (0.3, 0.5) for d in (0, 1) for r in ("contrast", "words"))
+
+
+def edited(scene: Scene, kind: str, rng: np.random.Generator, avoid: Optional[Scene] = None) -> Scene:
+    """``scene`` with one attribute changed to a value that neither it nor ``avoid`` has."""
+    others = [s for s in (scene, avoid) if s is not None]
+    if kind == "shape":
+        return dataclasses.replace(scene, shape=str(rng.choice([s for s in SHAPES if all(s != o.shape for o in others)])))
+    taken = {c for o in others for c in (o.colour, o.background)}
+    return dataclasses.replace(scene, **{kind: str(rng.choice([c for c in COLOURS if c not in taken]))})
+
+
+def edit_of(intended: Scene, seen: Scene, kind: str, rng: np.random.Generator) -> tuple[Scene, str]:
+    """(what the edit should show, the edit prompt): the base prompt with one word replaced by a
+    value that neither the prompt nor the reader's view of the base has."""
+    target = edited(seen, kind, rng, avoid=intended)
+    return target, prompt(dataclasses.replace(intended, **{kind: getattr(target, kind)}))
 
 
 def _read(image: np.ndarray) -> Scene | None:
@@ -53,6 +73,65 @@ def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple
     return getattr(result, kind) == getattr(target, kind), not changed, changed
 
 
+def foreground(image: np.ndarray, background: str) -> np.ndarray:
+    """[H, W] bool: the shape's pixels, as the reader segments them (far from the background)."""
+    img = to_uint8(image).astype(np.float64)
+    return np.sqrt(((img - np.array(COLOURS[background], dtype=np.float64)) ** 2).sum(axis=-1)) > 60
+
+
+def psnr(a: np.ndarray, b: np.ndarray, region: np.ndarray) -> float:
+    """8-bit PSNR of ``a`` against ``b`` over ``region`` (PSNR_CAP when identical or empty)."""
+    if not region.any():
+        return PSNR_CAP
+    mse = float(((to_uint8(a).astype(np.float64) - to_uint8(b).astype(np.float64))[region] ** 2).mean())
+    return PSNR_CAP if mse == 0 else min(PSNR_CAP, 10 * np.log10(255.0**2 / mse))
+
+
+@dataclass
+class Tally:
+    n: int = 0
+    success: int = 0
+    preserved: int = 0
+    both: int = 0
+    unreadable: int = 0
+    changed: dict = field(default_factory=lambda: dict.fromkeys(FIELDS, 0))
+    psnr: list = field(default_factory=list)
+    iou: list = field(default_factory=list)
+
+    def add(self, image: np.ndarray, base_image: np.ndarray, seen: Scene, target: Scene, kind: str) -> None:
+        result = _read(image)
+        ok, kept, changed = _score(result, target, seen, kind)
+        self.n += 1
+        self.success += ok
+        self.preserved += kept
+        self.both += ok and kept
+        self.unreadable += result is None
+        for f in changed:
+            self.changed[f] += 1
+        shape_base = foreground(base_image, seen.background)
+        shape_edit = foreground(image, result.background if result else target.background)
+        region = {"background": shape_base, "shape": ~shape_base & ~shape_edit}.get(kind, ~shape_base)
+        self.psnr.append(psnr(base_image, image, region))
+        if kind != "shape":
+            self.iou.append(float((shape_base & shape_edit).sum() / max(1, (shape_base | shape_edit).sum())))
+
+    def row(self) -> dict[str, Any]:
+        n = max(self.n, 1)
+        return {
+            "n": self.n, "success": self.success / n, "preservation": self.preserved / n,
+            "success_and_preserved": self.both / n, "unreadable": self.unreadable / n,
+            "untouched_psnr": float(np.mean(self.psnr)) if self.psnr else None,
+            "untouched_psnr_at_least_35": float(np.mean(np.array(self.psnr) >= 35)) if self.psnr else None,
+            "silhouette_iou": float(np.mean(self.iou)) if self.iou else None,
+            "changed": {f: v / n for f, v in self.changed.items()},
+        }  # fmt: skip
+
+
+def knobs_label(knobs: tuple[float, int, str]) -> str:
+    t, d, r = knobs
+    return f"auto t{t:g} d{d} {r}"
+
+
 def run_quality(
     cfg: RunConfig,
     bases: int = 50,
@@ -60,25 +139,33 @@ def run_quality(
     strengths: tuple[float, ...] = (0.5, 1.0, 1.5),
     default_fraction: float | None = None,
     prompts: int = 100,
+    auto_knobs: tuple[tuple[float, int, str], ...] = AUTO_KNOBS,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The table over ``bases`` bases: edit-rt at every tail fraction (strength 1) and at every
-    strength at ``default_fraction`` (the config's ``cache.default_tail_fraction`` unless given),
-    img2img at every tail fraction; ``prompts`` generations measure prompt following first."""
+    """The table over ``bases`` bases: edit-rt (``preserve: none``) at every tail fraction
+    (strength 1) and every strength at ``default_fraction`` (the config's tail unless given);
+    at the default tail and strength, ``preserve: auto`` for each of ``auto_knobs`` and
+    prompt-to-prompt; img2img at every tail fraction. ``prompts`` generations measure prompt
+    following first."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
+
+    from .onnx_export import load_components
+    from .p2p import p2p_tail
 
     T = cfg.base.steps
     default_fraction = cfg.cache.default_tail_fraction if default_fraction is None else default_fraction
+    default_strength = cfg.cache.default_strength
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     following = _prompt_following(pipe, cfg.base, prompts) if prompts else None
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
+    unet, text_encoder, _, tokenizer, scheduler_config = load_components(cfg.model)
     rng = np.random.default_rng(0)
-    counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])  # n, success, preserved, both, unreadable
-    changes: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    tallies: dict[tuple, Tally] = defaultdict(Tally)
     base_reads = 0
+    start = T - max(1, round(default_fraction * T))
     for b in range(bases):
         intended = random_scene(rng)
         base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
@@ -88,38 +175,35 @@ def run_quality(
         base_reads += seen == intended
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
-        for kind in EDIT_KINDS:
-            target = edited(seen, kind, rng)
-            text = prompt(target)
-            rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for f, s in settings]
-            keys = [("edit-rt", kind, f, s) for f, s in settings]
-            images = pipe.decode(pipe.run_tail(state, rows))
-            results = [_read(im) for im in images]
+        edits = {kind: edit_of(intended, seen, kind, rng) for kind in EDIT_KINDS}
+        # edit-rt, preserve: none, every setting of every kind in one batched tail
+        rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for _, text in edits.values() for f, s in settings]
+        images = iter(r.image for r in pipe.edit(state, rows))
+        for kind, (target, _) in edits.items():
+            for f, s in settings:
+                tallies["edit-rt", kind, f, s].add(next(images), base_image, seen, target, kind)
+        # edit-rt, preserve: auto, each setting of its knobs, at the default tail and strength
+        for knobs in auto_knobs:
+            t, d, region = knobs
+            pipe.preserve = dataclasses.replace(cfg.preserve, threshold=t, dilate=d, region=region)
+            rows = [TailRow(text, default_strength, start, base.guidance, preserve="auto") for _, text in edits.values()]
+            for (kind, (target, _)), result in zip(edits.items(), pipe.edit(state, rows)):
+                tallies[knobs_label(knobs), kind, default_fraction, default_strength].add(result.image, base_image, seen, target, kind)
+        pipe.preserve = cfg.preserve
+        for kind, (target, text) in edits.items():
             for f in fractions:
                 out = img2img(text, image=base_image[None], strength=f, num_inference_steps=T, guidance_scale=base.guidance,
                               output_type="np", generator=torch.Generator().manual_seed(b)).images[0]  # fmt: skip
-                results.append(_read(out))
-                keys.append(("img2img", kind, f, 1.0))
-            for key, result in zip(keys, results):
-                ok, kept, changed = _score(result, target, seen, kind)
-                c = counts[key]
-                c[0] += 1
-                c[1] += ok
-                c[2] += kept
-                c[3] += ok and kept
-                c[4] += result is None
-                for field in changed:
-                    changes[key][field] += 1
+                tallies["img2img", kind, f, 1.0].add(out, base_image, seen, target, kind)
+            latent = p2p_tail(unet, text_encoder, tokenizer, scheduler_config, state, text, start)
+            tallies["p2p", kind, default_fraction, 1.0].add(pipe.decode(latent[None])[0], base_image, seen, target, kind)
         say(f"quality: base {b + 1}/{bases}")
     pipe.deactivate()
-    table = [
-        {"method": m, "kind": k, "tail_fraction": f, "strength": s, "n": c[0],
-         "success": c[1] / c[0], "preservation": c[2] / c[0], "success_and_preserved": c[3] / c[0],
-         "unreadable": c[4] / c[0], "changed": {field: n / c[0] for field, n in changes[m, k, f, s].items() if field != k}}
-        for (m, k, f, s), c in sorted(counts.items())
-    ]  # fmt: skip
+    table = [{"method": m, "kind": k, "tail_fraction": f, "strength": s, **t.row()} for (m, k, f, s), t in sorted(tallies.items())]
     report = {"model": str(cfg.model), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
-              "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction, "rows": table}  # fmt: skip
+              "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction,
+              "default_strength": default_strength, "preserve_default": dataclasses.asdict(cfg.preserve),
+              "rows": table}  # fmt: skip
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report, indent=2))
@@ -133,17 +217,25 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(EDIT_KINDS), figsize=(12, 3.4), sharey=True)
+    fig, axes = plt.subplots(1, len(EDIT_KINDS), figsize=(13, 3.6), sharey=True)
+    f0, s0 = report["default_tail_fraction"], report["default_strength"]
     for ax, kind in zip(axes, EDIT_KINDS):
         for method, colour in (("edit-rt", "tab:orange"), ("img2img", "tab:blue")):
             rows = [r for r in report["rows"] if r["method"] == method and r["kind"] == kind and r["strength"] == 1.0]
             rows.sort(key=lambda r: r["tail_fraction"])
             xs = [r["tail_fraction"] for r in rows]
-            ax.plot(xs, [r["success"] for r in rows], "-o", color=colour, label=f"{method} success")
-            ax.plot(xs, [r["preservation"] for r in rows], "--s", color=colour, label=f"{method} preserved")
+            ax.plot(xs, [r["success_and_preserved"] for r in rows], "-o", color=colour, label=f"{method} (none), both")
+            ax.plot(xs, [r["preservation"] for r in rows], ":", color=colour, alpha=0.6, label=f"{method} (none), preserved")
+        marks = [r for r in report["rows"] if r["kind"] == kind and r["tail_fraction"] == f0
+                 and (r["method"].startswith("auto") or r["method"] == "p2p")]  # fmt: skip
+        for r in marks:
+            style = ("s", "tab:purple") if r["method"] == "p2p" else ("*", "tab:green")
+            ax.plot([f0], [r["success_and_preserved"]], style[0], color=style[1], alpha=0.7)
+        ax.plot([], [], "*", color="tab:green", label=f"edit-rt auto (each knob setting), x{s0:g}")
+        ax.plot([], [], "s", color="tab:purple", label="prompt-to-prompt")
         ax.set(title=f"edit: {kind}", xlabel="tail fraction K/T", ylim=(0, 1.02))
-    axes[0].set_ylabel("rate over bases")
-    axes[-1].legend(fontsize=7)
+    axes[0].set_ylabel("success and preserved")
+    axes[-1].legend(fontsize=6)
     fig.suptitle(f"edit-rt quality on the shapes model ({report['bases']} bases, T={report['steps']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -165,7 +257,9 @@ def _prompt_following(pipe: EditPipeline, base: Base, n: int) -> dict[str, float
         seen = _read(pipe.decode(state.final_latent)[0])
         if seen is None:
             continue
-        for field in FIELDS:
-            hits[field] += getattr(seen, field) == getattr(scene, field)
+        for f in FIELDS:
+            hits[f] += getattr(seen, f) == getattr(scene, f)
         hits["all"] += seen == scene
-    return {field: hits[field] / n for field in (*FIELDS, "all")}
+    return {f: hits[f] / n for f in (*FIELDS, "all")}
+
+

@@ -44,6 +44,9 @@ class EditItem(BaseModel):
     mask: Optional[MaskRect] = Field(None, description="Pixels inside may change; outside stays the base.")
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="A variation: re-noise with this seed.")
     cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Guidance for this edit; the base's if omitted.")
+    preserve: Optional[Literal["auto", "none"]] = Field(
+        None, description="auto: only where the changed words attend may the image change; the server's default if omitted."
+    )
 
 
 class EditsRequest(BaseModel):

@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import Base
 from .errors import EditRtError
+from .images import composite
 from .metrics import Metrics
 from .scheduler_ddim import DDIMSchedule
 from .slots import Recording, Row, RowScheduler
@@ -61,6 +62,8 @@ class RowResult:
     image: Optional[np.ndarray]  # [H, W, 3] in [0, 1] when the request asked for images
     state: Optional[BaseState]  # a generation's recorded state
     seconds: float
+    preserve: str = "none"  # what the row's preserve mode came to ("auto", or why none)
+    keep: Optional[np.ndarray] = None  # [1, h, w] bool: where the row kept the base's latent
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Job:
     future: Future = field(default_factory=Future)
     started: float = 0.0
     scheduled: Optional[Row] = None
+    preserve: str = "none"
 
 
 @dataclass
@@ -134,6 +138,10 @@ class Batcher:
         if self._thread is None:
             while not all(job.future.done() for job in jobs):
                 self.work_once()
+                if not (self.queue or self.scheduler.active or self.scheduler.pending):
+                    for job in jobs:  # nothing left that could finish them: never wait forever
+                        if not job.future.done():
+                            job.future.set_exception(RuntimeError(f"row {job.index} of {request.id} was lost"))
         return [job.future.result() for job in jobs]
 
     def queue_position(self, request: Request) -> int:
@@ -179,20 +187,23 @@ class Batcher:
     def work_once(self) -> None:
         """Admit what fits, drop what expired, run one step, hand out what finished."""
         with self._work:
+            finished: list[Job] = []
             try:
                 with self._cv:
                     jobs = self._take_locked(self.scheduler.free_slots)
                 self._admit(jobs)
                 self._drop_expired()
-                finished = self.scheduler.step()
+                finished = [row.owner for row in self.scheduler.step()]
                 self._observe()
-                self._finish([row.owner for row in finished])
+                self._finish(finished)
             except Exception as err:  # a bug or a broken engine: fail the rows in flight, keep serving
                 log.exception("batcher step failed")
                 for row in self.scheduler.active + self.scheduler.pending:
                     self.scheduler.remove(row)
-                    if not row.owner.future.done():
-                        row.owner.future.set_exception(err)
+                    finished.append(row.owner)
+                for job in finished:
+                    if not job.future.done():
+                        job.future.set_exception(err)
             with self._cv:
                 self._cv.notify_all()
 
@@ -276,11 +287,13 @@ class Batcher:
             return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
                        kv[job.base.negative_prompt], record=record, owner=job)  # fmt: skip
         state, tail = job.state, job.row
+        shape = state.latents.shape[1:]
+        auto, job.preserve = self.pipe.auto_mask(state.base.prompt, tail, shape)
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             mix_kv(state.cond_kv, edit, tail.strength), state.uncond_kv,
             entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
-            keep=self.pipe.keep_mask(tail.mask, state.latents.shape[1:]), base=state, owner=job,
+            keep=self.pipe.keep_mask(tail.mask, shape), base=state, auto=auto, owner=job,
         )  # fmt: skip
 
     def _drop_expired(self) -> None:
@@ -308,8 +321,15 @@ class Batcher:
                 of = job.base.steps - job.row.start_step
                 job.request.on_progress(job.index, of, of)
         decode = [job for job in jobs if job.request.decode]
-        images = self.pipe.decode(np.stack([job.scheduled.latent for job in decode])) if decode else []
-        image_of = {id(job): image for job, image in zip(decode, images)}
+        image_of = {}
+        if decode:
+            images = self.pipe.decode(np.stack([job.scheduled.latent for job in decode]))
+            for job, image in zip(decode, images):
+                if job.state is not None:  # outside its mask an edit shows the base's own pixels
+                    weight = self.pipe.pixel_weight(job.row, job.scheduled.keep, image.shape[:2])
+                    if weight is not None:
+                        image = composite(image, self.pipe.base_image(job.state), weight)
+                image_of[id(job)] = image
         for job in jobs:
             seconds = time.perf_counter() - job.started
             self.metrics.observe("edit_rt_row_seconds", seconds)
@@ -320,7 +340,7 @@ class Batcher:
                                   KV([t[None] for t in row.kv]), row.uncond, row.record.uncond)  # fmt: skip
             else:
                 self.metrics.inc("edit_rt_edits_served_total")
-            job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds))
+            job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds, job.preserve, row.keep))
 
 
 def mix_kv(base: KV, edit: KV, strength: float) -> list[np.ndarray]:

@@ -73,7 +73,7 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
             cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
             external_data_threshold_mb=cfg.export.external_data_threshold_mb,
         )  # fmt: skip
-    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, vae_decoder, manifest.json)")
+    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, manifest.json)")
 
 
 @app.command()
@@ -166,6 +166,12 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"{entry['half_rows']} half-rows skipped ({entry['expected_saving']:.1%}), tail "
             f"{entry['seconds_without']:.2f} s -> {entry['seconds_with']:.2f} s ({entry['measured_saving']:.1%} faster)"
         )  # fmt: skip
+    cost = report.get("preserve_cost")
+    if cost:
+        out.print(
+            f"preserve: auto, {cost['n']} rows x {cost['tail_steps']} steps ({cost['map_steps']} on the maps graph): "
+            f"{cost['seconds_auto']:.2f} s vs {cost['seconds_none']:.2f} s without ({cost['ratio']:.2f}x)"
+        )  # fmt: skip
     out.print(f"wrote {output_dir}/bench.json and bench.png")
 
 
@@ -179,13 +185,14 @@ def quality(
     module = _export_module("quality")
     report = module.run_quality(cfg, bases=bases, say=console.print)
     table = Table(title=f"edit-rt quality: {bases} bases, T={report['steps']}", title_justify="left")
-    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "unreadable", "changed"):
+    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "untouched PSNR", "IoU", "changed"):
         table.add_column(column)
     for r in report["rows"]:
         changed = " ".join(f"{f} {v:.2f}" for f, v in r["changed"].items() if v)
+        iou = "-" if r["silhouette_iou"] is None else f"{r['silhouette_iou']:.2f}"
         table.add_row(r["method"], r["kind"], f"{r['tail_fraction']:g}", f"{r['strength']:g}", f"{r['success']:.2f}",
-                      f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}", f"{r['unreadable']:.2f}",
-                      changed)  # fmt: skip
+                      f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}",
+                      f"{r['untouched_psnr']:.1f} dB ({r['untouched_psnr_at_least_35']:.2f})", iou, changed)  # fmt: skip
     Console().print(table)
     following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
     console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")

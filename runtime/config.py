@@ -22,6 +22,7 @@ from .errors import ConfigError
 Backend = Literal["auto", "ort-cpu", "ort-cuda", "ort-tensorrt", "trt"]
 Precision = Literal["fp16", "bf16", "fp32"]
 StoragePrecision = Literal["fp32", "fp16", "int8"]
+PreserveMode = Literal["auto", "none"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class Edit:
     seed: Optional[int] = None
     # Shown in the grid and the report; defaults to a summary of the fields.
     label: Optional[str] = None
+    # "auto": only where the changed words attend may the image change (see `preserve:`);
+    # "none": the plain tail. None: `preserve.mode`.
+    preserve: Optional[PreserveMode] = None
 
     def validate(self, where: str) -> None:
         if not self.prompt.strip():
@@ -126,6 +130,43 @@ class Cache:
             )
         if not -4.0 <= self.default_strength <= 4.0:
             raise ConfigError(f"{where}.default_strength: must lie in [-4, 4], got {self.default_strength}")
+
+
+@dataclass(frozen=True)
+class Preserve:
+    """Automatic local edits (``preserve: auto``): the knobs of the mask from attention maps.
+
+    Chosen by `make quality` on the shapes model (README, "Edit quality"): there ``auto`` kept
+    no more than the plain tail (its maps do not mark the edited region well enough), so the
+    default mode is ``none`` and the knobs are the best-measured ``auto`` setting.
+    """
+
+    # The mode of an edit that names none. "auto" keeps, exactly, what the edit's changed
+    # words do not attend to; "none" lets the whole image follow the edit prompt.
+    mode: PreserveMode = "none"
+    # Of the summed map normalised to [0, 1]: at or above it the image may change.
+    threshold: float = 0.3
+    # Map pixels the region grows by (prompt-to-prompt's max-pool): covers an outline's blur.
+    dilate: int = 1
+    # "contrast": the changed words' region, or, when they attend away from the prompt's other
+    # words (a background recoloured), everything but those words' region; "words": the
+    # changed words' region alone (prompt-to-prompt's local blend).
+    region: Literal["contrast", "words"] = "contrast"
+    # Tail steps whose maps are summed; later steps keep the mask (and run the plain graph).
+    steps: int = 4
+    # Decoded images are composited with the base image outside the mask; the edge blends
+    # over this many pixels inside it, so nothing outside the mask changes at all.
+    feather_px: int = 2
+
+    def validate(self, where: str) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(f"{where}.threshold: must lie in (0, 1), got {self.threshold}")
+        if not 0 <= self.dilate <= 8:
+            raise ConfigError(f"{where}.dilate: must lie in [0, 8] map pixels, got {self.dilate}")
+        if not 1 <= self.steps <= 50:
+            raise ConfigError(f"{where}.steps: must lie in [1, 50], got {self.steps}")
+        if not 0 <= self.feather_px <= 16:
+            raise ConfigError(f"{where}.feather_px: must lie in [0, 16], got {self.feather_px}")
 
 
 @dataclass(frozen=True)
@@ -237,6 +278,7 @@ class RunConfig:
     # ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.
     threads: int = 0
     cache: Cache = field(default_factory=Cache)
+    preserve: Preserve = field(default_factory=Preserve)
     export: Export = field(default_factory=Export)
     engines: Engines = field(default_factory=Engines)
     store: Store = field(default_factory=Store)
@@ -258,6 +300,7 @@ class RunConfig:
     def validate(self, where: str) -> None:
         self.base.validate(f"{where}base")
         self.cache.validate(f"{where}cache")
+        self.preserve.validate(f"{where}preserve")
         self.export.validate(f"{where}export")
         self.engines.validate(f"{where}engines")
         self.store.validate(f"{where}store")
@@ -279,6 +322,10 @@ class RunConfig:
                         f"{where}edits[{i}].mask: the rectangle ({m.x},{m.y},{m.width}x{m.height}) "
                         f"leaves the {self.base.width}x{self.base.height} image; shrink it"
                     )
+
+    def preserve_of(self, preserve: Optional[str]) -> str:
+        """An edit's preserve mode (config or API), or ``preserve.mode`` when it gives none."""
+        return self.preserve.mode if preserve is None else preserve
 
     def strength_of(self, strength: Optional[float]) -> float:
         """An edit's strength (config or API), or ``cache.default_strength`` when it gives none."""

@@ -91,7 +91,7 @@ def graphs_from_artifacts(
 
         engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), latent_hw)
         files = {g: engines.path(g) for g in GRAPHS}
-        graphs = {g: TrtGraph(f, cuda_graphs=cuda_graphs and g == "unet_step") for g, f in files.items()}
+        graphs = {g: TrtGraph(f, cuda_graphs=cuda_graphs and g.startswith("unet_step")) for g, f in files.items()}
         return GraphSet(chosen, reason, graphs, files, engines.profile)
 
     if chosen == "ort-cpu" and "ort-cpu" in built:
@@ -113,7 +113,7 @@ def graphs_from_artifacts(
                 "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": "True",
             }
-        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and g == "unet_step")
+        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and g.startswith("unet_step"))
     if chosen == "ort-cpu":
         reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
     return GraphSet(chosen, reason, graphs, files, profile)

@@ -21,6 +21,32 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
+def feathered_rectangle(mask, image_hw: tuple[int, int], feather_px: int) -> np.ndarray:
+    """[H, W] weight of an explicit mask: 0 outside the rectangle, rising to 1 over
+    ``feather_px`` pixels inside its edge (so no pixel outside it can change)."""
+    h, w = image_hw
+    ys, xs = np.arange(h)[:, None], np.arange(w)[None, :]
+    inside = np.minimum(np.minimum(ys - mask.y + 1, mask.y + mask.height - ys), np.minimum(xs - mask.x + 1, mask.x + mask.width - xs))
+    return np.clip(inside / (feather_px + 1), 0.0, 1.0).astype(np.float32)
+
+
+def upsample_weight(region: np.ndarray, image_hw: tuple[int, int]) -> np.ndarray:
+    """[h, w] bool latent region -> [H, W] weight, bilinear: 0 wherever no region pixel is near,
+    a soft edge about one latent pixel wide."""
+    field = Image.fromarray(region.astype(np.float32))  # mode "F"
+    return np.asarray(field.resize((image_hw[1], image_hw[0]), Image.BILINEAR), dtype=np.float32).clip(0.0, 1.0)
+
+
+def composite(edit: np.ndarray, base: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``base + weight * (edit - base)`` per pixel ([H, W, 3] images, [H, W] weight): the base
+    exactly where the weight is 0, the edit exactly where it is 1."""
+    out = edit.copy()
+    band = weight < 1.0
+    w = weight[band][:, None]
+    out[band] = base[band] + w * (edit[band] - base[band])
+    return out
+
+
 def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, object]) -> str:
     """The A1111 ``parameters`` string: prompt, negative prompt line, ``Key: value, ...``."""
     line = ", ".join(f"{key}: {value}" for key, value in fields.items())

@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 2  # 2: K/V in the attention layout, unet_step roles, entry-step reuse
+MANIFEST_VERSION = 2  # 2: K/V in the attention layout, step roles, entry-step reuse, the maps variant
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt")
@@ -126,6 +126,10 @@ class Manifest:
         """Each ``unet_step`` input's and output's role, in the graph's order (export's ``step_io``)."""
         return self.data["graphs"]["unet_step"]["roles"]
 
+    def roles(self, graph: str = "unet_step") -> dict[str, str]:
+        """Each input's and output's role in a step graph, in the graph's order."""
+        return self.data["graphs"][graph]["roles"]
+
     @property
     def scheduler_config(self) -> dict[str, Any]:
         return self.data["model"]["scheduler"]
@@ -163,7 +167,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
             f"{path} is not an edit-rt manifest of version {MANIFEST_VERSION}; re-run `make export`"
         )
     manifest = Manifest(onnx_dir, data)
-    for name in ("text_encoder", "kv_proj", "unet_step", "vae_decoder"):
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"):
         if name not in data["graphs"] or not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
     return manifest

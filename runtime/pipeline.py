@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -18,13 +19,16 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .batcher import Batcher, Job, Request
-from .config import Base, Mask
+from .automask import AutoMask
+from .config import Base, Mask, Preserve
+from .images import composite, feathered_rectangle, upsample_weight
 from .errors import ConfigError
 from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
 from .profiles import EditBatchProfile
 from .scheduler_ddim import DDIMConfig
 from .slots import RowScheduler
+from .align import token_diff
 from .state import KV, BaseState, TailRow
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
@@ -49,11 +53,13 @@ class EditPipeline:
         max_uncond_sets: int = 4,
         cuda_graphs: bool = True,
         reuse_entry: bool = True,
+        preserve: Optional[Preserve] = None,
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
         pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
         negative prompts one call may mix; all come from the config. ``reuse_entry`` takes an
-        edit's first unconditional prediction from its base (off only to measure the saving)."""
+        edit's first unconditional prediction from its base (off only to measure the saving);
+        ``preserve`` holds the knobs of ``preserve: auto`` edits (the config's ``preserve:``)."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -74,8 +80,12 @@ class EditPipeline:
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
         self.latent_channels = self.manifest.latent_channels
+        self.map_factor = self.manifest.data["graphs"]["unet_step_maps"]["map_factor"]
+        self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
+        self.preserve = preserve or Preserve()
         # latent shape -> the batcher (and its row scheduler), made on first use and kept
         self.batchers: dict[tuple[int, int, int], Batcher] = {}
+        self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
 
     def activate(self) -> "EditPipeline":
         for graph in self.graphs.values():
@@ -146,10 +156,57 @@ class EditPipeline:
         """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
         latents on ``graph`` (this pipeline's step graph)."""
         step = self.manifest.graphs["unet_step"]
+        f = self.map_factor
         return RowScheduler(
             graph or self.graphs["unet_step"], self.manifest.step_roles, {t.name: t.shape for t in step.inputs},
             tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
+            maps_graph=self.graphs.get("unet_step_maps"), map_hw=(latent_shape[1] // f, latent_shape[2] // f),
         )  # fmt: skip
+
+    def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Optional[AutoMask], str]:
+        """The ``preserve: auto`` mask of ``row`` (None when it has none) and what was applied.
+
+        No changed token (same prompt, or a change past CLIP's 77 tokens): the edit is an
+        identity (strength 0 or the same K/V) or a global one (strength, seed, guidance), and no
+        mask is made.
+        """
+        if row.preserve != "auto":
+            return None, "none"
+        base_ids, edit_ids = self.input_ids([base_prompt, row.prompt])
+        diff = token_diff(base_ids, edit_ids, self.special_ids)
+        if diff.unchanged:
+            return None, "none: no token of the prompt changed (a global edit)"
+        p = self.preserve
+        content = tuple(i for i, t in enumerate(edit_ids) if t not in self.special_ids)
+        mask = AutoMask(diff.positions, content, p.steps, p.threshold, p.dilate, self.map_factor,
+                        tuple(latent_shape[1:]), p.region)  # fmt: skip
+        return mask, "auto"
+
+    def pixel_weight(self, row: TailRow, keep: Optional[np.ndarray], image_hw: tuple[int, int]) -> Optional[np.ndarray]:
+        """[H, W] in [0, 1]: how much of the edit each pixel shows (None: all of it)."""
+        if row.mask is not None:
+            return feathered_rectangle(row.mask, image_hw, self.preserve.feather_px)
+        if keep is not None:
+            return upsample_weight(~keep[0], image_hw)
+        return None
+
+    def base_image(self, state: BaseState) -> np.ndarray:
+        """The base's decoded image [H, W, 3] (kept for the last few bases)."""
+        key = (state.fingerprint, state.base, state.window_start)
+        if key not in self._base_images:
+            self._base_images[key] = self.decode(state.final_latent)[0]
+            while len(self._base_images) > 16:
+                self._base_images.popitem(last=False)
+        self._base_images.move_to_end(key)
+        return self._base_images[key]
+
+    def render(self, state: BaseState, latents: np.ndarray, weights: Sequence[Optional[np.ndarray]]) -> np.ndarray:
+        """Decode edit latents and composite each with the base image outside its mask."""
+        images = self.decode(latents)
+        for k, weight in enumerate(weights):
+            if weight is not None:
+                images[k] = composite(images[k], self.base_image(state), weight)
+        return images
 
     def batcher(self, latent_shape: Sequence[int]) -> Batcher:
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
@@ -194,6 +251,15 @@ class EditPipeline:
 
         Rows join the loop as slots free up: more rows than ``max_batch`` need no chunking.
         """
+        results = self.edit(state, rows, progress, decode=False)
+        if not results:
+            return np.empty((0, *state.latents.shape[1:]), dtype=np.float32)
+        return np.stack([r.latent for r in results])
+
+    def edit(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None,
+             decode: bool = True) -> list:  # fmt: skip
+        """Run ``rows`` as one batched tail: a RowResult each (images composited with the base
+        outside their masks when ``decode``)."""
         T = state.base.steps
         for r, row in enumerate(rows):
             if not state.window_start <= row.start_step <= T - 1:
@@ -201,12 +267,12 @@ class EditPipeline:
                     f"edits[{r}].start_step: {row.start_step} is outside the cache window "
                     f"[{state.window_start}, {T - 1}]"
                 )
-        shape = tuple(state.latents.shape[1:])
         if not rows:
-            return np.empty((0, *shape), dtype=np.float32)
-        request = Request(uuid.uuid4().hex, decode=False)
+            return []
+        shape = tuple(state.latents.shape[1:])
+        request = Request(uuid.uuid4().hex, decode=decode)
         jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
-        return np.stack([r.latent for r in self._run(jobs, request, shape, progress)])
+        return self._run(jobs, request, shape, progress)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""

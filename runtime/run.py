@@ -47,11 +47,13 @@ class Timer:
         self.stages[name] = round(time.perf_counter() - start, 4)
 
 
-def edit_label(edit: Edit, strength: float, start_step: int, steps: int) -> str:
+def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserve: str = "none") -> str:
     if edit.label:
         return edit.label
     # The fields that tell the cells apart first: the grid cuts long labels.
     parts = [f"x{strength:g}", f"tail {steps - start_step}"]
+    if preserve == "auto":
+        parts.append("auto")
     if edit.mask is not None:
         parts.append("masked")
     if edit.seed is not None:
@@ -88,6 +90,7 @@ def tail_rows(cfg: RunConfig) -> list[TailRow]:
             guidance=cfg.base.guidance if e.guidance is None else e.guidance,
             mask=e.mask,
             seed=e.seed,
+            preserve=cfg.preserve_of(e.preserve),
         )
         for i, e in enumerate(cfg.edits)
     ]
@@ -114,11 +117,12 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
                 base_source = "generated"
         with timer.stage("edit_tail"):
             row_steps = sum(T - r.start_step for r in rows)
-            finals = pipe.run_tail(state, rows, progress=progress(row_steps, "edit tail")) if rows else None
+            results = pipe.edit(state, rows, progress=progress(row_steps, "edit tail"), decode=False)
         with timer.stage("decode"):
-            images = pipe.decode(
-                state.final_latent if finals is None else np.concatenate([state.final_latent, finals])
-            )
+            # masked and preserve: auto edits show the base's own pixels outside their masks
+            weights = [pipe.pixel_weight(row, r.keep, (base.height, base.width)) for row, r in zip(rows, results)]
+            edits = pipe.render(state, np.stack([r.latent for r in results]), weights) if rows else []
+            images = [pipe.base_image(state), *edits]
     finally:
         pipe.deactivate()
 
@@ -145,13 +149,16 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
                 fields["Edit mask"] = f"{m.x} {m.y} {m.width}x{m.height}"
             if row.seed is not None:
                 fields["Variation seed"] = row.seed
+            if row.preserve != "none":
+                fields["Preserve"] = results[k].preserve
             save_png(cfg.output_dir / name, images[k + 1], parameters_text(row.prompt, base.negative_prompt, fields))
-            label = edit_label(edit, row.strength, row.start_step, T)
+            label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve)
             files.append(name)
             labels.append(label)
             edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
                                  "start_step": row.start_step, "tail_steps": T - row.start_step,
-                                 "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed})  # fmt: skip
+                                 "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
+                                 "preserve": results[k].preserve})  # fmt: skip
         contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
 
     tail_rows_evaluated = sum(T - r.start_step for r in rows)

@@ -229,7 +229,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         return {
             "created": int(time.time()),
             "base_id": body.base_id,
-            "data": [_edit_result(i, row, r.image, r.seconds, state, pipe) for i, (row, r) in enumerate(zip(rows, results))],
+            "data": [_edit_result(i, row, r.image, r.seconds, state, pipe, r.preserve) for i, (row, r) in enumerate(zip(rows, results))],
         }
 
     @app.get("/v1/bases/{bid}")
@@ -276,7 +276,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
                     yield _sse("error", {"index": job.index, **ApiError(500, str(job.future.exception()), "server_error").body()})
                     continue
                 result = job.future.result()
-                yield _sse("image_edit.completed", _edit_result(job.index, job.row, result.image, result.seconds, state, pipe))
+                yield _sse("image_edit.completed", _edit_result(job.index, job.row, result.image, result.seconds, state, pipe, result.preserve))
             yield _sse("done", {"base_id": body.base_id})
         finally:
             request.cancelled.set()  # a client that left: its rows go at the next step
@@ -352,7 +352,7 @@ def _row(e: EditItem, i: int, state, cfg: RunConfig) -> TailRow:
                            param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
         mask = Mask(m.x, m.y, m.width, m.height)
     guidance = state.base.guidance if e.cfg_scale is None else e.cfg_scale
-    return TailRow(e.prompt, cfg.strength_of(e.strength), T - tail, guidance, mask, e.seed)
+    return TailRow(e.prompt, cfg.strength_of(e.strength), T - tail, guidance, mask, e.seed, cfg.preserve_of(e.preserve))
 
 
 def _fields(base: Base, pipe: EditPipeline) -> dict:
@@ -360,7 +360,7 @@ def _fields(base: Base, pipe: EditPipeline) -> dict:
             "Size": f"{base.width}x{base.height}", "Model hash": pipe.manifest.fingerprint[:10]}  # fmt: skip
 
 
-def _edit_result(i: int, row: TailRow, image: np.ndarray, seconds: float, state, pipe) -> dict:
+def _edit_result(i: int, row: TailRow, image: np.ndarray, seconds: float, state, pipe, preserve: str = "none") -> dict:
     base = state.base
     fields = dict(_fields(base, pipe), **{"CFG scale": f"{row.guidance:g}", "Edit strength": f"{row.strength:g}",
                   "Tail steps": base.steps - row.start_step, "Base prompt": base.prompt})  # fmt: skip
@@ -370,7 +370,8 @@ def _edit_result(i: int, row: TailRow, image: np.ndarray, seconds: float, state,
         fields["Variation seed"] = row.seed
     png = png_bytes(image, parameters_text(row.prompt, base.negative_prompt, fields))
     return {"index": i, "b64_json": _b64(png),
-            "info": {"seconds": round(seconds, 4), "tail_steps": base.steps - row.start_step, "strength": row.strength}}  # fmt: skip
+            "info": {"seconds": round(seconds, 4), "tail_steps": base.steps - row.start_step, "strength": row.strength,
+                     "preserve": preserve}}  # fmt: skip
 
 
 def serve(cfg: RunConfig) -> None:

@@ -15,7 +15,10 @@ Where things live (see backend.py for the memory):
 - a binding (graph inputs and outputs bound by address) is made per bucket (rows, rows at
   their entry step, negative-prompt sets) and kept in a bounded LRU; evicting frees it;
 - a row at its entry step re-enters its base's chain at x_s, whose unconditional prediction the
-  base kept: it is passed in (``uncond_given``) and the UNet skips that half-row.
+  base kept: it is passed in (``uncond_given``) and the UNet skips that half-row;
+- a row with ``preserve: auto`` collects cross-attention maps over its first steps: those calls
+  run the ``unet_step_maps`` variant (same slots, plus the ``attn_maps`` output), every other
+  call the plain graph, which pays nothing for maps.
 
 Rows leave by swap-with-last: the last slot's row moves into the freed slot (one slot copy in
 backend memory per leave, never per step), so the active rows are always the prefix ``[:n]``.
@@ -32,6 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .automask import AutoMask
 from .backend import Binding, Graph
 from .device import DeviceTensor, TensorView
 from .scheduler_ddim import DDIMSchedule
@@ -64,6 +68,7 @@ class Row:
     keep: Optional[np.ndarray] = None  # [1, h, w] bool: True where the base's latent is kept
     base: Optional[BaseState] = None  # what ``keep`` blends in
     record: Optional[Recording] = None  # a generation: keep every latent and u
+    auto: Optional[AutoMask] = None  # preserve: auto; its mask becomes ``keep`` as maps arrive
     owner: Any = None  # the caller's (the batcher's job)
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
@@ -82,6 +87,7 @@ class _Set:
 @dataclass
 class SchedulerStats:
     calls: int = 0
+    map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)
     row_steps: int = 0  # rows advanced by one step, summed over calls
     uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse
     bindings_made: int = 0
@@ -106,10 +112,16 @@ class RowScheduler:
         text_len: int,
         reuse_entry: bool = True,
         max_bindings: int = 64,
+        maps_graph: Optional[Graph] = None,
+        map_hw: tuple[int, int] = (0, 0),
     ):
         """``roles``/``specs`` come from the manifest's ``unet_step`` entry: each input's role and
-        its shape with symbolic dims (N rows, E entry rows, S negative-prompt tokens)."""
+        its shape with symbolic dims (N rows, E entry rows, S negative-prompt tokens).
+        ``maps_graph`` is the ``unet_step_maps`` variant (the same inputs, plus the ``attn_maps``
+        output: [77, *map_hw] per row), run on a step where a row collects its mask."""
         self.graph = graph
+        self.maps_graph = maps_graph
+        self.map_hw = tuple(map_hw)
         self.roles = dict(roles)
         self.specs = {name: list(shape) for name, shape in specs.items()}
         self.latent_shape = tuple(latent_shape)
@@ -123,7 +135,7 @@ class RowScheduler:
         self.pending: list[Row] = []
         self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
-        self.bindings: OrderedDict[tuple[int, int, int], Binding] = OrderedDict()
+        self.bindings: OrderedDict[tuple[bool, int, int, int], Binding] = OrderedDict()
 
         latent_elems = math.prod(self.latent_shape)
         self.row_kv = [n for n, r in self.roles.items() if r == "row_kv"]
@@ -151,6 +163,9 @@ class RowScheduler:
             **{name: alloc(max_sets * self._set_elems(name), np.float32) for name in self.set_kv},
         }
         self.latent_elems = latent_elems
+        self.map_elems = text_len * math.prod(self.map_hw)
+        if maps_graph is not None:
+            self.dev["attn_maps"] = alloc(max_rows * self.map_elems, np.float32)
 
     # --- shapes ------------------------------------------------------------------------------
 
@@ -160,8 +175,8 @@ class RowScheduler:
     def _set_shape(self, name: str, sets: int) -> tuple[int, ...]:
         return tuple(sets * self.text_len if d == "S" else d for d in self.specs[name])
 
-    def _binding(self, n: int, e: int, m: int) -> Binding:
-        key = (n, e, m)
+    def _binding(self, maps: bool, n: int, e: int, m: int) -> Binding:
+        key = (maps, n, e, m)
         binding = self.bindings.get(key)
         if binding is not None:
             self.bindings.move_to_end(key)
@@ -177,7 +192,11 @@ class RowScheduler:
             **{name: self.dev[name].view(self._set_shape(name, m)) for name in self.set_kv},
         }
         outputs = {name: self.dev[name].view(latent(n)) for name in ("next_latents", "uncond_out")}
-        binding = self.graph.bind({name: views[name] for name in self.roles if name in views}, outputs)
+        graph = self.graph
+        if maps:
+            graph = self.maps_graph
+            outputs["attn_maps"] = self.dev["attn_maps"].view((n, self.text_len, *self.map_hw))
+        binding = graph.bind({name: views[name] for name in self.roles if name in views}, outputs)
         self.stats.bindings_made += 1
         self.bindings[key] = binding
         while len(self.bindings) > self.max_bindings:
@@ -286,12 +305,18 @@ class RowScheduler:
             self.dev[name].write(self.scalars[name][:n])
         for j, row in enumerate(self.active[n - e :]):
             self.dev["uncond_given"].write(row.entry_uncond, offset=j * self.latent_elems)
-        binding = self._binding(n, e, len(self.sets))
+        maps = self.maps_graph is not None and any(row.auto is not None and row.auto.wants_maps for row in self.active)
+        binding = self._binding(maps, n, e, len(self.sets))
         start = time.perf_counter()
         binding.run()
         self.stats.last_seconds = time.perf_counter() - start
         self.dev["next_latents"].read(self.latents[:n])
         for r, row in enumerate(self.active):
+            if maps and row.auto is not None and row.auto.wants_maps:
+                step_map = np.empty((self.text_len, *self.map_hw), dtype=np.float32)
+                self.dev["attn_maps"].read(step_map, offset=r * self.map_elems)
+                row.auto.add(step_map)
+                row.keep = row.auto.keep
             if row.record is not None:
                 self.dev["uncond_out"].read(row.record.uncond[row.step], offset=r * self.latent_elems)
                 row.record.latents[row.step + 1] = self.latents[r]
@@ -300,6 +325,7 @@ class RowScheduler:
             row.step += 1
         self.entry_rows = 0
         self.stats.calls += 1
+        self.stats.map_calls += maps
         self.stats.row_steps += n
         self.stats.uncond_rows_skipped += e
         self.stats.last_rows = n

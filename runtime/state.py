@@ -92,3 +92,4 @@ class TailRow:
     guidance: float
     mask: Optional[Mask] = None
     seed: Optional[int] = None
+    preserve: str = "none"  # "auto": a mask from the changed words' attention (automask.py)

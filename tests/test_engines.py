@@ -184,7 +184,7 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((build / model_dir.name / "parity.json").read_text())
     assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}
-    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "vae_decoder"}
+    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"}
     assert all(r["pass"] for r in report)
     assert "| unet_step | ort-cpu-engine |" in (build / model_dir.name / "parity.md").read_text()
 

@@ -49,8 +49,9 @@ def _generate(url: str, prompt: str = "a red circle", seed: int = 1, **extra) ->
 
 
 def _expected_edit(pipeline, base: Base, row: TailRow) -> np.ndarray:
+    """The same edit through the pipeline (a masked one composited with the base's pixels)."""
     state = pipeline.generate_base(base)
-    return to_uint8(pipeline.decode(pipeline.run_tail(state, [row]))[0]).astype(np.int16)
+    return to_uint8(pipeline.edit(state, [row])[0].image).astype(np.int16)
 
 
 def _base(prompt="a red circle", seed=1) -> Base:

@@ -1,0 +1,218 @@
+"""Edits that keep what they do not name (issue 12): token alignment, attention maps, auto masks,
+masks exact in pixels, and the bad inputs around them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from edit_rt.export.graphs import attention_map_layers, cross_attention_layers
+from edit_rt.runtime.align import token_diff
+from edit_rt.runtime.config import Mask, Preserve, config_from_dict
+from edit_rt.runtime.errors import ConfigError
+from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.state import TailRow
+
+from .conftest import TEST_BASE
+
+G = TEST_BASE.guidance
+
+
+# --- the token alignment ----------------------------------------------------------------------
+
+
+def _diff(pipeline, base: str, edit: str):
+    a, b = pipeline.input_ids([base, edit])
+    return token_diff(list(a), list(b), pipeline.special_ids), list(a), list(b)
+
+
+def _text(pipeline, ids, positions) -> str:
+    return pipeline.tokenizer.decode([ids[p] for p in positions]).replace(" ", "").replace("</w>", "")
+
+
+def test_a_word_swap_changes_that_word_in_both_prompts(pipeline):
+    diff, a, b = _diff(pipeline, "a red circle", "a blue circle")
+    # the byte-level test tokenizer spells words letter by letter: "red" vs "blue" differ in
+    # their letters, the shared "e" in the middle may align
+    assert "r" in _text(pipeline, a, diff.base_positions) and "b" in _text(pipeline, b, diff.edit_positions)
+    assert _text(pipeline, a, [p for p in range(1, 13) if p not in diff.base_positions]).startswith("a")
+    assert not diff.unchanged
+
+
+def test_insertion_deletion_and_no_change(pipeline):
+    ins, a, b = _diff(pipeline, "a circle", "a big circle")
+    assert ins.base_positions == () and _text(pipeline, b, ins.edit_positions) == "big"
+    dele, a, b = _diff(pipeline, "a big circle", "a circle")
+    assert dele.edit_positions == () and _text(pipeline, a, dele.base_positions) == "big"
+    same, _, _ = _diff(pipeline, "a red circle", "a red circle")
+    assert same.unchanged
+
+
+def test_repeated_words_align_to_the_changed_occurrence(pipeline):
+    diff, a, b = _diff(pipeline, "red red red", "red red blue")
+    # the first two "red"s match; only the third word changed
+    # BOS, then r e d</w> three times: the first two match, only the third (7..9) changed
+    assert diff.base_positions == (7, 8, 9) and min(diff.edit_positions) == 7
+
+
+def test_a_change_past_77_tokens_is_invisible_and_reported(pipeline):
+    long = "x" * 100  # 100 letters: past CLIP's 77-token window in the byte-level tokenizer
+    diff, _, _ = _diff(pipeline, long + " red", long + " blue")
+    assert diff.unchanged
+    rows = [TailRow(TEST_BASE.prompt.replace("red", long + " red"), 1.0, 5, G, preserve="auto")]
+    state = pipeline.generate_base(dataclasses.replace(TEST_BASE, prompt=long + " red"))
+    (result,) = pipeline.edit(state, [TailRow(long + " blue", 1.0, 5, G, preserve="auto")])
+    assert result.preserve.startswith("none: no token of the prompt changed")
+    del rows
+
+
+# --- the attention maps of the step graph -----------------------------------------------------
+
+
+class _Recorder:
+    """diffusers' own attention (get_attention_scores), keeping each call's probabilities."""
+
+    def __init__(self, store: list):
+        self.store = store
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kw):
+        query = attn.head_to_batch_dim(attn.to_q(hidden_states))
+        key = attn.head_to_batch_dim(attn.to_k(encoder_hidden_states))
+        value = attn.head_to_batch_dim(attn.to_v(encoder_hidden_states))
+        probs = attn.get_attention_scores(query, key, attention_mask)
+        self.store.append(probs)
+        out = attn.batch_to_head_dim(torch.bmm(probs, value))
+        return attn.to_out[1](attn.to_out[0](out)) / attn.rescale_output_factor
+
+
+def test_attention_maps_equal_diffusers_attention(pipeline, onnx_dir, torch_components):
+    """unet_step_maps' attn_maps against the same maps from diffusers' UNet and attention."""
+    unet, text_encoder, _, tokenizer, _ = torch_components
+    manifest = load_manifest(onnx_dir)
+    prompts = ["a red circle", "a blue square"]
+    negative = "blurry"
+    n, c, hw = 2, 4, 16
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((n, c, hw, hw)).astype(np.float32)
+    timestep = np.array([800.0, 300.0], dtype=np.float32)
+    kv = pipeline.kv_from_prompts(prompts)
+    uncond = pipeline.kv_from_prompts([negative])
+    feeds = {"latents": latents, "timestep": timestep, "alpha_t": np.full(n, 0.3, np.float32),
+             "alpha_prev": np.full(n, 0.4, np.float32), "guidance": np.full(n, 7.5, np.float32),
+             "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, c, hw, hw), np.float32)}  # fmt: skip
+    for i in range(len(manifest.layers)):
+        feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]
+        feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = uncond.tensors[2 * i][0], uncond.tensors[2 * i + 1][0]
+    ours = pipeline.graphs["unet_step_maps"].infer(feeds)[2]  # [N, 77, hm, wm]
+
+    map_ids, factor = attention_map_layers(unet)
+    layers = cross_attention_layers(unet)
+    store: dict[int, list] = {i: [] for i in map_ids}
+    for i in map_ids:
+        layers[i][1].set_processor(_Recorder(store[i]))
+    ids = tokenizer([negative] * n + prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        text = text_encoder(ids)[0]
+        x = torch.from_numpy(latents)
+        unet(torch.cat([x, x]), torch.from_numpy(np.concatenate([timestep, timestep])), encoder_hidden_states=text)
+    maps = []
+    for i in sorted(map_ids):
+        probs = store[i][0]  # [2N * heads, tokens, 77]: the cond rows are the second half
+        heads = layers[i][1].heads
+        maps.append(probs.view(2 * n, heads, *probs.shape[1:])[n:].mean(1).transpose(1, 2))
+    expected = torch.stack(maps).mean(0).reshape(n, 77, hw // factor, hw // factor).numpy()
+    assert ours.shape == expected.shape
+    # probabilities in [0, 1], fp32 graph against torch: ~1e-6
+    np.testing.assert_allclose(ours, expected, atol=2e-5)
+
+
+# --- auto masks in the loop -------------------------------------------------------------------
+
+
+def _auto_rows():
+    return [
+        TailRow("a red circle on a green background", 1.0, 4, G, preserve="auto"),
+        TailRow("a blue circle on a blue background", 1.5, 6, G, preserve="auto"),
+        TailRow("a red square on a blue background", 1.0, 4, G),
+        TailRow("a red triangle on a blue background", 1.0, 3, G, preserve="auto", seed=5),
+    ]
+
+
+def test_auto_mask_rows_batched_equal_one_at_a_time(pipeline, base_state, tight_preserve):
+    batched = pipeline.run_tail(base_state, _auto_rows())
+    for row, final in zip(_auto_rows(), batched):
+        (alone,) = pipeline.run_tail(base_state, [row])
+        np.testing.assert_allclose(final, alone, atol=1e-5)
+
+
+@pytest.fixture
+def tight_preserve(pipeline):
+    """A tight mask on the random test model (its maps mark no object): threshold 0.6, no dilation."""
+    pipeline.preserve = Preserve(threshold=0.6, dilate=0, region="words")
+    yield pipeline.preserve
+    pipeline.preserve = Preserve()
+
+
+def test_auto_mask_keeps_the_base_outside_and_uses_the_maps_graph_only_first(pipeline, base_state, tight_preserve):
+    scheduler = pipeline.batcher(base_state.latents.shape[1:]).scheduler
+    before = scheduler.stats.map_calls
+    (result,) = pipeline.edit(base_state, [TailRow("a red circle on a green background", 1.0, 2, G, preserve="auto")])
+    assert scheduler.stats.map_calls - before == pipeline.preserve.steps  # then the plain graph
+    assert result.preserve == "auto" and result.keep is not None and 0 < result.keep.mean() < 1
+    keep = result.keep[0]
+    np.testing.assert_array_equal(result.latent[:, keep], base_state.final_latent[0][:, keep])
+    # and in pixels: outside the (bilinear) edge band the image is the base's
+    weight = pipeline.pixel_weight(TailRow("x", 1, 2, G, preserve="auto"), result.keep, result.image.shape[:2])
+    base_image = pipeline.base_image(base_state)
+    outside = weight == 0
+    assert outside.any()
+    np.testing.assert_array_equal(result.image[outside], base_image[outside])
+
+
+@pytest.mark.parametrize("start", [2, 7])
+def test_identity_edits_stay_exact_with_preserve_auto(pipeline, base_state, start):
+    rows = [TailRow(TEST_BASE.prompt, 1.0, start, G, preserve="auto"),  # no changed token: no mask
+            TailRow("a blue square", 0.0, start, G, preserve="auto")]  # strength 0: the base's K/V  # fmt: skip
+    results = pipeline.edit(base_state, rows)
+    assert results[0].preserve.startswith("none: no token") and results[1].preserve == "auto"
+    for r in results:
+        np.testing.assert_array_equal(r.latent, base_state.final_latent[0])
+
+
+def test_an_explicit_mask_never_lets_a_pixel_outside_change(pipeline, base_state):
+    mask = Mask(x=8, y=4, width=13, height=11)  # not aligned to the 2-pixel latent grid
+    (result,) = pipeline.edit(base_state, [TailRow("a yellow triangle", 1.5, 3, G, mask=mask)])
+    base_image = pipeline.base_image(base_state)
+    outside = np.ones(base_image.shape[:2], dtype=bool)
+    outside[mask.y : mask.y + mask.height, mask.x : mask.x + mask.width] = False
+    np.testing.assert_array_equal(result.image[outside], base_image[outside])
+    inside = ~outside
+    assert np.abs(result.image[inside] - base_image[inside]).max() > 0.01  # the edit did something (random model: small)
+    # the PNG the server writes: the same bytes outside
+    from edit_rt.runtime.images import to_uint8
+
+    np.testing.assert_array_equal(to_uint8(result.image)[outside], to_uint8(base_image)[outside])
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "patch,needle",
+    [
+        ({"edits": [{"prompt": "x", "preserve": "sometimes"}]}, "edits[0].preserve: must be one of 'auto' | 'none'"),
+        ({"preserve": {"threshold": 1.5}}, "preserve.threshold: must lie in (0, 1)"),
+        ({"preserve": {"dilate": -1}}, "preserve.dilate: must lie in [0, 8]"),
+        ({"preserve": {"steps": 0}}, "preserve.steps: must lie in [1, 50]"),
+        ({"preserve": {"mode": "always"}}, "preserve.mode: must be one of"),
+        ({"preserve": {"region": "everywhere"}}, "preserve.region: must be one of"),
+    ],
+)
+def test_bad_preserve_settings_name_the_field(model_dir, patch, needle):
+    data = {"model": str(model_dir), "base": {"prompt": "x", "width": 32, "height": 32, "steps": 4}, **patch}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert needle in str(err.value)
