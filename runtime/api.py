@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1, description="The base prompt.")
     negative_prompt: str = Field("", description="Shared by the base and all its edits.")
@@ -27,7 +27,7 @@ class GenerationRequest(BaseModel):
 
 
 class MaskRect(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     x: int = Field(ge=0)
     y: int = Field(ge=0)
@@ -36,7 +36,7 @@ class MaskRect(BaseModel):
 
 
 class EditItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1, description="The edit's target prompt.")
     strength: Optional[float] = Field(None, ge=0, le=2, description="K/V = base + strength x (edit - base); the server's default if omitted.")
@@ -50,7 +50,7 @@ class EditItem(BaseModel):
 
 
 class EditsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     base_id: str = Field(min_length=1, max_length=64)
     edits: list[EditItem] = Field(min_length=1)

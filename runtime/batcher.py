@@ -182,7 +182,21 @@ class Batcher:
                     self._cv.wait()
                 if self._stopped:
                     return
-            self.work_once()
+            try:
+                self.work_once()
+            except Exception:  # work_once fails its own rows; nothing may end this thread
+                log.exception("the batcher loop caught an error; it goes on")
+
+    def close(self) -> None:
+        """Take no new work (submit raises ShuttingDownError); what is queued still runs."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self.queue or self.scheduler.active or self.scheduler.pending)
 
     def work_once(self) -> None:
         """Admit what fits, drop what expired, run one step, hand out what finished."""
@@ -208,6 +222,14 @@ class Batcher:
                 self._cv.notify_all()
 
     def _take_locked(self, free: int) -> list[Job]:
+        # Every queued request's deadline, not only the one at the head: a request stuck behind
+        # full slots still times out on time.
+        for request in [r for r in self.queue if r.expired()]:
+            self.queue.remove(request)
+            for job in request.pending:
+                job.future.set_exception(CancelledError("cancelled or past its deadline"))
+            self.queued_rows -= len(request.pending)
+            request.pending.clear()
         taken = []
         while free > 0 and self.queue:
             request = self.queue.popleft()

@@ -13,11 +13,20 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
+from pydantic import AllowInfNan, ConfigDict, Strict, TypeAdapter, ValidationError, with_config
 
 from .errors import ConfigError
+
+# Strict types: a YAML or JSON value of the wrong type is refused, never coerced ("10" is no
+# integer, true is no 1), and no float may be inf or nan.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+STRICT = ConfigDict(extra="forbid")
 
 Backend = Literal["auto", "ort-cpu", "ort-cuda", "ort-tensorrt", "trt"]
 Precision = Literal["fp16", "bf16", "fp32"]
@@ -25,14 +34,15 @@ StoragePrecision = Literal["fp32", "fp16", "int8"]
 PreserveMode = Literal["auto", "none"]
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Mask:
     """A rectangle in image pixels; inside it the edit may change the image, outside it may not."""
 
-    x: int
-    y: int
-    width: int
-    height: int
+    x: Int
+    y: Int
+    width: Int
+    height: Int
 
     def validate(self, where: str) -> None:
         for name in ("x", "y"):
@@ -43,26 +53,27 @@ class Mask:
                 raise ConfigError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Edit:
     """One row of the batched tail (see ARCHITECTURE.md, "Edits")."""
 
-    prompt: str
+    prompt: Str
     # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
     # further. A slider over strengths costs no extra text encoding. None: cache.default_strength.
-    strength: Optional[float] = None
+    strength: Optional[Float] = None
     # Where the row re-enters the base chain: start_step = steps - tail_steps. Give one of them;
     # neither means the run's default tail.
-    start_step: Optional[int] = None
-    tail_steps: Optional[int] = None
+    start_step: Optional[Int] = None
+    tail_steps: Optional[Int] = None
     # Classifier-free guidance for this row; None means the base's.
-    guidance: Optional[float] = None
+    guidance: Optional[Float] = None
     mask: Optional[Mask] = None
     # None: a deterministic edit from the base's own latent. A seed re-noises the entry latent
     # (from the base's final latent, with this seed's noise) for a variation.
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     # Shown in the grid and the report; defaults to a summary of the fields.
-    label: Optional[str] = None
+    label: Optional[Str] = None
     # "auto": only where the changed words attend may the image change (see `preserve:`);
     # "none": the plain tail. None: `preserve.mode`.
     preserve: Optional[PreserveMode] = None
@@ -80,19 +91,20 @@ class Edit:
             self.mask.validate(f"{where}.mask")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Base:
     """The generation every edit starts from."""
 
-    prompt: str
-    negative_prompt: str = ""
-    seed: int = 0
+    prompt: Str
+    negative_prompt: Str = ""
+    seed: Int = 0
     # Stable Diffusion's usual DDIM budget; the tiny test model uses fewer.
-    steps: int = 50
+    steps: Int = 50
     # Classifier-free guidance; <= 1 turns it off (the conditional prediction alone), as in diffusers.
-    guidance: float = 7.5
-    width: int = 512
-    height: int = 512
+    guidance: Float = 7.5
+    width: Int = 512
+    height: Int = 512
 
     def validate(self, where: str) -> None:
         if not 1 <= self.steps <= 1000:
@@ -107,19 +119,20 @@ class Base:
             raise ConfigError(f"{where}.seed: must be >= 0, got {self.seed}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Cache:
     """Which of the base's latents are kept: the window edits may re-enter at."""
 
     # The first step whose latent is kept; the window runs from here to the final latent.
     # 0 keeps them all (a 512x512 SD latent is 32 KiB in fp16, so 50 steps cost 1.6 MiB).
-    window_start: int = 0
+    window_start: Int = 0
     # The tail length of an edit that gives neither start_step nor tail_steps: 40% of the steps
     # redraws colour and texture but keeps the layout on SD-like models.
-    default_tail_fraction: float = 0.4
+    default_tail_fraction: Float = 0.4
     # The strength of an edit that gives none. 1.0 is the edit prompt's own K/V; the shapes
     # model's measurements (README, "Edit quality") are how a model's default is chosen.
-    default_strength: float = 1.0
+    default_strength: Float = 1.0
 
     def validate(self, where: str) -> None:
         if self.window_start < 0:
@@ -132,6 +145,7 @@ class Cache:
             raise ConfigError(f"{where}.default_strength: must lie in [-4, 4], got {self.default_strength}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Preserve:
     """Automatic local edits (``preserve: auto``): the knobs of the mask from attention maps.
@@ -145,18 +159,18 @@ class Preserve:
     # words do not attend to; "none" lets the whole image follow the edit prompt.
     mode: PreserveMode = "none"
     # Of the summed map normalised to [0, 1]: at or above it the image may change.
-    threshold: float = 0.3
+    threshold: Float = 0.3
     # Map pixels the region grows by (prompt-to-prompt's max-pool): covers an outline's blur.
-    dilate: int = 1
+    dilate: Int = 1
     # "contrast": the changed words' region, or, when they attend away from the prompt's other
     # words (a background recoloured), everything but those words' region; "words": the
     # changed words' region alone (prompt-to-prompt's local blend).
     region: Literal["contrast", "words"] = "contrast"
     # Tail steps whose maps are summed; later steps keep the mask (and run the plain graph).
-    steps: int = 4
+    steps: Int = 4
     # Decoded images are composited with the base image outside the mask; the edge blends
     # over this many pixels inside it, so nothing outside the mask changes at all.
-    feather_px: int = 2
+    feather_px: Int = 2
 
     def validate(self, where: str) -> None:
         if not 0.0 < self.threshold < 1.0:
@@ -169,16 +183,17 @@ class Preserve:
             raise ConfigError(f"{where}.feather_px: must lie in [0, 16], got {self.feather_px}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Export:
     """Settings of `edit-rt export`."""
 
     # 17 is the newest opset the TorchScript exporter covers for every op the UNet uses
     # (scaled_dot_product_attention included) and TensorRT 8.6+ parses.
-    opset: int = 17
+    opset: Int = 17
     # Graphs whose weights exceed this are written with external data (*.onnx_data): protobuf
     # cannot serialize a message over 2 GiB, and a fp32 SD 1.5 UNet is ~3.4 GB.
-    external_data_threshold_mb: float = 1900.0
+    external_data_threshold_mb: Float = 1900.0
 
     def validate(self, where: str) -> None:
         if not 14 <= self.opset <= 21:
@@ -187,6 +202,7 @@ class Export:
             raise ConfigError(f"{where}.external_data_threshold_mb: must be >= 0")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Engines:
     """Settings of `edit-rt engines`: the edit-batch profile and the TensorRT precision."""
@@ -194,17 +210,17 @@ class Engines:
     # Rows per unet_step call. TensorRT tunes kernels for opt and accepts min..max; more rows
     # than max are split into max-sized calls. 32 rows of SD 1.5 at 512x512 need ~10 GB of
     # activations in fp16 (2x for CFG), which fits a 24 GB card next to the weights.
-    min_batch: int = 1
-    opt_batch: int = 8
-    max_batch: int = 32
+    min_batch: Int = 1
+    opt_batch: Int = 8
+    max_batch: Int = 32
     # fp16 halves memory and doubles tensor-core throughput; SD's UNet is trained for it.
     precision: Precision = "fp16"
     # Distinct negative prompts one unet_step call mixes: each adds 77 tokens that every
     # unconditional row's cross-attention scores (the sets are read once, not gathered per
     # row). Rows with a further negative prompt wait for a step that has room.
-    max_uncond_sets: int = 4
+    max_uncond_sets: Int = 4
     # Capture each bound step shape as a CUDA graph on the GPU backends (one launch per step).
-    cuda_graphs: bool = True
+    cuda_graphs: Bool = True
 
     def validate(self, where: str) -> None:
         if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch <= 1024:
@@ -216,16 +232,17 @@ class Engines:
             raise ConfigError(f"{where}.max_uncond_sets: must lie in [1, 64], got {self.max_uncond_sets}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Store:
     """The base-state store: RAM and (optionally) disk budgets and the storage precision."""
 
     # SD 1.5 at 512x512, fp32: ~7.6 MiB of K/V + 32 KiB x 51 latents per base, so 1 GiB of
     # RAM holds ~100 bases; fp16 doubles that, int8 quadruples it.
-    ram_mb: float = 1024.0
+    ram_mb: Float = 1024.0
     # A folder for the disk tier (one safetensors file per base); none keeps bases in RAM only.
     disk_dir: Optional[Path] = None
-    disk_mb: float = 10240.0
+    disk_mb: Float = 10240.0
     latents_precision: StoragePrecision = "fp32"
     kv_precision: StoragePrecision = "fp32"
 
@@ -235,23 +252,30 @@ class Store:
                 raise ConfigError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Serve:
     """`edit-rt serve`: where it listens and what it accepts."""
 
     # Loopback by default: exposing the service is a deliberate choice (and wants `token`).
-    host: str = "127.0.0.1"
-    port: int = 8188
+    host: Str = "127.0.0.1"
+    port: Int = 8188
     # Bearer token for /v1/* and /metrics; EDIT_RT_TOKEN in the environment overrides it.
-    token: Optional[str] = None
-    max_edits_per_request: int = 64
+    token: Optional[Str] = None
+    max_edits_per_request: Int = 64
     # Rows waiting for a batch slot; past this a request gets 429 with Retry-After.
-    queue_limit: int = 256
-    max_prompt_chars: int = 500
-    max_body_bytes: int = 1_000_000
-    max_steps: int = 150
+    queue_limit: Int = 256
+    max_prompt_chars: Int = 500
+    max_body_bytes: Int = 1_000_000
+    max_steps: Int = 150
     # A request whose rows are not done by then is dropped at the next step boundary.
-    request_timeout_s: float = 600.0
+    request_timeout_s: Float = 600.0
+    # On SIGTERM: new requests get 503 at once; rows in flight get this long to finish.
+    drain_timeout_s: Float = 30.0
+    # Slow or stalled clients: a request head must arrive within header_timeout_s of the
+    # connection, and a body must not stall for body_timeout_s.
+    header_timeout_s: Float = 10.0
+    body_timeout_s: Float = 30.0
 
     def validate(self, where: str) -> None:
         if not 0 <= self.port <= 65535:
@@ -259,10 +283,14 @@ class Serve:
         for name in ("max_edits_per_request", "queue_limit", "max_prompt_chars", "max_body_bytes", "max_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"{where}.request_timeout_s: must be > 0")
+        for name in ("request_timeout_s", "drain_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError(f"{where}.token: empty; set a token, or remove the key to serve without one")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class RunConfig:
     """A whole `edit-rt run` job: which model, the base, the edits, where results go."""
@@ -276,7 +304,7 @@ class RunConfig:
     # ort-cpu runs everywhere; auto picks the fastest backend this machine has built engines for.
     backend: Backend = "ort-cpu"
     # ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.
-    threads: int = 0
+    threads: Int = 0
     cache: Cache = field(default_factory=Cache)
     preserve: Preserve = field(default_factory=Preserve)
     export: Export = field(default_factory=Export)
@@ -305,8 +333,10 @@ class RunConfig:
         self.engines.validate(f"{where}engines")
         self.store.validate(f"{where}store")
         self.serve.validate(f"{where}serve")
-        if self.threads < 0:
-            raise ConfigError(f"{where}threads: must be >= 0, got {self.threads}")
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"{where}threads: must lie in [0, 1024] (0: every core), got {self.threads}")
+        if self.store.disk_dir is not None and self.store.disk_dir.exists() and not self.store.disk_dir.is_dir():
+            raise ConfigError(f"{where}store.disk_dir: {self.store.disk_dir} is a file, not a folder; point it at a folder")
         if self.cache.window_start >= self.base.steps:
             raise ConfigError(
                 f"{where}cache.window_start: must be below base.steps ({self.base.steps}), "
@@ -352,80 +382,76 @@ class RunConfig:
 
 # --- YAML -> dataclasses ------------------------------------------------------------------
 
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _convert(value, args[0], where)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: must be one of {_type_name(tp)}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: must be a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _dataclass_from_dict(tp, value, where)
-    if tp is Path:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: must be a path string, got {type(value).__name__}")
-        return Path(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: must be true or false, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: must be a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: must be an integer, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: must be a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config type {tp}")  # a bug in this file, not user input
+_MESSAGES = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "finite_number": "must be a finite number",
+    "path_type": "must be a path string",
+    "list_type": "must be a list",
+    "dataclass_type": "must be a mapping",
+    "int_from_float": "must be an integer",
+}
 
 
-def _dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'top level'}: must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
-    prefix = f"{where}." if where else ""
-    for key in data:
-        if key not in known:
-            raise ConfigError(
-                f"{prefix}{key}: unknown key; the keys allowed here are {', '.join(sorted(known))}"
-            )
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{prefix}{f.name}: missing; this field is required")
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _type_at(loc: tuple) -> Any:
+    """The dataclass a location's last key belongs to (for the list of allowed keys)."""
+    tp: Any = RunConfig
+    for part in loc:
+        if isinstance(part, int):
             continue
-        kwargs[f.name] = _convert(data[f.name], hints[f.name], f"{prefix}{f.name}")
-    return cls(**kwargs)
+        hints = typing.get_type_hints(tp, include_extras=False)
+        tp = hints.get(part)
+        while typing.get_origin(tp) in (list, Optional, types.UnionType, typing.Union):
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if not dataclasses.is_dataclass(tp):
+            return None
+    return tp
+
+
+def _config_error(err: ValidationError) -> ConfigError:
+    first = err.errors()[0]
+    loc, kind = tuple(first["loc"]), first["type"]
+    where = _path(loc) or "top level"
+    if kind == "unexpected_keyword_argument":
+        owner = _type_at(loc[:-1])
+        known = sorted(f.name for f in dataclasses.fields(owner) if f.name != "source") if owner else []
+        return ConfigError(f"{where}: unknown key; the keys allowed here are {', '.join(known)}")
+    if kind in ("missing", "missing_argument", "missing_keyword_argument"):
+        return ConfigError(f"{where}: missing; this field is required")
+    if kind == "literal_error":
+        choices = first.get("ctx", {}).get("expected", "")
+        return ConfigError(f"{where}: must be one of {choices.replace(' or ', ' | ')}, got {first.get('input')!r}")
+    message = _MESSAGES.get(kind, first["msg"])
+    return ConfigError(f"{where}: {message}, got {first.get('input')!r}")
+
+
+_ADAPTER: Optional[TypeAdapter] = None
 
 
 def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
     """Build and validate a RunConfig; relative paths are taken from ``source``'s folder."""
+    global _ADAPTER
     label = f"{source}: " if source is not None else ""
     try:
-        cfg = _dataclass_from_dict(RunConfig, data, "")
+        if not isinstance(data, dict):
+            raise ConfigError(f"top level: must be a mapping, got {type(data).__name__}")
+        if "source" in data:
+            raise ConfigError("source: unknown key; it is set from the file's path")
+        if _ADAPTER is None:
+            _ADAPTER = TypeAdapter(RunConfig)
+        try:
+            cfg = _ADAPTER.validate_python(data)
+        except ValidationError as err:
+            raise _config_error(err) from None
         root = source.parent if source is not None else Path.cwd()
         cfg = dataclasses.replace(
             cfg,
@@ -448,7 +474,13 @@ def load_config(path: Path | str) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from None
     return config_from_dict(data, source=path)

@@ -105,8 +105,10 @@ def load_engines(
     sources = manifest.data["graphs"]
     for graph in GRAPHS:
         entry = engines.graphs.get(graph)
-        if entry is None or not engines.path(graph).is_file():
+        if entry is None or "file" not in entry or not engines.path(graph).is_file():
             raise ArtifactError(f"{path}: the {graph} engine is missing; {REBUILD}")
+        if not isinstance(entry, dict) or "source_sha256" not in entry or "file" not in entry:
+            raise ArtifactError(f"{path}: the {graph} entry has no file or source_sha256; {REBUILD}")
         if entry["source_sha256"] != sources[graph]["sha256"]:
             raise ArtifactError(
                 f"{engines.path(graph)} is stale: it was built from another {graph}.onnx than "

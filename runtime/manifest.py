@@ -5,8 +5,9 @@ opset, the tool versions and a fingerprint of the source model (sha256 over its 
 configs). The runtime refuses artifacts whose fingerprint does not match the model directory,
 naming the command that rebuilds them.
 
-Hashing a 4 GB SD checkpoint takes seconds, so the manifest also keeps each file's size and
-mtime: when those are unchanged the stored fingerprint is trusted, as make trusts timestamps.
+Hashing a 4 GB SD checkpoint takes seconds, so the manifest also keeps each file's size,
+mtime, ctime and inode: when all are unchanged the stored fingerprint is trusted (a file's
+ctime changes with its bytes and cannot be set back); otherwise the files are hashed again.
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ def model_files(model_dir: Path) -> list[Path]:
 
 
 def _file_stats(model_dir: Path, files: list[Path]) -> dict[str, list[int]]:
-    return {str(p.relative_to(model_dir)): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    """Size, mtime, ctime and inode per file. A changed file keeps its size and can be given its
+    old mtime back (``touch -d``), but its ctime moves whenever its bytes or its mtime change, and
+    no user can set it: equal stats mean the bytes the fingerprint hashed."""
+    out = {}
+    for p in files:
+        st = p.stat()
+        out[str(p.relative_to(model_dir))] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return out
 
 
 def model_fingerprint(model_dir: Path) -> tuple[str, dict[str, list[int]]]:
@@ -166,8 +174,42 @@ def load_manifest(onnx_dir: Path) -> Manifest:
         raise ArtifactError(
             f"{path} is not an edit-rt manifest of version {MANIFEST_VERSION}; re-run `make export`"
         )
+    _check_keys(path, data)
     manifest = Manifest(onnx_dir, data)
     for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"):
-        if name not in data["graphs"] or not manifest.path(name).is_file():
+        if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
+    if not (onnx_dir / "tokenizer.json").is_file():
+        raise ArtifactError(f"{onnx_dir}/tokenizer.json is missing; re-run `make export`")
     return manifest
+
+
+# What the runtime reads from a manifest; anything missing is refused up front, not as a
+# KeyError deep in a request.
+_MODEL_KEYS = ("fingerprint", "file_stats", "latent_channels", "sample_size", "vae_scale_factor", "text_len", "scheduler")
+_GRAPH_KEYS = ("file", "inputs", "outputs", "sha256")
+
+
+def _check_keys(path: Path, data: dict) -> None:
+    def missing(where: str) -> ArtifactError:
+        return ArtifactError(f"{path}: {where} is missing; re-run `make export`")
+
+    for key in ("model", "layers", "graphs"):
+        if key not in data:
+            raise missing(key)
+    for key in _MODEL_KEYS:
+        if key not in data["model"]:
+            raise missing(f"model.{key}")
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"):
+        graph = data["graphs"].get(name)
+        if not isinstance(graph, dict):
+            raise ArtifactError(f"{path.parent}: graph {name!r} is missing; re-run `make export`")
+        for key in _GRAPH_KEYS + (("roles",) if name.startswith("unet_step") else ()):
+            if key not in graph:
+                raise missing(f"graphs.{name}.{key}")
+    if "map_factor" not in data["graphs"]["unet_step_maps"]:
+        raise missing("graphs.unet_step_maps.map_factor")
+    for i, layer in enumerate(data["layers"]):
+        for key in ("name", "heads", "inner_dim"):
+            if key not in layer:
+                raise missing(f"layers[{i}].{key}")

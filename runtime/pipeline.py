@@ -22,7 +22,7 @@ from .batcher import Batcher, Job, Request
 from .automask import AutoMask
 from .config import Base, Mask, Preserve
 from .images import composite, feathered_rectangle, upsample_weight
-from .errors import ConfigError
+from .errors import ArtifactError, ConfigError
 from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
 from .profiles import EditBatchProfile
@@ -65,7 +65,10 @@ class EditPipeline:
         self.manifest: Manifest = load_manifest(onnx_dir)
         if model_dir is not None:
             self.manifest.check_model(model_dir)
-        self.tokenizer = Tokenizer.from_file(str(Path(onnx_dir) / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(Path(onnx_dir) / "tokenizer.json"))
+        except Exception as err:  # the tokenizers library raises its own types
+            raise ArtifactError(f"{onnx_dir}/tokenizer.json cannot be loaded ({err}); re-run `make export`") from None
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]

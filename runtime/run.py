@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -21,6 +23,7 @@ import onnxruntime
 
 from . import __version__
 from .config import Edit, RunConfig
+from .errors import ConfigError
 from .images import contact_sheet, parameters_text, save_png
 from .pipeline import EditPipeline
 from .state import TailRow
@@ -59,6 +62,16 @@ def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserv
     if edit.seed is not None:
         parts.append(f"seed {edit.seed}")
     return " ".join(parts) + ": " + edit.prompt
+
+
+def writable_or_refuse(folder: Path, field: str) -> None:
+    """Make ``folder`` and write a probe file in it, or say which setting to change."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{field}: {folder} is not a writable folder ({err.strerror}); pick another") from None
 
 
 def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
@@ -101,6 +114,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     timer = Timer()
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
+    writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
     with timer.stage("load"):
         pipe = pipeline_of(cfg).activate()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import json
 import logging
 import os
@@ -18,10 +19,10 @@ import secrets
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from importlib import resources
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request as HttpRequest
@@ -37,7 +38,7 @@ from .metrics import Metrics
 from .pipeline import EditPipeline
 from .state import TailRow
 from .run import pipeline_of, store_of
-from .store import BaseStore, StoreFullError, UnknownBaseError, base_id
+from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Service:
         self.store: Optional[BaseStore] = None
         self.batcher: Optional[Batcher] = None
         self.ready = threading.Event()
+        self.draining = threading.Event()
         self.load_error: Optional[str] = None
 
     def load(self) -> None:
@@ -71,6 +73,20 @@ class Service:
         except Exception as err:  # reported by /health; the process stays up to say why
             self.load_error = str(err)
             log.exception("loading the engines failed")
+
+    def start_drain(self) -> None:
+        """Stop admitting: new requests get 503 + Retry-After; rows in flight go on."""
+        self.draining.set()
+        if self.batcher is not None:
+            self.batcher.close()
+
+    def drained(self) -> bool:
+        return self.batcher is None or self.batcher.idle
+
+    def finish(self) -> None:
+        """Fail what is still running with a clear error (a 503, or an error event)."""
+        if self.batcher is not None:
+            self.batcher.stop(timeout=0)
 
     def shutdown(self) -> None:
         self.ready.clear()
@@ -101,6 +117,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
     app = FastAPI(title="edit-rt", version="0.1.0", lifespan=lifespan,
                   description="Batched edit tails for Stable Diffusion: generate a base once, edit it many times.")  # fmt: skip
     app.state.service = service
+    app.add_middleware(BodyTimeout, seconds=cfg.serve.body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def api_error(_, err: ApiError):
@@ -120,30 +137,51 @@ def create_app(cfg: RunConfig) -> FastAPI:
         log.exception("unexpected error")
         return _error_response(ApiError(500, "internal error; see the server log", "server_error"))
 
+    loopback = cfg.serve.host in ("127.0.0.1", "localhost", "::1")
+    token = (service.token or "").encode("utf-8")
+
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
         path = request.url.path
+        if loopback and _host(request) not in LOOPBACK_HOSTS:
+            # bound to loopback: a page elsewhere that resolves its own name here (DNS
+            # rebinding) sends its own Host, and is refused
+            return _error_response(ApiError(400, "this server answers to 127.0.0.1, localhost and [::1] only",
+                                            code="untrusted_host"))  # fmt: skip
+        if service.draining.is_set():
+            if path == "/health":
+                return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+            return _error_response(ApiError(503, "the server is shutting down; retry on another replica or later",
+                                            "server_error", code="shutting_down", headers={"Retry-After": "5"}))  # fmt: skip
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
             return _error_response(ApiError(413, f"the body is larger than {limits.max_body_bytes} bytes", code="body_too_large"))
         if request.method == "POST" and length is None:
             return _error_response(ApiError(411, "a Content-Length header is required", code="length_required"))
-        if service.token and (path.startswith("/v1/") or path == "/metrics"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {service.token}".encode()):
+        if token and (path.startswith("/v1/") or path == "/metrics"):
+            # the raw header bytes against the token's UTF-8 bytes: a non-ASCII token matches
+            given = dict(request.scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, b"Bearer " + token):
                 return _error_response(ApiError(401, "missing or wrong bearer token", "authentication_error"))
         if path.startswith("/v1/") and not service.ready.is_set():
             why = service.load_error or "the engines are loading"
             return _error_response(ApiError(503, f"not ready: {why}", "server_error", headers={"Retry-After": "5"}))
         start = time.perf_counter()
         response = await call_next(request)
-        service.metrics.observe(f"edit_rt_http_{request.method.lower()}_seconds", time.perf_counter() - start)
+        method = request.method if request.method in KNOWN_METHODS else "OTHER"  # labels stay bounded
+        service.metrics.observe(f"edit_rt_http_{method.lower()}_seconds", time.perf_counter() - start)
+        access.info("%s %s %d", method, path[:200], response.status_code)  # never the query string
         return response
 
     def ready_parts() -> tuple[EditPipeline, BaseStore, Batcher]:
         return service.pipe, service.store, service.batcher
 
     def check_prompt(prompt: str, param: str) -> None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(422, f"{param}: not valid Unicode (an unpaired surrogate at {err.start}); send UTF-8 text",
+                           param=param, code="invalid_text") from None  # fmt: skip
         if len(prompt) > limits.max_prompt_chars:
             raise ApiError(422, f"{param}: longer than {limits.max_prompt_chars} characters", param=param, code="too_long")
 
@@ -204,11 +242,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         if len(body.edits) > limits.max_edits_per_request:
             raise ApiError(413, f"edits: {len(body.edits)} edits, at most {limits.max_edits_per_request} per request",
                            param="edits", code="too_many_edits")  # fmt: skip
-        try:
-            state = await asyncio.to_thread(store.pin, body.base_id)
-        except UnknownBaseError:
-            raise ApiError(404, f"base_id: no base {body.base_id!r} (never generated, deleted or evicted)",
-                           "not_found_error", param="base_id", code="unknown_base") from None  # fmt: skip
+        state = await _pinned(store, body.base_id)
         try:
             rows = [_row(e, i, state, cfg) for i, e in enumerate(body.edits)]
             for i, e in enumerate(body.edits):
@@ -235,20 +269,14 @@ def create_app(cfg: RunConfig) -> FastAPI:
     @app.get("/v1/bases/{bid}")
     async def get_base(bid: str):
         _, store, _ = ready_parts()
-        try:
-            return store.info(bid)
-        except UnknownBaseError:
-            raise ApiError(404, f"no base {bid!r}", "not_found_error", param="base_id", code="unknown_base") from None
+        with _base_errors(bid):
+            return await asyncio.to_thread(store.info, _base_id(bid))
 
     @app.delete("/v1/bases/{bid}")
     async def delete_base(bid: str):
         _, store, _ = ready_parts()
-        try:
-            await asyncio.to_thread(store.delete, bid)
-        except UnknownBaseError:
-            raise ApiError(404, f"no base {bid!r}", "not_found_error", param="base_id", code="unknown_base") from None
-        except StoreFullError as err:
-            raise ApiError(409, str(err), code="base_in_use") from None
+        with _base_errors(bid):
+            await asyncio.to_thread(store.delete, _base_id(bid))
         return {"id": bid, "deleted": True}
 
     def _event_queue(request: Request, jobs: list[Job]) -> asyncio.Queue:
@@ -273,7 +301,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 remaining -= 1
                 job = payload
                 if job.future.exception() is not None:
-                    yield _sse("error", {"index": job.index, **ApiError(500, str(job.future.exception()), "server_error").body()})
+                    yield _sse("error", {"index": job.index, **row_error(job.future.exception()).body()})
                     continue
                 result = job.future.result()
                 yield _sse("image_edit.completed", _edit_result(job.index, job.row, result.image, result.seconds, state, pipe, result.preserve))
@@ -285,8 +313,108 @@ def create_app(cfg: RunConfig) -> FastAPI:
     return app
 
 
+class BodyTimeout:
+    """ASGI middleware: a request body that stalls for ``seconds`` is answered 408.
+
+    Only the body is timed: once it is complete, ``receive`` waits for a disconnect as long as
+    the response takes (a stream, a long tail). On a stall this middleware answers itself and
+    tells the app the client is gone (frameworks turn a failing read into their own 400).
+    """
+
+    def __init__(self, app, seconds: float):
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body_done, started, answered = False, False, False
+
+        async def timed_receive():
+            nonlocal body_done, answered
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.seconds)
+            except asyncio.TimeoutError:
+                body_done = True
+                if not started:
+                    answered = True
+                    error = ApiError(408, f"the request body stalled for {self.seconds:g} s", code="body_timeout")
+                    await _error_response(error)(scope, receive, send)
+                return {"type": "http.disconnect"}
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if answered:
+                return  # the 408 went out; the app's late answer goes nowhere
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, timed_receive, tracked_send)
+
+
+KNOWN_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "PATCH"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+access = logging.getLogger("edit_rt.access")
+
+
+def _host(request: HttpRequest) -> str:
+    """The Host header without its port ("[::1]:8188" -> "[::1]")."""
+    host = request.headers.get("host", "")
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _echo(value: str, limit: int = 64) -> str:
+    """A client's string, bounded, for an error message."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def row_error(err: BaseException) -> ApiError:
+    """The API error of a row that failed: its input (422), a shutdown or cancel (503)."""
+    if isinstance(err, RowError):
+        return ApiError(422, str(err), code="row_refused")
+    if isinstance(err, (CancelledError, ShuttingDownError)):
+        return ApiError(503, str(err), "server_error", code="shutting_down" if isinstance(err, ShuttingDownError) else "cancelled",
+                        headers={"Retry-After": "5"})  # fmt: skip
+    log.error("row failed: %s", err)
+    return ApiError(500, "internal error; see the server log", "server_error")
+
+
 def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+BASE_ID = re.compile(r"^[0-9a-f]{24}$")
+
+
+def _base_id(bid: str) -> str:
+    if not BASE_ID.match(bid):
+        raise UnknownBaseError(f"unknown base id {_echo(bid)}")
+    return bid
+
+
+@contextmanager
+def _base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
+    """A store error about one base as the API's: unknown 404, damaged 409, in use 409."""
+    try:
+        yield
+    except UnknownBaseError:
+        raise ApiError(404, f"{param}: no base {_echo(bid)} (never generated, deleted or evicted; generate it again)",
+                       "not_found_error", param=param, code="unknown_base") from None  # fmt: skip
+    except DamagedBaseError as err:
+        raise ApiError(409, f"{param}: {err}", param=param, code="base_damaged") from None
+    except StoreFullError as err:
+        raise ApiError(409, str(err), param=param, code="base_in_use") from None
+
+
+async def _pinned(store: BaseStore, bid: str):
+    with _base_errors(bid):
+        return await asyncio.to_thread(store.pin, _base_id(bid))
 
 
 def _submit(batcher: Batcher, request: Request, jobs: list[Job]) -> None:
@@ -295,7 +423,7 @@ def _submit(batcher: Batcher, request: Request, jobs: list[Job]) -> None:
     except QueueFullError as err:
         raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
     except ShuttingDownError as err:
-        raise ApiError(503, str(err), "server_error", code="shutting_down") from None
+        raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
 
 
 async def _wait(http: HttpRequest, request: Request, job: Job):
@@ -314,10 +442,8 @@ async def _wait_all(http: HttpRequest, request: Request, jobs: list[Job]) -> lis
                 request.cancelled.set()
                 raise ApiError(499, "client disconnected", code="client_closed")
         return [f.result() for f in futures]
-    except (CancelledError, ShuttingDownError) as err:
-        raise ApiError(503, str(err), "server_error", code="cancelled") from None
-    except RowError as err:
-        raise ApiError(422, str(err), code="row_refused") from None
+    except (CancelledError, ShuttingDownError, RowError) as err:
+        raise row_error(err) from None
     finally:
         if any(not f.done() for f in futures):
             request.cancelled.set()
@@ -377,5 +503,17 @@ def _edit_result(i: int, row: TailRow, image: np.ndarray, seconds: float, state,
 def serve(cfg: RunConfig) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=cfg.serve.host, port=cfg.serve.port, log_level="info",
-                timeout_graceful_shutdown=30)  # fmt: skip
+    from .http_server import DrainingServer, header_timeout_protocol
+
+    app = create_app(cfg)
+    service: Service = app.state.service
+    # The access log (uvicorn's own is off: it prints query strings, tokens included).
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("INFO:     %(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    s = cfg.serve
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5, http=header_timeout_protocol(s.header_timeout_s))  # fmt: skip
+    DrainingServer(config, service.start_drain, service.drained, service.finish, s.drain_timeout_s).run()

@@ -2,13 +2,15 @@
 
 A base is keyed by (model fingerprint, prompt, negative prompt, seed, steps, guidance, size);
 its id is a hash of that key, so the same request finds the same base after a restart. The
-store keeps, per base, the cache-window latents (the last one is the final latent) and the
-base's K/V; the unconditional K/V are kept once per negative prompt and shared.
+store keeps, per base, the cache-window latents (the last one is the final latent), the
+unconditional prediction at each window step and the base's K/V; the unconditional K/V are kept
+once per negative prompt and shared.
 
-Tiers are inclusive: with a disk tier every ``put`` writes the base's file first (atomically:
-temporary file, fsync, rename), and RAM holds a most-recently-used subset. Evicting from RAM
-drops the copy there; evicting from disk deletes the file. A budget is never exceeded, and a
-pinned base (one a running tail uses) is never evicted. All methods are thread-safe.
+Tiers are inclusive: with a disk tier every ``put`` writes the base's file first (store_disk.py:
+atomic, checksummed, within the folder's budget whichever process writes), and RAM holds a
+most-recently-used subset. A budget is never exceeded, and a pinned base (one a running tail
+uses) is never evicted from RAM. A file that fails verification is set aside and its base
+answered as damaged. All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -28,19 +29,14 @@ from typing import Iterator, Optional
 import numpy as np
 
 from .config import Base
-from .errors import ArtifactError, EditRtError
+from .errors import ArtifactError
 from .state import KV, BaseState
-from .store_codec import StoragePrecision, decode, encode, from_bytes, to_bytes
+from .store_codec import StoragePrecision, decode, encode, to_bytes
+from .store_disk import DamagedBaseError, DiskTier, StoreFullError, UnknownBaseError
+
+__all__ = ["BaseStore", "base_id", "UnknownBaseError", "StoreFullError", "DamagedBaseError"]
 
 log = logging.getLogger(__name__)
-
-
-class UnknownBaseError(EditRtError):
-    """No base with this id is in the store (never stored, deleted, or evicted)."""
-
-
-class StoreFullError(EditRtError):
-    """A base cannot be stored without breaking a budget (everything else is pinned)."""
 
 
 def base_id(fingerprint: str, base: Base) -> str:
@@ -48,25 +44,14 @@ def base_id(fingerprint: str, base: Base) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _header(path: Path) -> dict:
-    """The metadata of a safetensors file, read without loading its tensors ({} if unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > min(path.stat().st_size, 100_000_000):  # not a safetensors header length
-                return {}
-            return json.loads(f.read(n)).get("__metadata__") or {}
-    except (OSError, ValueError):
-        return {}
-
-
 def _token_axis(i: int) -> int:
     """K/V tensor i's token axis (K is [1, heads, head_dim, 77], V [1, heads, 77, head_dim])."""
     return -1 if i % 2 == 0 else -2
 
 
-def _uncond_id(fingerprint: str, negative_prompt: str) -> str:
-    return "u" + hashlib.sha256(f"{fingerprint}\0{negative_prompt}".encode()).hexdigest()[:23]
+def _uncond_id(fingerprint: str, negative_prompt: str, precision: str) -> str:
+    # The stored precision is part of what a file holds: an int8 copy is another set of values.
+    return "u" + hashlib.sha256(f"{fingerprint}\0{negative_prompt}\0{precision}".encode()).hexdigest()[:23]
 
 
 @dataclass
@@ -104,19 +89,16 @@ class BaseStore:
     ):
         self.fingerprint = fingerprint
         self.ram_budget = ram_bytes
-        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
-        self.disk_budget = disk_bytes if disk_dir is not None else 0
         self.latents_precision = latents_precision
         self.kv_precision = kv_precision
         self._lock = threading.RLock()
         self._ram: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._uncond_ram: dict[str, dict[str, np.ndarray]] = {}
-        self._disk: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (file bytes, uncond id), LRU first
-        self._disk_uncond: dict[str, int] = {}  # uncond id -> file bytes
         self._pins: Counter[str] = Counter()
         self._stats = StoreStats()
-        if self.disk_dir is not None:
-            self._scan_disk()
+        self.disk: Optional[DiskTier] = None if disk_dir is None else DiskTier(Path(disk_dir), disk_bytes, fingerprint)
+        self.disk_dir = None if disk_dir is None else Path(disk_dir)
+        self.disk_budget = disk_bytes if disk_dir is not None else 0
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -125,7 +107,7 @@ class BaseStore:
         if state.fingerprint != self.fingerprint:
             raise ArtifactError("this base state comes from another model than the store's")
         bid = base_id(self.fingerprint, state.base)
-        uid = _uncond_id(self.fingerprint, state.base.negative_prompt)
+        uid = _uncond_id(self.fingerprint, state.base.negative_prompt, self.kv_precision)
         pixels = (2, 3)  # a latent stack [steps, c, h, w]: one scale per step and channel
         tensors = encode("latents", state.latents, self.latents_precision, pixels)
         if state.uncond_out is not None:
@@ -137,6 +119,7 @@ class BaseStore:
             uncond.update(encode(f"uncond_{i}", t, self.kv_precision, (_token_axis(i),)))
         meta = {
             "fingerprint": self.fingerprint,
+            "id": bid,
             "base": json.dumps(asdict(state.base)),
             "window_start": str(state.window_start),
             "layers": str(len(state.cond_kv.tensors)),
@@ -144,12 +127,15 @@ class BaseStore:
         }
         entry = _Entry(tensors, meta, uid)
         with self._lock:
-            if self.disk_dir is None:
+            if self.disk is None:
                 self._put_ram(bid, entry, uid, uncond)
                 return bid
             if entry.nbytes > self.ram_budget:
                 self._put_ram(bid, entry, uid, uncond)  # raises: store.ram_mb is below one base
-            self._put_disk(bid, entry, uid, uncond)
+            data = to_bytes(entry.tensors, entry.meta)
+            self.disk.put(bid, data, uid, lambda: to_bytes(uncond, {"fingerprint": self.fingerprint, "id": uid}),
+                          set(self._pins))  # fmt: skip
+            self._stats.evictions_disk = self.disk.evictions
             try:
                 self._put_ram(bid, entry, uid, uncond)
             except StoreFullError:
@@ -162,13 +148,18 @@ class BaseStore:
         with self._lock:
             if bid in self._ram:
                 self._ram.move_to_end(bid)
-                self._touch_disk(bid)
+                if self.disk is not None:
+                    self.disk.touch(bid)
                 self._stats.hits_ram += 1
                 return self._state(self._ram[bid])
-            if bid in self._disk:
-                entry, uncond = self._load(bid)
+            if self.disk is not None:
+                try:
+                    entry, uncond = self._load(bid)
+                except UnknownBaseError:
+                    self._stats.misses += 1
+                    raise
                 self._stats.hits_disk += 1
-                self._touch_disk(bid)
+                self.disk.touch(bid)
                 try:
                     self._put_ram(bid, entry, entry.uncond, uncond)
                 except StoreFullError:
@@ -180,24 +171,25 @@ class BaseStore:
 
     def tier(self, bid: str) -> Optional[str]:
         with self._lock:
-            return "ram" if bid in self._ram else "disk" if bid in self._disk else None
+            if bid in self._ram:
+                return "ram"
+            return "disk" if self.disk is not None and self.disk.path(bid).is_file() else None
 
     def info(self, bid: str) -> dict:
-        """A base's metadata and tier, without loading its tensors."""
+        """A base's metadata and tier; a file on disk is verified first (damaged: refused)."""
         with self._lock:
             if bid in self._ram:
                 entry = self._ram[bid]
-                meta, nbytes = entry.meta, entry.nbytes
-            elif bid in self._disk:
-                meta, nbytes = _header(self._path(bid)), self._disk[bid][0]
+            elif self.disk is not None:
+                entry, _ = self._load(bid)
             else:
                 raise UnknownBaseError(f"unknown base id {bid!r}")
             return {
                 "id": bid,
                 "tier": self.tier(bid),
-                "base": json.loads(meta.get("base", "{}")),
-                "window_start": int(meta.get("window_start", 0)),
-                "bytes": nbytes,
+                "base": json.loads(entry.meta["base"]),
+                "window_start": int(entry.meta["window_start"]),
+                "bytes": entry.nbytes,
                 "pinned": self._pins[bid] > 0,
                 "latents_precision": self.latents_precision,
                 "kv_precision": self.kv_precision,
@@ -234,13 +226,17 @@ class BaseStore:
             if self._pins[bid]:
                 raise StoreFullError(f"base {bid} is in use by a running edit; delete it when that finishes")
             self._drop_ram(bid)
-            self._drop_disk(bid)
+            if self.disk is not None:
+                self.disk.delete(bid)
 
     def stats(self) -> dict:
         with self._lock:
+            disk = {"entries": 0, "bytes": 0, "budget": 0}
+            if self.disk is not None:
+                disk = {"entries": len(self.disk.bases), "bytes": self.disk.bytes, "budget": self.disk_budget}
             return {
                 "ram": {"entries": len(self._ram), "bytes": self._ram_bytes(), "budget": self.ram_budget},
-                "disk": {"entries": len(self._disk), "bytes": self._disk_bytes(), "budget": self.disk_budget},
+                "disk": disk,
                 "pinned": len(self._pins),
                 **asdict(self._stats),
             }
@@ -280,106 +276,33 @@ class BaseStore:
 
     # --- disk tier ----------------------------------------------------------------------------
 
-    def _path(self, bid: str) -> Path:
-        return self.disk_dir / ("uncond" if bid.startswith("u") else "bases") / f"{bid}.safetensors"
-
-    def _disk_bytes(self) -> int:
-        return sum(size for size, _ in self._disk.values()) + sum(self._disk_uncond.values())
-
-    def _scan_disk(self) -> None:
-        for sub in ("bases", "uncond"):
-            (self.disk_dir / sub).mkdir(parents=True, exist_ok=True)
-            for tmp in (self.disk_dir / sub).glob("*.tmp"):
-                tmp.unlink()  # a write that crashed before its rename: never part of the store
-        files = sorted((self.disk_dir / "bases").glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
-        for p in files:
-            self._disk[p.stem] = (p.stat().st_size, _header(p).get("uncond", ""))
-        for p in (self.disk_dir / "uncond").glob("*.safetensors"):
-            self._disk_uncond[p.stem] = p.stat().st_size
-
-    def _write(self, path: Path, data: bytes) -> None:
-        """Atomic: a crash leaves either the old file or the new one, never a torn one."""
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def _put_disk(self, bid: str, entry: _Entry, uid: str, uncond: dict[str, np.ndarray]) -> None:
-        data = to_bytes(entry.tensors, entry.meta)
-        uncond_data = None if uid in self._disk_uncond else to_bytes(uncond, {"fingerprint": self.fingerprint})
-        new = len(data) + (len(uncond_data) if uncond_data else 0)
-        if new > self.disk_budget:
-            raise StoreFullError(
-                f"store.disk_mb ({self.disk_budget / 2**20:.1f} MiB) is smaller than one base "
-                f"({new / 2**20:.2f} MiB); raise store.disk_mb"
-            )
-        replaced = self._disk.get(bid, (0, ""))[0]
-        while self._disk_bytes() - replaced + new > self.disk_budget:
-            victim = next((b for b in self._disk if not self._pins[b] and b != bid), None)
-            if victim is None:
-                raise StoreFullError("the disk tier is full of bases in use; retry when they finish")
-            self._drop_disk(victim, count=True)
-            if uncond_data is None and uid not in self._disk_uncond:  # its only other user left
-                uncond_data = to_bytes(uncond, {"fingerprint": self.fingerprint})
-                new += len(uncond_data)
-        if uncond_data is not None:
-            self._write(self._path(uid), uncond_data)
-            self._disk_uncond[uid] = len(uncond_data)
-        self._write(self._path(bid), data)
-        self._disk[bid] = (len(data), uid)
-        self._disk.move_to_end(bid)
-
-    def _drop_disk(self, bid: str, count: bool = False) -> None:
-        if self._disk.pop(bid, None) is None:
-            return
-        if count:
-            self._stats.evictions_disk += 1
-        self._path(bid).unlink(missing_ok=True)
-        # An uncond file goes with the last base on disk that uses it.
-        used = {uid for _, uid in self._disk.values()}
-        for uid in [u for u in self._disk_uncond if u not in used]:
-            self._disk_uncond.pop(uid)
-            self._path(uid).unlink(missing_ok=True)
-
-    def _touch_disk(self, bid: str) -> None:
-        if bid in self._disk:
-            self._disk.move_to_end(bid)
-            try:
-                os.utime(self._path(bid))  # LRU order survives a restart through mtimes
-            except OSError:
-                pass
+    def _recorded_id(self, meta: dict) -> str:
+        """The id the file's own recorded key gives (a copied or renamed file does not match)."""
+        if meta.get("id") != base_id(self.fingerprint, Base(**json.loads(meta["base"]))):
+            raise ArtifactError("its recorded id does not match its recorded key")
+        int(meta["window_start"]), int(meta["layers"])  # present and numbers, or ValueError
+        return meta["id"]
 
     def _load(self, bid: str) -> tuple[_Entry, dict[str, np.ndarray]]:
-        path = self._path(bid)
         start = time.perf_counter()
         try:
-            tensors, meta = from_bytes(path.read_bytes(), self.fingerprint, str(path))
+            tensors, meta, _ = self.disk.load(bid, self._recorded_id)
             uid = meta.get("uncond", "")
-            if uid in self._uncond_ram:
-                uncond = self._uncond_ram[uid]
-            else:
-                upath = self._path(uid)
-                if not uid or not upath.is_file():
-                    raise ArtifactError(f"{path}: its unconditional K/V file {upath.name} is missing")
-                uncond, _ = from_bytes(upath.read_bytes(), self.fingerprint, str(upath))
-        except (OSError, ArtifactError) as err:
-            # Never serve a damaged base: drop it from the index, keep the file for a post-mortem.
-            self._disk.pop(bid, None)
+            uncond = self._uncond_ram.get(uid)
+            if uncond is None:
+                uncond = self.disk.load_uncond(uid, bid)
+            entry = _Entry(tensors, meta, uid)
+            self._state(entry, uncond)  # every tensor the header names is there, or KeyError
+        except DamagedBaseError:
             self._stats.refused_files += 1
-            if path.exists():
-                os.replace(path, path.with_suffix(".corrupt"))
-            log.error("refused base %s: %s", bid, err)
-            raise ArtifactError(f"base {bid} could not be restored from disk: {err}") from None
+            raise
+        except KeyError as err:
+            self._stats.refused_files += 1
+            self.disk.quarantine(self.disk.path(bid))
+            raise DamagedBaseError(f"base {bid} is damaged and was set aside (no tensor {err}); generate it again") from None
         self._stats.disk_loads += 1
         self._stats.disk_load_seconds += time.perf_counter() - start
-        return _Entry(tensors, meta, uid), uncond
+        return entry, uncond
 
     def _state(self, entry: _Entry, uncond: Optional[dict[str, np.ndarray]] = None) -> BaseState:
         uncond = uncond if uncond is not None else self._uncond_ram[entry.uncond]

@@ -10,7 +10,8 @@ Precision is chosen per tensor kind (``latents``, ``kv``):
 
 A stored state is a flat ``{name: array}`` dict; on disk it is one safetensors file whose
 metadata holds the format version, the model fingerprint, the base key, the precisions and a
-sha256 over every tensor's bytes, so a truncated, corrupt or foreign file is refused.
+sha256 over the metadata and every tensor's bytes, so a truncated, corrupt, edited or foreign
+file is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from .errors import ArtifactError
 
 StoragePrecision = Literal["fp32", "fp16", "int8"]
-FILE_FORMAT = "edit-rt-base/2"  # 2: K/V in the attention layout, u of the window steps
+FILE_FORMAT = "edit-rt-base/3"  # 2: K/V in the attention layout, u of the window steps; 3: header in the sha256
 
 
 def encode(name: str, x: np.ndarray, precision: StoragePrecision, reduce_axes: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -50,8 +51,12 @@ def decode(name: str, stored: Mapping[str, np.ndarray]) -> np.ndarray:
     return x.astype(np.float32) * stored[f"{name}.scale"]
 
 
-def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
+def content_sha256(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> str:
+    """One digest over the metadata (every key but the digest itself, canonical JSON) and every
+    tensor's name, dtype, shape and bytes: a changed header is as damaged as a changed tensor."""
     h = hashlib.sha256()
+    header = {k: v for k, v in meta.items() if k != "sha256"}
+    h.update(json.dumps(header, sort_keys=True).encode() + b"\0")
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
         h.update(name.encode() + b"\0" + str(a.dtype).encode() + str(a.shape).encode())
@@ -62,17 +67,28 @@ def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
 def to_bytes(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
     from safetensors.numpy import save
 
-    metadata = dict(meta, format=FILE_FORMAT, sha256=tensors_sha256(tensors))
+    metadata = dict(meta, format=FILE_FORMAT)
+    metadata["sha256"] = content_sha256(tensors, metadata)
     return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
 
 
+def read_header(data: bytes) -> dict[str, str]:
+    """A safetensors file's ``__metadata__`` ({} if it has none); raises on a malformed header."""
+    n = int.from_bytes(data[:8], "little")
+    if not 0 < n <= len(data) - 8:
+        raise ValueError("the header length is out of range")
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("the metadata is not a mapping of strings")
+    return meta
+
+
 def from_bytes(data: bytes, fingerprint: str, source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Parse and verify a stored file; refuses truncated, corrupt or foreign ones."""
+    """Parse and verify a stored file; refuses truncated, corrupt, edited or foreign ones."""
     from safetensors.numpy import load
 
     try:
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        meta = read_header(data)
         tensors = load(data)
     except Exception as err:  # safetensors raises several types for a damaged file
         raise ArtifactError(f"{source}: not a readable base-state file ({type(err).__name__}: {err})") from None
@@ -80,6 +96,6 @@ def from_bytes(data: bytes, fingerprint: str, source: str) -> tuple[dict[str, np
         raise ArtifactError(f"{source}: not an {FILE_FORMAT} file")
     if meta.get("fingerprint") != fingerprint:
         raise ArtifactError(f"{source}: belongs to another model (fingerprint {str(meta.get('fingerprint'))[:12]})")
-    if tensors_sha256(tensors) != meta.get("sha256"):
-        raise ArtifactError(f"{source}: checksum mismatch, the file is corrupt")
+    if content_sha256(tensors, meta) != meta.get("sha256"):
+        raise ArtifactError(f"{source}: checksum mismatch, the file (header or tensors) is corrupt")
     return tensors, meta
