@@ -28,7 +28,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import onnxruntime as ort
@@ -92,8 +92,11 @@ def run_bench(
     fractions: tuple[float, ...] = (0.1, 0.2, 0.4),
     repeats: int = 3,
     say: Callable[[str], None] = print,
+    progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report."""
+    """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report.
+
+    ``progress(total, description)`` gives an ``advance(n)`` for the measured points."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
 
@@ -136,17 +139,23 @@ def run_bench(
     probes = _step_cost_probes(pipe, rt, state, base, ns)
     step_samples: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in ns} for kind in probes}
     samples: dict[tuple, list[tuple[float, int]]] = {}
+    points_per_repeat = 1 + len(ns) * (1 + 2 * len(fractions)) + len(ns)
+    advance = progress(repeats * points_per_repeat + 3, "bench points") if progress else (lambda n: None)
     for r in range(repeats):
         say(f"bench: repeat {r + 1}/{repeats}")
         samples.setdefault(("edit-rt full", 1, None), []).append(_timed(rt_full))
+        advance(1)
         for n in ns:
             samples.setdefault(("diffusers", n, None), []).append(_timed(lambda: diffusers_full(n)))
+            advance(1)
             for f in fractions:
                 samples.setdefault(("img2img", n, f), []).append(_timed(lambda: diffusers_img2img(n, f)))
                 samples.setdefault(("edit-rt tail", n, f), []).append(_timed(lambda: rt_tail(n, f)))
+                advance(2)
         for n in ns:
             for kind, probe in probes.items():
                 step_samples[kind][n].append(probe(n))
+            advance(1)
 
     rows_of = {"diffusers": lambda n, f: n * T, "img2img": lambda n, f: n * ks[f],
                "edit-rt full": lambda n, f: T, "edit-rt tail": lambda n, f: n * ks[f]}  # fmt: skip
@@ -196,10 +205,13 @@ def run_bench(
     k_serve = ks[sorted(fractions)[len(fractions) // 2]]
     say(f"bench: the server against one run tail ({max(ns)} edits, {k_serve}-step tails)")
     report["server_vs_run"] = _server_vs_run(cfg, rt, state, prompts[: max(ns)], k_serve, repeats)
+    advance(1)
     say("bench: entry-step reuse on and off")
     report["entry_reuse"] = _entry_reuse(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
+    advance(1)
     say("bench: preserve: auto against none")
     report["preserve_cost"] = _preserve_cost(rt, state, prompts[: max(ns)], max(ks.values()), repeats)
+    advance(1)
     rt.deactivate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

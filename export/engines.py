@@ -29,7 +29,8 @@ from edit_rt.runtime.profiles import EditBatchProfile
 log = logging.getLogger(__name__)
 
 
-def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile) -> EngineSet:
+def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
+                    done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
     """Save every graph ONNX-Runtime-optimized (ORT_ENABLE_ALL) for this CPU."""
     staging = _fresh(out)
     graphs = {}
@@ -51,10 +52,12 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile) ->
         ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
         graphs[graph] = _entry(manifest, graph, target.name)
         log.info("ort-cpu: %s -> %s", source.name, target)
+        done(f"ort-cpu/{graph}")
     return _publish(staging, out, EngineSet(out, "ort-cpu", profile, "fp32", engine_tools("ort-cpu"), cpu_name(), graphs))
 
 
-def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str) -> EngineSet:
+def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str,
+                done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
     """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU)."""
     from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
 
@@ -78,6 +81,7 @@ def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precis
         target.write_bytes(plan)
         graphs[graph] = _entry(manifest, graph, target.name)
         log.info("trt: %s -> %s (%s)", graph, target, precision)
+        done(f"trt/{graph}")
     return _publish(staging, out, EngineSet(out, "trt", profile, precision, engine_tools("trt"), engine_device("trt"), graphs))
 
 
@@ -88,13 +92,17 @@ def build_engines(
     precision: str = "fp16",
     say: Callable[[str], None] = print,
     trt_reason: Optional[str] = "probe",
+    progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, EngineSet]:
-    """Build every backend's engines that this machine can; say what was built and skipped."""
+    """Build every backend's engines that this machine can; say what was built and skipped.
+
+    ``progress`` is called with "<backend>/<graph>" as each engine is done."""
     manifest = load_manifest(onnx_dir)
-    built = {"ort-cpu": ort_cpu_engines(manifest, Path(engines_dir) / "ort-cpu", profile)}
     reason = trt_unavailable_reason() if trt_reason == "probe" else trt_reason
+    done = progress or (lambda name: None)
+    built = {"ort-cpu": ort_cpu_engines(manifest, Path(engines_dir) / "ort-cpu", profile, done)}
     if reason is None:
-        built["trt"] = trt_engines(manifest, Path(engines_dir) / "trt", profile, precision)
+        built["trt"] = trt_engines(manifest, Path(engines_dir) / "trt", profile, precision, done)
     else:
         say(f"TensorRT is unavailable ({reason}): built the ONNX Runtime CPU engines only")
     return built

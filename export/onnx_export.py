@@ -16,6 +16,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import onnx
 import torch
@@ -35,6 +36,7 @@ from .graphs import (
 log = logging.getLogger(__name__)
 
 TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
+EXPORT_STAGES = 5  # text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder
 _ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
 
 
@@ -187,8 +189,12 @@ def _write_tokenizer(tokenizer, out: Path) -> None:
     backend.save(str(out))
 
 
-def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0) -> Path:
-    """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path."""
+def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0,
+                progress: Optional[Callable[[str], None]] = None) -> Path:  # fmt: skip
+    """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path.
+
+    ``progress`` is called with each graph's name as it is done (``EXPORT_STAGES`` in all)."""
+    done = progress or (lambda name: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     fingerprint, file_stats = model_fingerprint(model_dir)
     unet, text_encoder, vae, tokenizer, scheduler = load_components(model_dir)
@@ -219,6 +225,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         {"input_ids": {0: "B"}, "hidden_states": {0: "B"}}, opset, threshold,
     )  # fmt: skip
 
+    done("text_encoder")
     log.info("exporting kv_proj (%d cross-attention layers)", len(layers))
     kv_names = [f"{kind}_{i}" for i in range(len(layers)) for kind in ("k", "v")]
     graphs["kv_proj"] = _export_graph(
@@ -227,6 +234,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}}, opset, threshold,
     )  # fmt: skip
 
+    done("kv_proj")
     map_layers, map_factor = attention_map_layers(unet)
     for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
         log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
@@ -238,6 +246,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
         )  # fmt: skip
         graphs[graph]["roles"] = io.roles
+        done(graph)
     graphs["unet_step_maps"]["map_factor"] = map_factor
     graphs["unet_step_maps"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
 
@@ -248,6 +257,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         {"latents": {0: "N", 2: "H", 3: "W"}, "images": {0: "N", 2: "IH", 3: "IW"}}, opset, threshold,
     )  # fmt: skip
 
+    done("vae_decoder")
     _write_tokenizer(tokenizer, staging / "tokenizer.json")
     import diffusers
     import onnxruntime

@@ -141,6 +141,7 @@ def run_quality(
     prompts: int = 100,
     auto_knobs: tuple[tuple[float, int, str], ...] = AUTO_KNOBS,
     say: Callable[[str], None] = print,
+    progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
 ) -> dict[str, Any]:
     """The table over ``bases`` bases: edit-rt (``preserve: none``) at every tail fraction
     (strength 1) and every strength at ``default_fraction`` (the config's tail unless given);
@@ -157,7 +158,9 @@ def run_quality(
     default_strength = cfg.cache.default_strength
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
-    following = _prompt_following(pipe, cfg.base, prompts) if prompts else None
+    bar = progress or (lambda total, description: lambda n: None)
+    following = _prompt_following(pipe, cfg.base, prompts, bar(prompts, "prompts")) if prompts else None
+    advance = bar(bases, "bases")
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
@@ -198,6 +201,7 @@ def run_quality(
             latent = p2p_tail(unet, text_encoder, tokenizer, scheduler_config, state, text, start)
             tallies["p2p", kind, default_fraction, 1.0].add(pipe.decode(latent[None])[0], base_image, seen, target, kind)
         say(f"quality: base {b + 1}/{bases}")
+        advance(1)
     pipe.deactivate()
     table = [{"method": m, "kind": k, "tail_fraction": f, "strength": s, **t.row()} for (m, k, f, s), t in sorted(tallies.items())]
     report = {"model": str(cfg.model), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
@@ -248,13 +252,14 @@ def prompt_following(cfg: RunConfig, n: int = 100) -> dict[str, float]:
         return _prompt_following(pipe, cfg.base, n)
 
 
-def _prompt_following(pipe: EditPipeline, base: Base, n: int) -> dict[str, float]:
+def _prompt_following(pipe: EditPipeline, base: Base, n: int, advance: Callable[[int], None] = lambda n: None) -> dict[str, float]:
     rng = np.random.default_rng(1)
     hits: dict[str, int] = defaultdict(int)
     for k in range(n):
         scene = random_scene(rng)
         state = pipe.generate_base(dataclasses.replace(base, prompt=prompt(scene), seed=1000 + k))
         seen = _read(pipe.decode(state.final_latent)[0])
+        advance(1)
         if seen is None:
             continue
         for f in FIELDS:

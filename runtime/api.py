@@ -1,10 +1,12 @@
-"""The HTTP API's request bodies and its one error shape.
+"""The HTTP API's request and response models and its one error shape.
 
-Bodies follow the OpenAI Images API where it has a field (``prompt``, ``size``,
-``response_format``) and AUTOMATIC1111's API otherwise (``negative_prompt``, ``steps``,
-``cfg_scale``, ``seed`` with -1 for random). Every error is
+Bodies follow the OpenAI Images API where it has a field (``prompt``, ``n``, ``size``,
+``model``, ``response_format``, ``output_format``; ``quality``, ``style``, ``user``,
+``background`` and ``moderation`` are accepted and ignored: one model, one sampler) and
+AUTOMATIC1111's API otherwise (``negative_prompt``, ``steps``, ``cfg_scale``, ``seed`` with -1
+for random). Types are strict: nothing is coerced. Every error is
 ``{"error": {"message", "type", "param", "code"}}`` with ``param`` a JSON path such as
-``edits[3].strength``.
+``edits[3].strength``; an invalid body is 400 ``invalid_request_error``, as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -13,21 +15,33 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# OpenAI's own image model names: a client that sends one means "the served model".
+OPENAI_MODELS = frozenset({"dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5"})
+
 
 class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = STRICT
 
     prompt: str = Field(min_length=1, description="The base prompt.")
     negative_prompt: str = Field("", description="Shared by the base and all its edits.")
-    size: Optional[str] = Field(None, pattern=r"^\d{1,5}x\d{1,5}$", description="WxH in pixels; the server's size by default.")
+    n: int = Field(1, ge=1, le=8, description="Bases to generate, from consecutive seeds (seed, seed + 1, ...).")
+    model: Optional[str] = Field(None, description="The served model's name, or one of OpenAI's (meaning the served one).")
+    size: Optional[str] = Field(None, pattern=r"^(\d{1,5}x\d{1,5}|auto)$", description="WxH in pixels; the server's size by default.")
     steps: Optional[int] = Field(None, ge=1, description="DDIM steps; the server's default if omitted.")
     cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
-    response_format: Literal["b64_json"] = "b64_json"
+    response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json only: this server hosts no files.")
+    output_format: Literal["png", "jpeg", "webp"] = Field("png", description="png carries the generation parameters.")
+    quality: Optional[str] = Field(None, description="Accepted and ignored.")
+    style: Optional[str] = Field(None, description="Accepted and ignored.")
+    user: Optional[str] = Field(None, description="Accepted and ignored.")
+    background: Optional[str] = Field(None, description="Accepted and ignored.")
+    moderation: Optional[str] = Field(None, description="Accepted and ignored.")
 
 
 class MaskRect(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = STRICT
 
     x: int = Field(ge=0)
     y: int = Field(ge=0)
@@ -36,12 +50,12 @@ class MaskRect(BaseModel):
 
 
 class EditItem(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = STRICT
 
     prompt: str = Field(min_length=1, description="The edit's target prompt.")
     strength: Optional[float] = Field(None, ge=0, le=2, description="K/V = base + strength x (edit - base); the server's default if omitted.")
     tail_steps: Optional[int] = Field(None, ge=1, description="Steps to re-run; the server's default tail if omitted.")
-    mask: Optional[MaskRect] = Field(None, description="Pixels inside may change; outside stays the base.")
+    mask: Optional[MaskRect] = Field(None, description="Pixels inside may change; outside stays the base, exactly.")
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="A variation: re-noise with this seed.")
     cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Guidance for this edit; the base's if omitted.")
     preserve: Optional[Literal["auto", "none"]] = Field(
@@ -50,11 +64,117 @@ class EditItem(BaseModel):
 
 
 class EditsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = STRICT
 
     base_id: str = Field(min_length=1, max_length=64)
     edits: list[EditItem] = Field(min_length=1)
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.completed, done.")
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="The image, base64; a PNG carries its generation parameters.")
+    revised_prompt: Optional[str] = None
+
+
+class GenerationInfo(BaseModel):
+    seconds: float
+    store_tier: Optional[str]
+    base_ids: list[str]
+
+
+class GenerationResponse(BaseModel):
+    id: str = Field(description="The (first) base's id: edit it with POST /v1/images/edits.")
+    created: int
+    seed: int
+    data: list[ImageData]
+    parameters: dict[str, Any]
+    info: GenerationInfo
+
+
+class EditInfo(BaseModel):
+    seconds: float
+    tail_steps: int
+    strength: float
+    preserve: str
+
+
+class EditData(ImageData):
+    index: int
+    info: EditInfo
+
+
+class EditsResponse(BaseModel):
+    created: int
+    base_id: str
+    data: list[EditData]
+
+
+class BaseInfo(BaseModel):
+    id: str
+    tier: Optional[str]
+    base: dict[str, Any]
+    window_start: int
+    bytes: int
+    pinned: bool
+    latents_precision: str
+    kv_precision: str
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: bool
+
+
+class Health(BaseModel):
+    status: str
+    backend: Optional[str] = None
+    error: Optional[str] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "edit-rt"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def errors(*statuses: int) -> dict[int, dict]:
+    """OpenAPI ``responses`` entries: each status with the one error schema."""
+    return {s: {"model": ErrorBody, "description": _STATUS.get(s, "error")} for s in statuses}
+
+
+_STATUS = {
+    400: "invalid request (a field, its type or its range)",
+    401: "missing or wrong bearer token",
+    404: "unknown base or route",
+    405: "method not allowed (see Allow)",
+    408: "the request body stalled",
+    409: "the base is damaged or in use",
+    411: "a POST without Content-Length",
+    413: "too many edits, or a body over serve.max_body_bytes",
+    429: "the queue is full (see Retry-After)",
+    499: "the client disconnected",
+    503: "loading, draining or shutting down (see Retry-After)",
+}
 
 
 class ApiError(Exception):
@@ -86,7 +206,7 @@ def validation_error(errors: Sequence[dict]) -> ApiError:
     first = errors[0]
     param = json_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
-        return ApiError(422, "the body is not valid JSON", code="json_invalid")
+        return ApiError(400, "the body is not valid JSON", code="json_invalid")
     if first.get("type") == "missing":
         message = f"{param}: required field missing"
     elif first.get("type") == "extra_forbidden":
@@ -94,4 +214,4 @@ def validation_error(errors: Sequence[dict]) -> ApiError:
     else:
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return ApiError(422, message + more, param=param, code=first.get("type"))
+    return ApiError(400, message + more, param=param, code=first.get("type"))

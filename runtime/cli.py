@@ -6,23 +6,36 @@ when those commands run, so the runtime installs and runs without them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from . import __version__
 from .config import load_config
 from .errors import EditRtError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"edit-rt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version.")) -> None:
+    """Batched edit tails for Stable Diffusion."""
 console = Console(stderr=True)
 
 
@@ -38,10 +51,10 @@ def _export_module(name: str):
 
 @contextmanager
 def _progress() -> Iterator[Callable[[int, str], Callable[[int], None]]]:
-    """A factory of rich progress bars (shown only on a terminal)."""
+    """A factory of rich progress bars (shown only on a terminal), each with its ETA."""
     with Progress(
-        TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=not console.is_terminal, transient=False,
+        TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=False,
     ) as bars:  # fmt: skip
 
         def factory(total: int, description: str) -> Callable[[int], None]:
@@ -49,6 +62,14 @@ def _progress() -> Iterator[Callable[[int, str], Callable[[int], None]]]:
             return lambda n: bars.advance(task, n)
 
         yield factory
+
+
+def _quiet_third_parties() -> None:
+    """transformers' and diffusers' hints (torchvision, accelerate) go to the log, not the screen."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.captureWarnings(True)  # warnings.warn(...) -> the "py.warnings" logger
 
 
 @app.command()
@@ -68,10 +89,11 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     """Export the config's model to ONNX under build_dir/<model>/onnx/."""
     cfg = load_config(config)
     exporter = _export_module("onnx_export")
-    with console.status(f"exporting {cfg.model} to {cfg.onnx_dir}"):
+    with _progress() as bars:
+        advance = bars(exporter.EXPORT_STAGES, "export")
         manifest = exporter.export_onnx(
             cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
-            external_data_threshold_mb=cfg.export.external_data_threshold_mb,
+            external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=lambda graph: advance(1),
         )  # fmt: skip
     console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, manifest.json)")
 
@@ -87,8 +109,14 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     e = cfg.engines
     profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale)
-    with console.status(f"building engines under {cfg.engines_dir}"):
-        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=console.print)
+    from .backend_trt import trt_unavailable_reason
+    from .engines import GRAPHS
+
+    reason = trt_unavailable_reason()
+    with _progress() as bars:
+        advance = bars(len(GRAPHS) * (1 if reason else 2), "engines")
+        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=console.print,
+                                      trt_reason=reason, progress=lambda name: advance(1))  # fmt: skip
     for backend, engine_set in built.items():
         console.print(
             f"{backend}: {engine_set.root}/ ({', '.join(engine_set.graphs)}; rows {e.min_batch}/{e.opt_batch}/"
@@ -117,10 +145,11 @@ def bench(
     """Measure edit throughput against diffusers (full generation and img2img); write bench.json/png."""
     cfg = load_config(config)
     bench_module = _export_module("bench")
-    report = bench_module.run_bench(
-        cfg, tuple(int(n) for n in ns.split(",")), tuple(float(f) for f in fractions.split(",")), repeats,
-        say=console.print,
-    )  # fmt: skip
+    with _progress() as bars:
+        report = bench_module.run_bench(
+            cfg, tuple(int(n) for n in ns.split(",")), tuple(float(f) for f in fractions.split(",")), repeats,
+            say=console.print, progress=bars,
+        )  # fmt: skip
     _print_bench(report, cfg.output_dir)
 
 
@@ -183,7 +212,8 @@ def quality(
     """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
     cfg = load_config(config)
     module = _export_module("quality")
-    report = module.run_quality(cfg, bases=bases, say=console.print)
+    with _progress() as bars:
+        report = module.run_quality(cfg, bases=bases, say=lambda text: None, progress=bars)
     table = Table(title=f"edit-rt quality: {bases} bases, T={report['steps']}", title_justify="left")
     for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "untouched PSNR", "IoU", "changed"):
         table.add_column(column)
@@ -200,11 +230,19 @@ def quality(
 
 
 @app.command()
-def serve(config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve.")) -> None:
-    """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` says otherwise)."""
+def serve(
+    config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve."),
+    host: Optional[str] = typer.Option(None, help="Listen here instead of serve.host."),
+    port: Optional[int] = typer.Option(None, help="Listen here instead of serve.port."),
+) -> None:
+    """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` or the flags say otherwise)."""
     from .server import serve as serve_forever
 
     cfg = load_config(config)
+    if host is not None or port is not None:
+        s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
+        s.validate("--host/--port")
+        cfg = dataclasses.replace(cfg, serve=s)
     console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
     serve_forever(cfg)
 
@@ -240,6 +278,7 @@ def _print_summary(report: dict, output_dir: Path) -> None:
 
 
 def main() -> None:
+    _quiet_third_parties()
     logging.basicConfig(
         level=os.environ.get("EDIT_RT_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )

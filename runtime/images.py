@@ -1,7 +1,6 @@
 """PNG output: images carrying their generation parameters, and a labelled contact sheet.
 
-The ``parameters`` text chunk uses the format AUTOMATIC1111's web UI writes and most image
-tools read: the prompt, ``Negative prompt: ...``, then one line of ``Key: value`` pairs.
+The ``parameters`` text chunk is AUTOMATIC1111's format (pnginfo.py).
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import io
 import textwrap
 from pathlib import Path
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -45,12 +44,6 @@ def composite(edit: np.ndarray, base: np.ndarray, weight: np.ndarray) -> np.ndar
     w = weight[band][:, None]
     out[band] = base[band] + w * (edit[band] - base[band])
     return out
-
-
-def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, object]) -> str:
-    """The A1111 ``parameters`` string: prompt, negative prompt line, ``Key: value, ...``."""
-    line = ", ".join(f"{key}: {value}" for key, value in fields.items())
-    return f"{prompt}\nNegative prompt: {negative_prompt}\n{line}"
 
 
 def save_png(path: Path | BinaryIO, image: np.ndarray, parameters: str) -> None:

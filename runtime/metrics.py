@@ -1,66 +1,91 @@
-"""Counters, gauges and histograms, rendered in the Prometheus text format for ``GET /metrics``."""
+"""``GET /metrics``: the service's Prometheus metrics, through ``prometheus_client``.
+
+One registry per service (so test servers in one process do not share counters). The library
+writes the text format (HELP and TYPE lines, escaping, full float precision); labels carry what
+varies (the route, the method, the status, the store tier), and every label value comes from a
+bounded set. The store's numbers are read when scraped (a collector), not copied per request.
+"""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from typing import Iterable
+from typing import Callable, Optional
 
-# Histogram buckets per metric name (upper bounds); anything else uses the seconds buckets.
-BUCKETS = {
-    "edit_rt_batch_rows": (1, 2, 4, 8, 16, 32, 64),
-}
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class StoreCollector:
+    """The store's stats at scrape time: entries and bytes per tier, hits, misses, evictions."""
+
+    def __init__(self, stats: Callable[[], Optional[dict]]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        if stats is None:
+            return
+        entries = GaugeMetricFamily("edit_rt_store_entries", "Bases held, per store tier", labels=["tier"])
+        size = GaugeMetricFamily("edit_rt_store_bytes", "Bytes held, per store tier", labels=["tier"])
+        budget = GaugeMetricFamily("edit_rt_store_budget_bytes", "Byte budget, per store tier", labels=["tier"])
+        hits = CounterMetricFamily("edit_rt_store_hits", "Bases found, per store tier", labels=["tier"])
+        evictions = CounterMetricFamily("edit_rt_store_evictions", "Bases evicted, per store tier", labels=["tier"])
+        for tier in ("ram", "disk"):
+            entries.add_metric([tier], stats[tier]["entries"])
+            size.add_metric([tier], stats[tier]["bytes"])
+            budget.add_metric([tier], stats[tier]["budget"])
+            hits.add_metric([tier], stats[f"hits_{tier}"])
+            evictions.add_metric([tier], stats[f"evictions_{tier}"])
+        misses = CounterMetricFamily("edit_rt_store_misses", "Bases asked for and not found")
+        misses.add_metric([], stats["misses"])
+        refused = CounterMetricFamily("edit_rt_store_refused_files", "Store files that failed verification")
+        refused.add_metric([], stats["refused_files"])
+        yield from (entries, size, budget, hits, evictions, misses, refused)
+
+
 class Metrics:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.counters: dict[str, float] = {}
-        self.gauges: dict[str, float] = {}
-        self.histograms: dict[str, tuple[tuple[float, ...], list[int], list[float]]] = {}
+    """The service's metrics. The batcher and routes call ``inc``/``gauge``/``observe`` by name."""
+
+    def __init__(self, store_stats: Callable[[], Optional[dict]] = lambda: None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ready = Gauge("edit_rt_ready", "1 once the engines are loaded and the service takes requests", registry=r)
+        self.http = Histogram("edit_rt_http_request_seconds", "HTTP request latency, by route, method and status",
+                              ["route", "method", "status"], buckets=SECONDS, registry=r)  # fmt: skip
+        self._by_name = {
+            "edit_rt_step_seconds": Histogram("edit_rt_step_seconds", "Seconds of one unet_step call", buckets=SECONDS, registry=r),
+            "edit_rt_batch_rows": Histogram("edit_rt_batch_rows", "Rows in one unet_step call",
+                                            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r),  # fmt: skip
+            "edit_rt_row_seconds": Histogram("edit_rt_row_seconds", "Seconds from a row's admission to its result",
+                                             buckets=SECONDS, registry=r),  # fmt: skip
+            "edit_rt_active_rows": Gauge("edit_rt_active_rows", "Rows in the step loop", registry=r),
+            "edit_rt_queue_rows": Gauge("edit_rt_queue_rows", "Rows waiting for a slot", registry=r),
+            "edit_rt_edits_served_total": Counter("edit_rt_edits_served", "Edit rows finished", registry=r),
+            "edit_rt_bases_generated_total": Counter("edit_rt_bases_generated", "Bases generated", registry=r),
+        }
+        r.register(StoreCollector(store_stats))
 
     def inc(self, name: str, value: float = 1.0) -> None:
-        with self._lock:
-            self.counters[name] = self.counters.get(name, 0.0) + value
+        self._by_name[name].inc(value)
 
     def gauge(self, name: str, value: float) -> None:
-        with self._lock:
-            self.gauges[name] = float(value)
+        self._by_name[name].set(value)
 
     def observe(self, name: str, value: float) -> None:
-        with self._lock:
-            if name not in self.histograms:
-                bounds = BUCKETS.get(name, SECONDS)
-                self.histograms[name] = (bounds, [0] * (len(bounds) + 1), [0.0, 0.0])
-            bounds, counts, sum_count = self.histograms[name]
-            counts[bisect.bisect_left(bounds, value)] += 1
-            sum_count[0] += value
-            sum_count[1] += 1
+        self._by_name[name].observe(value)
 
     def histogram_counts(self, name: str) -> dict[float, int]:
         """Observations per bucket (not cumulative), keyed by upper bound (inf for the last)."""
-        with self._lock:
-            if name not in self.histograms:
-                return {}
-            bounds, counts, _ = self.histograms[name]
-            return dict(zip([*bounds, float("inf")], counts))
+        counts, previous = {}, 0.0
+        for metric in self._by_name[name].collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    counts[bound] = int(sample.value - previous)
+                    previous = sample.value
+        return counts
 
-    def render(self, extra: Iterable[tuple[str, str, float]] = ()) -> str:
-        """Prometheus text format; ``extra`` adds (name, type, value) samples (store stats)."""
-        lines = []
-        with self._lock:
-            for name, value in sorted(self.counters.items()):
-                lines += [f"# TYPE {name} counter", f"{name} {value:g}"]
-            for name, value in sorted(self.gauges.items()):
-                lines += [f"# TYPE {name} gauge", f"{name} {value:g}"]
-            for name, (bounds, counts, (total, count)) in sorted(self.histograms.items()):
-                lines.append(f"# TYPE {name} histogram")
-                cumulative = 0
-                for bound, c in zip([*bounds, "+Inf"], counts):
-                    cumulative += c
-                    lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-                lines += [f"{name}_sum {total:g}", f"{name}_count {count:g}"]
-        for name, kind, value in extra:
-            lines += [f"# TYPE {name} {kind}", f"{name} {value:g}"]
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

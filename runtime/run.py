@@ -24,7 +24,8 @@ import onnxruntime
 from . import __version__
 from .config import Edit, RunConfig
 from .errors import ConfigError
-from .images import contact_sheet, parameters_text, save_png
+from .images import contact_sheet, save_png
+from .pnginfo import base_fields, edit_fields, parameters_text
 from .pipeline import EditPipeline
 from .state import TailRow
 from .store import BaseStore, base_id
@@ -142,29 +143,13 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
 
     with timer.stage("write"):
         cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        common = {
-            "Steps": T,
-            "Sampler": "DDIM",
-            "CFG scale": f"{base.guidance:g}",
-            "Seed": base.seed,
-            "Size": f"{base.width}x{base.height}",
-            "Model": cfg.model_name,
-            "Model hash": state.fingerprint[:10],
-        }
-        save_png(cfg.output_dir / "base.png", images[0], parameters_text(base.prompt, base.negative_prompt, common))
+        fingerprint = state.fingerprint
+        save_png(cfg.output_dir / "base.png", images[0],
+                 parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
         files, labels, edits_report = ["base.png"], ["base: " + base.prompt], []
         for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
             name = f"edit_{k:02d}.png"
-            fields = dict(common, **{"CFG scale": f"{row.guidance:g}"})
-            fields.update({"Edit strength": f"{row.strength:g}", "Tail steps": T - row.start_step,
-                           "Start step": row.start_step, "Base prompt": base.prompt})  # fmt: skip
-            if row.mask is not None:
-                m = row.mask
-                fields["Edit mask"] = f"{m.x} {m.y} {m.width}x{m.height}"
-            if row.seed is not None:
-                fields["Variation seed"] = row.seed
-            if row.preserve != "none":
-                fields["Preserve"] = results[k].preserve
+            fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve)
             save_png(cfg.output_dir / name, images[k + 1], parameters_text(row.prompt, base.negative_prompt, fields))
             label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve)
             files.append(name)

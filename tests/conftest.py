@@ -60,3 +60,16 @@ def torch_components(model_dir):
     from edit_rt.export.onnx_export import load_components
 
     return load_components(model_dir)
+
+
+SHAPES_MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes-sd"
+
+
+@pytest.fixture(scope="session")
+def shapes_onnx_dir(tmp_path_factory) -> Path:
+    """The committed shapes model, exported once per session (build/<model>/onnx layout)."""
+    from edit_rt.export.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("shapes-build") / "shapes-sd" / "onnx"
+    export_onnx(SHAPES_MODEL, out)
+    return out

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, tmp: Path, model_dir: Path, onnx_dir: Path, serve: dict | None = None, env: dict | None = None,
-                 base: dict | None = None, wait: bool = True, store: dict | None = None):  # fmt: skip
+                 base: dict | None = None, wait: bool = True, store: dict | None = None, extra: dict | None = None):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
@@ -32,6 +32,7 @@ class ServerProcess:
             "engines": {"min_batch": 1, "opt_batch": 8, "max_batch": 16},
             "store": store or {"ram_mb": 64, "disk_dir": str(tmp / "bases"), "disk_mb": 256},
             "serve": {"port": self.port, **(serve or {})},
+            **(extra or {}),
         }
         self.config = tmp / f"serve-{self.port}.yaml"
         self.config.write_text(yaml.safe_dump(config))

@@ -100,9 +100,10 @@ def test_stream_sends_queue_progress_images_then_done(server):
                 kind, data = block.split("\n", 1)
                 events.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     kinds = [k for k, _ in events]
-    assert kinds[0] == "queue" and kinds[-1] == "done"
+    assert kinds[0] == "edit_rt.queue" and kinds[-1] == "edit_rt.done"
     assert kinds.count("image_edit.completed") == 2
-    assert {"index": 0, "step": 3, "of": 3} in [d for k, d in events if k == "progress"]
+    assert all(d["type"] == k for k, d in events)  # the data name the event too (the OpenAI SDK reads "type")
+    assert {"type": "edit_rt.progress", "index": 0, "step": 3, "of": 3} in [d for k, d in events if k == "edit_rt.progress"]
     assert sorted(d["index"] for k, d in events if k == "image_edit.completed") == [0, 1]
 
 
@@ -120,16 +121,16 @@ def test_base_metadata_and_delete(server):
 @pytest.mark.parametrize(
     "path,body,status,param",
     [
-        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}, {"prompt": "y", "strength": 3}]}, 422, "edits[1].strength"),
-        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "colour": 1}]}, 422, "edits[0].colour"),
-        ("/v1/images/edits", {"base_id": "b", "edits": []}, 422, "edits"),
-        ("/v1/images/edits", {"edits": [{"prompt": "x"}]}, 422, "base_id"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}, {"prompt": "y", "strength": 3}]}, 400, "edits[1].strength"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "colour": 1}]}, 400, "edits[0].colour"),
+        ("/v1/images/edits", {"base_id": "b", "edits": []}, 400, "edits"),
+        ("/v1/images/edits", {"edits": [{"prompt": "x"}]}, 400, "base_id"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}] * 9}, 413, "edits"),
-        ("/v1/images/generations", {"prompt": ""}, 422, "prompt"),
-        ("/v1/images/generations", {"prompt": "x", "size": "64x64"}, 422, "size"),
-        ("/v1/images/generations", {"prompt": "x", "steps": 1000}, 422, "steps"),
-        ("/v1/images/generations", {"prompt": "x" * 600}, 422, "prompt"),
-        ("/v1/images/generations", {"prompt": "x", "seed": "one"}, 422, "seed"),
+        ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),
+        ("/v1/images/generations", {"prompt": "x", "size": "64x64"}, 400, "size"),
+        ("/v1/images/generations", {"prompt": "x", "steps": 1000}, 400, "steps"),
+        ("/v1/images/generations", {"prompt": "x" * 600}, 400, "prompt"),
+        ("/v1/images/generations", {"prompt": "x", "seed": "one"}, 400, "seed"),
     ],
 )
 def test_errors_have_one_shape_and_a_json_path(server, path, body, status, param):
@@ -143,14 +144,14 @@ def test_errors_have_one_shape_and_a_json_path(server, path, body, status, param
 def test_out_of_range_tail_and_mask_name_the_edit(server):
     gen = _generate(server.url, seed=5)
     r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "tail_steps": 2}, {"prompt": "y", "tail_steps": 7}]})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "edits[1].tail_steps"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "edits[1].tail_steps"
     r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "mask": {"x": 30, "y": 0, "width": 8, "height": 8}}]})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "edits[0].mask"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "edits[0].mask"
 
 
 def test_bad_json_and_oversized_body(server):
     r = httpx.post(server.url + "/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 422 and r.json()["error"]["code"] == "json_invalid"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
     r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "negative_prompt": "y" * 30_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
@@ -264,12 +265,13 @@ def test_32_concurrent_clients_share_batches_and_get_their_own_images(server, pi
 
 def _batch_rows(server) -> dict[float, int]:
     """Calls per batch-size bucket, from the Prometheus histogram (cumulative -> per bucket)."""
-    text = httpx.get(server.url + "/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
     cumulative = {}
-    for line in text.splitlines():
-        if line.startswith("edit_rt_batch_rows_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            cumulative[float("inf") if le == "+Inf" else float(le)] = int(line.split()[-1])
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "edit_rt_batch_rows_bucket":
+                cumulative[float(sample.labels["le"])] = int(sample.value)
     counts, previous = {}, 0
     for le in sorted(cumulative):
         counts[le] = cumulative[le] - previous
@@ -280,7 +282,7 @@ def _batch_rows(server) -> dict[float, int]:
 def test_metrics_are_prometheus_text(server):
     text = httpx.get(server.url + "/metrics").text
     for name in ("edit_rt_queue_rows", "edit_rt_active_rows", "edit_rt_batch_rows_bucket", "edit_rt_step_seconds_bucket",
-                 "edit_rt_store_hits_ram_total", "edit_rt_edits_served_total", "edit_rt_store_evictions_ram_total"):  # fmt: skip
+                 'edit_rt_store_hits_total{tier="ram"}', "edit_rt_edits_served_total", 'edit_rt_store_evictions_total{tier="ram"}'):  # fmt: skip
         assert name in text
 
 

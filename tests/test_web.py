@@ -48,3 +48,50 @@ def test_generate_two_edits_in_the_browser(tmp_path, model_dir, onnx_dir):
             browser.close()
     finally:
         assert proc.stop()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_a_colour_edit_with_the_pages_defaults_lands(tmp_path, shapes_onnx_dir):
+    """The committed shapes model, served with its config's defaults (negative prompt "",
+    strength 1.5, tail 0.4): the page's first edit, untouched, turns the red circle green
+    (the shapes reader on the PNG that came back); HTML in a prompt is shown as text."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    from edit_rt.export.shapes import read
+
+    from .conftest import SHAPES_MODEL
+
+    proc = ServerProcess(tmp_path, SHAPES_MODEL, shapes_onnx_dir,
+                         base={"prompt": "x", "negative_prompt": "", "steps": 30, "guidance": 4.0, "width": 32, "height": 32},
+                         extra={"cache": {"default_tail_fraction": 0.4, "default_strength": 1.5}})  # fmt: skip
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            )  # fmt: skip
+            page = browser.new_page()
+            page.goto(proc.url + "/")
+            assert page.input_value("#negative") == "" and page.locator(".edit .s").first.input_value() == "1.5"
+            assert page.locator(".edit .t").first.input_value() == "12"
+            page.fill("#seed", "2")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('base').naturalWidth === 32", timeout=60_000)
+            page.locator(".edit .p").nth(1).fill("<img src=x onerror=window.pwned=1>a red square")
+            page.click("#apply")
+            page.wait_for_function("document.querySelectorAll('figure.done').length === 2", timeout=120_000)
+            src = page.eval_on_selector("figure img", "i => i.src")
+            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB"))
+            base = np.asarray(Image.open(io.BytesIO(base64.b64decode(page.eval_on_selector("#base", "i => i.src").split(",", 1)[1]))).convert("RGB"))
+            assert read(base).colour == "red" and read(image).colour == "green"
+            assert page.evaluate("window.pwned === undefined")  # the prompt was text, not HTML
+            assert "<img" in page.locator("figure figcaption").nth(1).inner_text()
+            browser.close()
+    finally:
+        assert proc.stop()

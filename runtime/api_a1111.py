@@ -1,0 +1,152 @@
+"""AUTOMATIC1111's API (``/sdapi/v1/*``), so its clients (``webuiapi`` and the tools built on it)
+work unchanged.
+
+- ``txt2img``: ``batch_size x n_iter`` bases from consecutive seeds; ``info`` (a JSON string,
+  as A1111 returns it) names their ids.
+- ``img2img``: edits of a base, found from the init image's own ``parameters`` (every PNG
+  edit-rt writes names its ``Base id``); ``denoising_strength`` is the tail fraction K/T, as in
+  img2img, and ``prompt`` the edit prompt.
+- ``png-info``, ``sd-models``, ``options`` (read), ``progress``.
+
+Fields A1111 has and edit-rt does not use (samplers, hires fix, scripts, ...) are accepted and
+ignored: one model, one sampler (DDIM).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import replace
+from typing import Any, Optional
+
+from fastapi import APIRouter, Request as HttpRequest
+from PIL import Image, UnidentifiedImageError
+from pydantic import BaseModel, ConfigDict, Field
+
+from .api import ApiError, errors
+from .pnginfo import base_id_of
+from .service import Service, b64
+
+LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
+
+
+class Txt2Img(BaseModel):
+    model_config = LAX
+    prompt: str = Field(min_length=1)
+    negative_prompt: str = ""
+    seed: int = -1
+    steps: Optional[int] = Field(None, ge=1)
+    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
+    width: Optional[int] = None
+    height: Optional[int] = None
+    batch_size: int = Field(1, ge=1, le=8)
+    n_iter: int = Field(1, ge=1, le=8)
+
+
+class Img2Img(BaseModel):
+    model_config = LAX
+    init_images: list[str] = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    denoising_strength: float = Field(0.4, gt=0, le=1)
+    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
+    seed: int = -1
+
+
+class PngInfoRequest(BaseModel):
+    model_config = LAX
+    image: str = Field(min_length=1)
+
+
+class A1111Result(BaseModel):
+    images: list[str]
+    parameters: dict[str, Any]
+    info: str
+
+
+def decode_image(data: str, param: str) -> Image.Image:
+    """A base64 image, with or without a ``data:image/...;base64,`` prefix."""
+    if data.startswith("data:"):
+        data = data.split(",", 1)[-1]
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        image.load()
+        return image
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as err:
+        raise ApiError(400, f"{param}: not a base64 image ({type(err).__name__})", param=param, code="invalid_image") from None
+
+
+def a1111_routes(service: Service) -> APIRouter:
+    router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
+    common = errors(400, 401, 408, 411, 413, 429, 499, 503)
+
+    @router.post("/txt2img", response_model=A1111Result, responses=common, summary="Bases (A1111's txt2img)")
+    async def txt2img(body: Txt2Img, http: HttpRequest):
+        served = service.cfg.base
+        size = f"{body.width or served.width}x{body.height or served.height}"
+        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed)
+        made = [await service.generate(replace(first, seed=first.seed + k), http) for k in range(body.batch_size * body.n_iter)]
+        info = {"prompt": first.prompt, "negative_prompt": first.negative_prompt, "seed": first.seed,
+                "all_seeds": [g.base.seed for g in made], "steps": first.steps, "cfg_scale": first.guidance,
+                "width": first.width, "height": first.height, "sampler_name": "DDIM",
+                "sd_model_name": service.model_name, "base_id": made[0].id, "base_ids": [g.id for g in made],
+                "infotexts": [Image.open(io.BytesIO(g.png)).text["parameters"] for g in made]}  # fmt: skip
+        return {"images": [b64(g.png) for g in made], "parameters": body.model_dump(), "info": json.dumps(info)}
+
+    @router.post("/img2img", response_model=A1111Result, responses={**common, **errors(404, 409)},
+                 summary="Edits of an edit-rt image's base (A1111's img2img)")  # fmt: skip
+    async def img2img(body: Img2Img, http: HttpRequest):
+        bids = []
+        for k, data in enumerate(body.init_images):
+            image = decode_image(data, f"init_images[{k}]")
+            bid = base_id_of(image.info.get("parameters", "") if isinstance(image.info.get("parameters"), str) else "")
+            if bid is None:
+                raise ApiError(400, f"init_images[{k}]: not an image edit-rt made (its parameters name no Base id); edit "
+                               "an image from /sdapi/v1/txt2img or /v1/images/generations", param=f"init_images[{k}]",
+                               code="unknown_image")  # fmt: skip
+            bids.append(bid)
+        out = []
+        for k, bid in enumerate(bids):
+            state = await service.pinned(bid, f"init_images[{k}]")
+            try:
+                tail = max(1, round(body.denoising_strength * state.base.steps))
+                row = service.row_of(0, state, body.prompt, tail_steps=min(tail, state.base.steps - state.window_start),
+                                     guidance=body.cfg_scale)  # fmt: skip
+                out += await service.edit(state, [row], http)
+            finally:
+                service.store.unpin(bid)
+        info = {"prompt": body.prompt, "denoising_strength": body.denoising_strength, "base_ids": bids,
+                "tail_steps": [e.tail_steps for e in out],
+                "infotexts": [Image.open(io.BytesIO(e.png)).text["parameters"] for e in out]}  # fmt: skip
+        return {"images": [b64(e.png) for e in out], "parameters": body.model_dump(exclude={"init_images"}), "info": json.dumps(info)}
+
+    @router.post("/png-info", responses=errors(400, 401), summary="An image's generation parameters")
+    async def png_info(body: PngInfoRequest):
+        image = decode_image(body.image, "image")
+        items = {k: v for k, v in image.info.items() if isinstance(v, str)}
+        return {"info": items.get("parameters", ""), "items": items, "parameters": {}}
+
+    @router.get("/sd-models", responses=errors(401), summary="The served model")
+    async def sd_models():
+        fingerprint = service.pipe.manifest.fingerprint if service.pipe else ""
+        return [{"title": f"{service.model_name} [{fingerprint[:10]}]", "model_name": service.model_name,
+                 "hash": fingerprint[:10], "sha256": fingerprint, "filename": str(service.cfg.model), "config": None}]  # fmt: skip
+
+    @router.get("/options", responses=errors(401), summary="Settings (read only)")
+    async def options():
+        base = service.cfg.base
+        return {"sd_model_checkpoint": service.model_name, "samples_format": "png", "CLIP_stop_at_last_layers": 1,
+                "eta_ddim": 0.0, "edit_rt_default_steps": base.steps, "edit_rt_size": f"{base.width}x{base.height}"}  # fmt: skip
+
+    @router.get("/progress", responses=errors(401), summary="The step loop's progress")
+    async def progress():
+        batcher = service.batcher
+        active = len(batcher.scheduler.active) if batcher else 0
+        queued = batcher.queued_rows if batcher else 0
+        done = 0.0 if active or queued else 1.0
+        return {"progress": done, "eta_relative": 0.0, "current_image": None, "textinfo": f"{active} rows running, {queued} queued",
+                "state": {"job_count": active + queued, "sampling_steps": service.cfg.base.steps, "interrupted": False,
+                          "skipped": False, "job": "", "job_no": 0, "sampling_step": 0}}  # fmt: skip
+
+    return router

@@ -1,0 +1,174 @@
+"""The OpenAI Images API's routes (and edit-rt's own fields on them): drop-in for the SDK.
+
+``POST /v1/images/generations`` (``images.generate``: n bases from consecutive seeds),
+``POST /v1/images/edits`` (edits of a stored base; JSON, or streamed as Server-Sent Events whose
+data carry ``type``), ``GET /v1/models`` and ``/v1/models/{id}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from dataclasses import replace
+
+from fastapi import APIRouter, Request as HttpRequest
+from fastapi.responses import StreamingResponse
+from PIL import Image
+
+from .api import (
+    OPENAI_MODELS,
+    ApiError,
+    EditsRequest,
+    GenerationRequest,
+    GenerationResponse,
+    ModelCard,
+    ModelList,
+    errors,
+)
+from .batcher import Job, Request
+from .config import Mask
+from .service import Service, b64, row_error
+
+COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
+SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
+
+
+def sse(event: str, data: dict) -> str:
+    """One Server-Sent Event; the data's ``type`` names it too (the OpenAI SDK reads that)."""
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
+
+
+def reencode(png: bytes, output_format: str) -> bytes:
+    if output_format == "png":
+        return png
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").save(out, format=output_format.upper())
+    return out.getvalue()
+
+
+def openai_routes(service: Service) -> APIRouter:
+    router = APIRouter()
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != service.model_name and model not in OPENAI_MODELS:
+            raise ApiError(400, f"model: this server serves {service.model_name!r} (or send none, or one of OpenAI's "
+                           f"names for it)", param="model", code="model_not_found")  # fmt: skip
+
+    @router.post("/v1/images/generations", response_model=GenerationResponse, responses=errors(*COMMON_ERRORS),
+                 summary="Generate a base (and keep its state for edits)")  # fmt: skip
+    async def generations(body: GenerationRequest, http: HttpRequest):
+        check_model(body.model)
+        if body.response_format == "url":
+            raise ApiError(400, "response_format: this server hosts no files; use b64_json (the default)",
+                           param="response_format", code="unsupported_value")  # fmt: skip
+        size = None if body.size == "auto" else body.size
+        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed)
+        bases = [replace(first, seed=first.seed + k) for k in range(body.n)]
+        made = await asyncio.gather(*(service.generate(b, http) for b in bases))
+        base = made[0].base
+        return {
+            "id": made[0].id,
+            "created": int(time.time()),
+            "seed": base.seed,
+            "data": [{"b64_json": b64(reencode(g.png, body.output_format))} for g in made],
+            "parameters": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "steps": base.steps,
+                           "cfg_scale": base.guidance, "seed": base.seed, "size": f"{base.width}x{base.height}"},  # fmt: skip
+            "info": {"seconds": round(max(g.seconds for g in made), 4), "store_tier": service.store.tier(made[0].id),
+                     "base_ids": [g.id for g in made]},  # fmt: skip
+        }
+
+    @router.post("/v1/images/edits", responses={200: {"content": SSE}, 404: errors(404)[404], 409: errors(409)[409],
+                                                 **errors(*COMMON_ERRORS)},  # fmt: skip
+                 summary="Edit a stored base: N edits as one batched tail")
+    async def edits(http: HttpRequest):
+        # Parsed here rather than as a parameter: the same route takes OpenAI's multipart form.
+        if http.headers.get("content-type", "").startswith("multipart/form-data"):
+            return await service.edit_upload(http)
+        try:
+            payload = await http.json()
+        except ValueError:
+            raise ApiError(400, "the body is not valid JSON", code="json_invalid") from None
+        from pydantic import ValidationError
+
+        from .api import validation_error
+
+        try:
+            body = EditsRequest.model_validate(payload)
+        except ValidationError as err:
+            raise validation_error(err.errors()) from None
+        return await json_edits(body, http)
+
+    async def json_edits(body: EditsRequest, http: HttpRequest):
+        service.check_edit_count(len(body.edits))
+        state = await service.pinned(body.base_id)
+        try:
+            rows = [service.row_of(i, state, e.prompt, e.strength, e.tail_steps,
+                                   Mask(e.mask.x, e.mask.y, e.mask.width, e.mask.height) if e.mask else None,
+                                   e.seed, e.cfg_scale, e.preserve) for i, e in enumerate(body.edits)]  # fmt: skip
+            if body.stream:
+                request, jobs = service.edit_jobs(state, rows)
+                events = event_queue(request, jobs)
+                service.submit(request, jobs)  # before the 200 goes out: a full queue is still a 429
+                return StreamingResponse(stream(events, request, jobs, state, body.base_id), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+            done = await service.edit(state, rows, http)
+        except BaseException:
+            service.store.unpin(body.base_id)
+            raise
+        service.store.unpin(body.base_id)
+        return {"created": int(time.time()), "base_id": body.base_id, "data": [edit_data(e) for e in done]}
+
+    def edit_data(e) -> dict:
+        return {"index": e.index, "b64_json": b64(e.png),
+                "info": {"seconds": round(e.seconds, 4), "tail_steps": e.tail_steps, "strength": e.row.strength,
+                         "preserve": e.preserve}}  # fmt: skip
+
+    def event_queue(request: Request, jobs: list[Job]) -> asyncio.Queue:
+        """Progress and completions, handed from the batcher's thread to this event loop."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
+            events.put_nowait, ("progress", {"index": i, "step": step, "of": of}))  # fmt: skip
+        for job in jobs:
+            job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
+        return events
+
+    async def stream(events, request, jobs, state, bid: str):
+        batcher = service.batcher
+        try:
+            yield sse("edit_rt.queue", {"position": batcher.queue_position(request), "queue_size": batcher.queued_rows})
+            remaining = len(jobs)
+            while remaining:
+                kind, payload = await events.get()
+                if kind == "progress":
+                    yield sse("edit_rt.progress", payload)
+                    continue
+                remaining -= 1
+                job = payload
+                if job.future.exception() is not None:
+                    yield sse("error", {"index": job.index, **row_error(job.future.exception()).body()})
+                    continue
+                r = job.future.result()
+                png = service.edit_png(state, job.row, r.image, r.preserve)
+                yield sse("image_edit.completed", {"index": job.index, "b64_json": b64(png), "info": {
+                    "seconds": round(r.seconds, 4), "tail_steps": state.base.steps - job.row.start_step,
+                    "strength": job.row.strength, "preserve": r.preserve}})  # fmt: skip
+            yield sse("edit_rt.done", {"base_id": bid})
+        finally:
+            request.cancelled.set()  # a client that left: its rows go at the next step
+            service.store.unpin(bid)
+
+    @router.get("/v1/models", response_model=ModelList, responses=errors(401, 503), summary="The served model")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "created": service.started}]}
+
+    @router.get("/v1/models/{model}", response_model=ModelCard, responses=errors(401, 404, 503), summary="One model")
+    async def model(model: str):
+        if model != service.model_name:
+            raise ApiError(404, f"model: no model {model[:64]!r}; this server serves {service.model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")  # fmt: skip
+        return {"id": model, "created": service.started}
+
+    return router

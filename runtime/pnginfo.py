@@ -1,0 +1,92 @@
+"""The ``parameters`` text of every PNG edit-rt writes, in AUTOMATIC1111's format.
+
+The prompt, a ``Negative prompt: ...`` line, then one line of ``Key: value`` pairs. As A1111
+writes them (``quote()`` in its generation-parameters code), a value holding a comma, a colon or
+a newline is written as a JSON string, so A1111's own parser reads it back whole; its commas and
+colons are JSON unicode escapes, so readers that only split the line on them (``sd-parsers``)
+neither cut it nor find a fake field in it. The same fields come from ``edit-rt run`` and the
+server; ``Base id`` names the base, which is how ``/sdapi/v1/img2img`` finds it again.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Optional
+
+from .config import Base, Mask
+from .state import TailRow
+
+
+def quote(value: object) -> str:
+    """A1111's ``quote()``: a value with a comma, colon or newline becomes a JSON string. Its
+    commas and colons are written as ``\\u002c``/``\\u003a`` (the same JSON string to A1111's
+    reader), so a reader that just splits on them sees one whole value, never a key inside it."""
+    text = str(value)
+    if "," not in text and "\n" not in text and ":" not in text:
+        return text
+    return json.dumps(text, ensure_ascii=False).replace(",", "\\u002c").replace(":", "\\u003a")
+
+
+def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, object]) -> str:
+    """The A1111 ``parameters`` string: prompt, negative prompt line, ``Key: value, ...``."""
+    line = ", ".join(f"{key}: {quote(value)}" for key, value in fields.items())
+    return f"{prompt}\nNegative prompt: {negative_prompt}\n{line}"
+
+
+def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str, object]:
+    return {
+        "Steps": base.steps,
+        "Sampler": "DDIM",
+        "CFG scale": f"{base.guidance:g}",
+        "Seed": base.seed,
+        "Size": f"{base.width}x{base.height}",
+        "Model": model,
+        "Model hash": fingerprint[:10],
+        "Base id": bid,
+    }
+
+
+def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str, preserve: Optional[str] = None) -> dict:
+    fields = base_fields(base, model, fingerprint, bid)
+    fields["CFG scale"] = f"{row.guidance:g}"
+    fields.update({"Edit strength": f"{row.strength:g}", "Tail steps": base.steps - row.start_step,
+                   "Start step": row.start_step, "Base prompt": base.prompt})  # fmt: skip
+    if row.mask is not None:
+        m: Mask = row.mask
+        fields["Edit mask"] = f"{m.x} {m.y} {m.width}x{m.height}"
+    if row.seed is not None:
+        fields["Variation seed"] = row.seed
+    if preserve and preserve != "none":
+        fields["Preserve"] = preserve
+    return fields
+
+
+def base_id_of(parameters: str) -> Optional[str]:
+    """The ``Base id`` an edit-rt ``parameters`` text names (None if it names none)."""
+    fields = parse_fields(parameters.strip().split("\n")[-1])
+    return fields.get("Base id")
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """``Key: value, Key: "quoted, value"`` -> dict (A1111's reading of the last line)."""
+    out, i = {}, 0
+    while i < len(line):
+        colon = line.find(":", i)
+        if colon < 0:
+            break
+        key = line[i:colon].strip()
+        j = colon + 1
+        while j < len(line) and line[j] == " ":
+            j += 1
+        if j < len(line) and line[j] == '"':
+            value, end = json.JSONDecoder().raw_decode(line, j)
+            i = line.find(",", end)
+        else:
+            end = line.find(",", j)
+            value = line[j:] if end < 0 else line[j:end]
+            i = end
+        out[key] = str(value).strip() if not isinstance(value, str) else value
+        if i < 0:
+            break
+        i += 1
+    return out

@@ -1,0 +1,281 @@
+"""What every route family shares: the loaded service and the operations the routes call.
+
+:class:`Service` owns the pipeline, the store, the batcher and the metrics; its ``generate`` and
+``edit`` turn validated requests into rows of the one step loop and wait for them, so the native
+API, the OpenAI-compatible routes and the AUTOMATIC1111-compatible routes are thin adapters over
+the same code (and the same errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Optional
+
+from fastapi import Request as HttpRequest
+
+from .api import ApiError
+from .batcher import Batcher, CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
+from .config import Base, Mask, RunConfig
+from .images import png_bytes
+from .metrics import Metrics
+from .pipeline import EditPipeline
+from .pnginfo import base_fields, edit_fields, parameters_text
+from .run import pipeline_of, store_of
+from .state import BaseState, TailRow
+from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
+
+log = logging.getLogger(__name__)
+
+
+def echo(value: str, limit: int = 64) -> str:
+    """A client's string, bounded, for an error message."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def row_error(err: BaseException) -> ApiError:
+    """The API error of a row that failed: its input (400), a shutdown or cancel (503)."""
+    if isinstance(err, RowError):
+        return ApiError(400, str(err), code="row_refused")
+    if isinstance(err, (CancelledError, ShuttingDownError)):
+        code = "shutting_down" if isinstance(err, ShuttingDownError) else "cancelled"
+        return ApiError(503, str(err), "server_error", code=code, headers={"Retry-After": "5"})
+    log.error("row failed: %s", err)
+    return ApiError(500, "internal error; see the server log", "server_error")
+
+
+def check_base_id(bid: str, param: str = "base_id") -> str:
+    if not (len(bid) == 24 and all(c in "0123456789abcdef" for c in bid)):
+        raise UnknownBaseError(f"unknown base id {echo(bid)}")
+    return bid
+
+
+@contextmanager
+def base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
+    """A store error about one base as the API's: unknown 404, damaged 409, in use 409."""
+    try:
+        yield
+    except UnknownBaseError:
+        raise ApiError(404, f"{param}: no base {echo(bid)} (never generated, deleted or evicted; generate it again)",
+                       "not_found_error", param=param, code="unknown_base") from None  # fmt: skip
+    except DamagedBaseError as err:
+        raise ApiError(409, f"{param}: {err}", param=param, code="base_damaged") from None
+    except StoreFullError as err:
+        raise ApiError(409, str(err), param=param, code="base_in_use") from None
+
+
+@dataclass
+class Generated:
+    id: str
+    base: Base
+    png: bytes
+    seconds: float
+
+
+@dataclass
+class Edited:
+    index: int
+    row: TailRow
+    png: bytes
+    seconds: float
+    preserve: str
+    tail_steps: int
+
+
+class Service:
+    """The loaded engines, store and batcher, and the operations every route uses."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.token = os.environ.get("EDIT_RT_TOKEN") or cfg.serve.token
+        self.metrics = Metrics(lambda: self.store.stats() if self.store is not None else None)
+        self.pipe: Optional[EditPipeline] = None
+        self.store: Optional[BaseStore] = None
+        self.batcher: Optional[Batcher] = None
+        self.ready = threading.Event()
+        self.draining = threading.Event()
+        self.load_error: Optional[str] = None
+        self.model_name = cfg.model_name
+        self.started = int(time.time())
+
+    # --- life -----------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the engines (in a thread: /health answers 503 meanwhile)."""
+        try:
+            cfg, base = self.cfg, self.cfg.base
+            pipe = pipeline_of(cfg).activate()
+            self.store = store_of(cfg, pipe.manifest.fingerprint)
+            batcher = pipe.batcher(pipe.latent_shape(base))
+            batcher.queue_limit = cfg.serve.queue_limit
+            batcher.metrics = self.metrics
+            self.batcher = batcher.start()
+            self.pipe = pipe
+            self.ready.set()
+            self.metrics.ready.set(1)
+            log.info("ready: backend %s (%s)", pipe.graph_set.backend, pipe.graph_set.reason)
+        except Exception as err:  # reported by /health; the process stays up to say why
+            self.load_error = str(err)
+            log.exception("loading the engines failed")
+
+    def start_drain(self) -> None:
+        """Stop admitting: new requests get 503 + Retry-After; rows in flight go on."""
+        self.draining.set()
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            self.batcher.close()
+
+    def drained(self) -> bool:
+        return self.batcher is None or self.batcher.idle
+
+    def finish(self) -> None:
+        """Fail what is still running with a clear error (a 503, or an error event)."""
+        if self.batcher is not None:
+            self.batcher.stop(timeout=0)
+
+    def shutdown(self) -> None:
+        self.ready.clear()
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            self.batcher.stop(timeout=30)
+        if self.pipe is not None:
+            self.pipe.deactivate()
+
+    # --- input --------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt: str, param: str) -> None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(400, f"{param}: not valid Unicode (an unpaired surrogate at {err.start}); send UTF-8 text",
+                           param=param, code="invalid_text") from None  # fmt: skip
+        limit = self.cfg.serve.max_prompt_chars
+        if len(prompt) > limit:
+            raise ApiError(400, f"{param}: longer than {limit} characters", param=param, code="too_long")
+
+    def base_of(self, prompt: str, negative_prompt: str = "", size: Optional[str] = None, steps: Optional[int] = None,
+                guidance: Optional[float] = None, seed: int = -1) -> Base:  # fmt: skip
+        """A base from request fields (the server's defaults for what they leave out)."""
+        default, serve = self.cfg.base, self.cfg.serve
+        self.check_prompt(prompt, "prompt")
+        self.check_prompt(negative_prompt, "negative_prompt")
+        served = f"{default.width}x{default.height}"
+        if (size or served) != served:
+            raise ApiError(400, f"size: this server's engines serve {served} only", param="size", code="unsupported_size")
+        steps = steps or default.steps
+        if steps > serve.max_steps:
+            raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
+        seed = seed if seed >= 0 else secrets.randbelow(2**31)
+        guidance = default.guidance if guidance is None else guidance
+        return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance)
+
+    def row_of(self, i: int, state: BaseState, prompt: str, strength: Optional[float] = None,
+               tail_steps: Optional[int] = None, mask: Optional[Mask] = None, seed: Optional[int] = None,
+               guidance: Optional[float] = None, preserve: Optional[str] = None) -> TailRow:  # fmt: skip
+        cfg = self.cfg
+        self.check_prompt(prompt, f"edits[{i}].prompt")
+        T, lo = state.base.steps, state.window_start
+        tail = tail_steps or max(1, round(cfg.cache.default_tail_fraction * T))
+        if not 1 <= tail <= T - lo:
+            raise ApiError(400, f"edits[{i}].tail_steps: {tail} is outside [1, {T - lo}] for this base ({T} steps)",
+                           param=f"edits[{i}].tail_steps", code="out_of_range")  # fmt: skip
+        if mask is not None:
+            b = state.base
+            if mask.x + mask.width > b.width or mask.y + mask.height > b.height:
+                raise ApiError(400, f"edits[{i}].mask: the rectangle leaves the {b.width}x{b.height} image",
+                               param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
+        guidance = state.base.guidance if guidance is None else guidance
+        return TailRow(prompt, cfg.strength_of(strength), T - tail, guidance, mask, seed, cfg.preserve_of(preserve))
+
+    # --- work ---------------------------------------------------------------------------------
+
+    def _new_request(self) -> Request:
+        return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s)
+
+    def submit(self, request: Request, jobs: list[Job]) -> None:
+        try:
+            self.batcher.submit(request, jobs)
+        except QueueFullError as err:
+            raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
+        except ShuttingDownError as err:
+            raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+
+    async def wait(self, http: Optional[HttpRequest], request: Request, jobs: list[Job]) -> list[Any]:
+        futures = [asyncio.wrap_future(j.future) for j in jobs]
+        try:
+            while True:
+                done, pending = await asyncio.wait(futures, timeout=0.25)
+                if not pending:
+                    break
+                if http is not None and await http.is_disconnected():
+                    request.cancelled.set()
+                    raise ApiError(499, "client disconnected", code="client_closed")
+            return [f.result() for f in futures]
+        except (CancelledError, ShuttingDownError, RowError) as err:
+            raise row_error(err) from None
+        finally:
+            if any(not f.done() for f in futures):
+                request.cancelled.set()
+
+    async def generate(self, base: Base, http: Optional[HttpRequest] = None) -> Generated:
+        """Generate ``base``, keep it in the store, return its PNG (with its parameters)."""
+        pipe = self.pipe
+        bid = base_id(pipe.manifest.fingerprint, base)
+        request = self._new_request()
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
+        self.submit(request, [job])
+        (result,) = await self.wait(http, request, [job])
+        try:
+            await asyncio.to_thread(self.store.put, result.state)
+        except StoreFullError as err:
+            raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
+        self.metrics.inc("edit_rt_bases_generated_total")
+        fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
+        png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
+        return Generated(bid, base, png, result.seconds)
+
+    async def pinned(self, bid: str, param: str = "base_id") -> BaseState:
+        with base_errors(bid, param):
+            return await asyncio.to_thread(self.store.pin, check_base_id(bid))
+
+    def edit_png(self, state: BaseState, row: TailRow, image, preserve: str) -> bytes:
+        bid = base_id(state.fingerprint, state.base)
+        fields = edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve)
+        return png_bytes(image, parameters_text(row.prompt, state.base.negative_prompt, fields))
+
+    def check_edit_count(self, n: int) -> None:
+        limit = self.cfg.serve.max_edits_per_request
+        if n > limit:
+            raise ApiError(413, f"edits: {n} edits, at most {limit} per request", param="edits", code="too_many_edits")
+
+    def edit_jobs(self, state: BaseState, rows: list[TailRow]) -> tuple[Request, list[Job]]:
+        self.check_edit_count(len(rows))
+        request = self._new_request()
+        return request, [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
+
+    async def edit(self, state: BaseState, rows: list[TailRow], http: Optional[HttpRequest] = None) -> list[Edited]:
+        """Run ``rows`` as edits of ``state`` (one batched tail with whatever else runs)."""
+        request, jobs = self.edit_jobs(state, rows)
+        self.submit(request, jobs)
+        results = await self.wait(http, request, jobs)
+        T = state.base.steps
+        return [Edited(i, row, self.edit_png(state, row, r.image, r.preserve), r.seconds, r.preserve, T - row.start_step)
+                for i, (row, r) in enumerate(zip(rows, results))]  # fmt: skip
+
+    async def edit_upload(self, http: HttpRequest):
+        """OpenAI's ``images.edit`` form (an image file and a prompt)."""
+        raise ApiError(400, "image: uploading an image to edit is not supported yet; generate a base with "
+                       "POST /v1/images/generations, then send JSON {base_id, edits: [{prompt}]} to /v1/images/edits",
+                       param="image", code="unsupported_upload")  # fmt: skip
