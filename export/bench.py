@@ -140,7 +140,7 @@ def run_bench(
     step_samples: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in ns} for kind in probes}
     samples: dict[tuple, list[tuple[float, int]]] = {}
     points_per_repeat = 1 + len(ns) * (1 + 2 * len(fractions)) + len(ns)
-    advance = progress(repeats * points_per_repeat + 3, "bench points") if progress else (lambda n: None)
+    advance = progress(repeats * points_per_repeat + 4, "bench points") if progress else (lambda n: None)
     for r in range(repeats):
         say(f"bench: repeat {r + 1}/{repeats}")
         samples.setdefault(("edit-rt full", 1, None), []).append(_timed(rt_full))
@@ -208,6 +208,9 @@ def run_bench(
     advance(1)
     say("bench: entry-step reuse on and off")
     report["entry_reuse"] = _entry_reuse(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
+    advance(1)
+    say("bench: inverting an image into a base, against generating one")
+    report["inversion"] = _inversion_cost(rt, base, repeats)
     advance(1)
     say("bench: preserve: auto against none")
     report["preserve_cost"] = _preserve_cost(rt, state, prompts[: max(ns)], max(ks.values()), repeats)
@@ -314,6 +317,22 @@ def _entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: i
             # every row skips its entry step's unconditional half, but one per call is computed
             # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
             "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
+def _inversion_cost(rt: EditPipeline, base, repeats: int) -> dict[str, Any]:
+    """Seconds to make a base from an image (pipeline.invert: T rows backwards, one at a time,
+    then T one-step rows forward in one tail) against generating one (T rows), interleaved."""
+    from .shapes import Scene, render
+
+    picture = render(Scene("red", "circle", "blue", "top left"), base.width).astype(np.float32) / 255
+    seconds: dict[str, list[float]] = {"invert": [], "generate": []}
+    for _ in range(repeats):
+        seconds["invert"].append(_timed(lambda: rt.invert(picture, dataclasses.replace(base, image="sha256:bench")))[0])
+        seconds["generate"].append(_timed(lambda: rt.generate_base(base))[0])
+    invert, generate = statistics.median(seconds["invert"]), statistics.median(seconds["generate"])
+    T = base.steps
+    return {"steps": T, "rows_backwards": T, "rows_forward": T, "seconds_invert": invert, "seconds_generate": generate,
+            "ratio": invert / generate}  # fmt: skip
 
 
 def _preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@
   update. Every row has its own timestep, alphas and guidance, so rows at different steps of
   different edits share one call.
 - :class:`VaeDecoderGraph`: ``latents -> images`` in [0, 1].
+- :class:`VaeEncoderGraph`: ``images -> latents`` (an uploaded image's, to invert it).
 """
 
 from __future__ import annotations
@@ -257,3 +258,17 @@ class VaeDecoderGraph(nn.Module):
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         image = self.vae.decode(latents / self.scaling_factor, return_dict=False)[0]
         return (image / 2 + 0.5).clamp(0, 1)
+
+
+class VaeEncoderGraph(nn.Module):
+    """``images [N,3,H,W]`` in [0, 1] -> ``latents [N,c,h,w]``: the posterior's mean, scaled, as
+    diffusers' img2img takes it (``mode()``, no sampling: the same image gives the same latent)."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        self.scaling_factor = float(vae.config.scaling_factor)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        posterior = self.vae.encode(images * 2 - 1, return_dict=False)[0]
+        return posterior.mode() * self.scaling_factor

@@ -29,6 +29,7 @@ from .graphs import (
     TextEncoderGraph,
     UNetStepGraph,
     VaeDecoderGraph,
+    VaeEncoderGraph,
     attention_map_layers,
     cross_attention_layers,
 )
@@ -36,7 +37,7 @@ from .graphs import (
 log = logging.getLogger(__name__)
 
 TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
-EXPORT_STAGES = 5  # text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder
+EXPORT_STAGES = 6  # text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, vae_encoder
 _ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
 
 
@@ -258,6 +259,14 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     )  # fmt: skip
 
     done("vae_decoder")
+    log.info("exporting vae_encoder")
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    graphs["vae_encoder"] = _export_graph(
+        VaeEncoderGraph(vae), (torch.rand(n2, 3, h * scale, w * scale),), staging / "vae_encoder.onnx",
+        ["images"], ["latents"],
+        {"images": {0: "N", 2: "IH", 3: "IW"}, "latents": {0: "N", 2: "H", 3: "W"}}, opset, threshold,
+    )  # fmt: skip
+    done("vae_encoder")
     _write_tokenizer(tokenizer, staging / "tokenizer.json")
     import diffusers
     import onnxruntime

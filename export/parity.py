@@ -31,7 +31,7 @@ from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
 
-from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, attention_map_layers
+from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
 from .onnx_export import load_components
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
@@ -78,7 +78,9 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     picks = rng.integers(0, 20, size=n)
     vocab = manifest.data["model"].get("vocab_size", 49408)
     for spec in manifest.graphs[graph].inputs:
-        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "H": hw, "W": hw}
+        scale = manifest.vae_scale_factor
+        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "H": hw, "W": hw,
+                "IH": hw * scale, "IW": hw * scale}  # fmt: skip
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
         if spec.name == "input_ids":
             feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)
@@ -88,6 +90,8 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
             feeds[spec.name] = schedule.timesteps[picks].astype(np.float32)
         elif spec.name in ("alpha_t", "alpha_prev"):
             feeds[spec.name] = getattr(schedule, spec.name)[picks]
+        elif spec.name == "images":
+            feeds[spec.name] = rng.random(shape).astype(np.float32)
         elif spec.name == "guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         else:
@@ -106,6 +110,8 @@ def torch_module(graph: str, model_dir: Path) -> torch.nn.Module:
         clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
         map_layers, factor = attention_map_layers(unet) if graph == "unet_step_maps" else (None, 1)
         return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip, map_layers=map_layers, map_factor=factor)
+    if graph == "vae_encoder":
+        return VaeEncoderGraph(vae)
     return VaeDecoderGraph(vae)
 
 

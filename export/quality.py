@@ -15,7 +15,9 @@ base prompt with that one word replaced. Scores, per edit:
 Side by side on the same bases: edit-rt at several tail fractions K/T and strengths with
 ``preserve: none``; edit-rt with ``preserve: auto`` at the default tail and strength, for each
 setting of its knobs; diffusers' img2img at strength K/T (same model and steps, fresh noise);
-prompt-to-prompt from the same base tail (export/p2p.py). Writes quality.json and quality.png.
+prompt-to-prompt from the same base tail (export/p2p.py). A "real image" mode does the same
+on shapes-world renders that no model drew: inverted into bases (pipeline.invert), then edited,
+against img2img on the same renders. Writes quality.json and quality.png.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.state import TailRow
 
-from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read
+from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read, render
 
 EDIT_KINDS = ("colour", "background", "shape")
 FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
@@ -140,6 +142,7 @@ def run_quality(
     default_fraction: float | None = None,
     prompts: int = 100,
     auto_knobs: tuple[tuple[float, int, str], ...] = AUTO_KNOBS,
+    real_images: int = 50,
     say: Callable[[str], None] = print,
     progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
 ) -> dict[str, Any]:
@@ -202,6 +205,7 @@ def run_quality(
             tallies["p2p", kind, default_fraction, 1.0].add(pipe.decode(latent[None])[0], base_image, seen, target, kind)
         say(f"quality: base {b + 1}/{bases}")
         advance(1)
+    _real_images(pipe, img2img, cfg, real_images, default_fraction, default_strength, tallies, bar(real_images, "real images"))
     pipe.deactivate()
     table = [{"method": m, "kind": k, "tail_fraction": f, "strength": s, **t.row()} for (m, k, f, s), t in sorted(tallies.items())]
     report = {"model": str(cfg.model), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
@@ -213,6 +217,33 @@ def run_quality(
     (out / "quality.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "quality.png")
     return report
+
+
+def _real_images(pipe: EditPipeline, img2img, cfg: RunConfig, n: int, fraction: float, strength: float,
+                 tallies: dict, advance: Callable[[int], None]) -> None:  # fmt: skip
+    """The "real image" mode: shapes-world renders no model drew, inverted (pipeline.invert), then
+    edited; img2img on the same renders at strength K/T. Methods "edit-rt (real)", "img2img (real)";
+    the untouched region's PSNR is against the input picture itself."""
+    rng = np.random.default_rng(2)
+    T = cfg.base.steps
+    start = T - max(1, round(fraction * T))
+    for k in range(n):
+        scene = random_scene(rng)
+        picture = render(scene, cfg.base.width, rng).astype(np.float32) / 255
+        seen = _read(picture)  # the reader on a clean render: the scene itself
+        if seen is None:
+            advance(1)
+            continue
+        base = dataclasses.replace(cfg.base, prompt=prompt(scene), seed=0, image=f"render:{k}")
+        state = pipe.invert(picture, base)
+        edits = {kind: edit_of(scene, seen, kind, rng) for kind in EDIT_KINDS}
+        rows = [TailRow(text, strength, start, base.guidance) for _, text in edits.values()]
+        for (kind, (target, text)), result in zip(edits.items(), pipe.edit(state, rows)):
+            tallies["edit-rt (real)", kind, fraction, strength].add(result.image, picture, seen, target, kind)
+            out = img2img(text, image=picture[None], strength=fraction, num_inference_steps=T, guidance_scale=base.guidance,
+                          output_type="np", generator=torch.Generator().manual_seed(k)).images[0]  # fmt: skip
+            tallies["img2img (real)", kind, fraction, 1.0].add(out, picture, seen, target, kind)
+        advance(1)
 
 
 def _plot(report: dict, path: Path) -> None:

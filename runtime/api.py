@@ -40,6 +40,16 @@ class GenerationRequest(BaseModel):
     moderation: Optional[str] = Field(None, description="Accepted and ignored.")
 
 
+class BaseUpload(BaseModel):
+    model_config = STRICT
+
+    image: str = Field(min_length=1, description="The image, base64 (PNG, JPEG, WebP); resized to the served size.")
+    source_prompt: str = Field("", description="What the image shows: the inversion's prompt (and the base's).")
+    negative_prompt: str = ""
+    steps: Optional[int] = Field(None, ge=1)
+    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
+
+
 class MaskRect(BaseModel):
     model_config = STRICT
 
@@ -66,7 +76,10 @@ class EditItem(BaseModel):
 class EditsRequest(BaseModel):
     model_config = STRICT
 
-    base_id: str = Field(min_length=1, max_length=64)
+    base_id: Optional[str] = Field(None, min_length=1, max_length=64, description="A stored base (or send image).")
+    image: Optional[str] = Field(None, min_length=1, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
+    source_prompt: str = Field("", description="With image: what the image shows (the inversion's prompt).")
+    negative_prompt: str = Field("", description="With image: the new base's negative prompt.")
     edits: list[EditItem] = Field(min_length=1)
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.completed, done.")
 
@@ -119,7 +132,7 @@ class EditData(ImageData):
 
 class EditsResponse(BaseModel):
     created: int
-    base_id: str
+    base_id: str = Field(description="The edited base (for an uploaded image: the new base's id, to edit it again).")
     data: list[EditData]
 
 

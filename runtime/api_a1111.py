@@ -3,9 +3,9 @@ work unchanged.
 
 - ``txt2img``: ``batch_size x n_iter`` bases from consecutive seeds; ``info`` (a JSON string,
   as A1111 returns it) names their ids.
-- ``img2img``: edits of a base, found from the init image's own ``parameters`` (every PNG
-  edit-rt writes names its ``Base id``); ``denoising_strength`` is the tail fraction K/T, as in
-  img2img, and ``prompt`` the edit prompt.
+- ``img2img``: edits of a base: the one the init image's ``parameters`` name (every PNG edit-rt
+  writes names its ``Base id``), or, for any other image, the image inverted into a new base;
+  ``denoising_strength`` is the tail fraction K/T, as in img2img, ``prompt`` the edit prompt.
 - ``png-info``, ``sd-models``, ``options`` (read), ``progress``.
 
 Fields A1111 has and edit-rt does not use (samplers, hires fix, scripts, ...) are accepted and
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .api import ApiError, errors
 from .pnginfo import base_id_of
+from .api_openai import decode_base64_or_400
 from .service import Service, b64
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
@@ -49,6 +50,7 @@ class Img2Img(BaseModel):
     model_config = LAX
     init_images: list[str] = Field(min_length=1)
     prompt: str = Field(min_length=1)
+    negative_prompt: str = ""
     denoising_strength: float = Field(0.4, gt=0, le=1)
     cfg_scale: Optional[float] = Field(None, ge=0, le=50)
     seed: int = -1
@@ -99,12 +101,16 @@ def a1111_routes(service: Service) -> APIRouter:
     async def img2img(body: Img2Img, http: HttpRequest):
         bids = []
         for k, data in enumerate(body.init_images):
-            image = decode_image(data, f"init_images[{k}]")
-            bid = base_id_of(image.info.get("parameters", "") if isinstance(image.info.get("parameters"), str) else "")
-            if bid is None:
-                raise ApiError(400, f"init_images[{k}]: not an image edit-rt made (its parameters name no Base id); edit "
-                               "an image from /sdapi/v1/txt2img or /v1/images/generations", param=f"init_images[{k}]",
-                               code="unknown_image")  # fmt: skip
+            param = f"init_images[{k}]"
+            raw = decode_base64_or_400(data)
+            image = decode_image(data, param)
+            parameters = image.info.get("parameters")
+            bid = base_id_of(parameters) if isinstance(parameters, str) else None
+            if bid is None or bid not in service.store:
+                # any other image: inverted into a base (A1111's prompt is the target; the
+                # image's own description is unknown, so the inversion's prompt is empty)
+                made = await service.invert(service.upload(raw, param), "", body.negative_prompt)
+                bid = made.id
             bids.append(bid)
         out = []
         for k, bid in enumerate(bids):

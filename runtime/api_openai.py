@@ -20,6 +20,7 @@ from PIL import Image
 from .api import (
     OPENAI_MODELS,
     ApiError,
+    BaseUpload,
     EditsRequest,
     GenerationRequest,
     GenerationResponse,
@@ -30,6 +31,7 @@ from .api import (
 from .batcher import Job, Request
 from .config import Mask
 from .service import Service, b64, row_error
+from .uploads import ImageInputError, decode_base64
 
 COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
@@ -46,6 +48,13 @@ def reencode(png: bytes, output_format: str) -> bytes:
     out = io.BytesIO()
     Image.open(io.BytesIO(png)).convert("RGB").save(out, format=output_format.upper())
     return out.getvalue()
+
+
+def decode_base64_or_400(data: str) -> bytes:
+    try:
+        return decode_base64(data, "image")
+    except ImageInputError as err:
+        raise ApiError(err.status, str(err), param="image", code="invalid_image") from None
 
 
 def openai_routes(service: Service) -> APIRouter:
@@ -102,6 +111,13 @@ def openai_routes(service: Service) -> APIRouter:
 
     async def json_edits(body: EditsRequest, http: HttpRequest):
         service.check_edit_count(len(body.edits))
+        if (body.base_id is None) == (body.image is None):
+            raise ApiError(400, "base_id: give base_id (a stored base) or image (one to invert), not both or neither",
+                           param="base_id", code="missing")  # fmt: skip
+        if body.image is not None:
+            upload = service.upload(decode_base64_or_400(body.image), "image")
+            made = await service.invert(upload, body.source_prompt, body.negative_prompt)
+            body = body.model_copy(update={"base_id": made.id})
         state = await service.pinned(body.base_id)
         try:
             rows = [service.row_of(i, state, e.prompt, e.strength, e.tail_steps,
@@ -159,6 +175,20 @@ def openai_routes(service: Service) -> APIRouter:
         finally:
             request.cancelled.set()  # a client that left: its rows go at the next step
             service.store.unpin(bid)
+
+    @router.post("/v1/bases", response_model=GenerationResponse, responses=errors(*COMMON_ERRORS),
+                 summary="A base from an image (its inversion), to edit like a generated one")  # fmt: skip
+    async def bases(body: BaseUpload):
+        upload = service.upload(decode_base64_or_400(body.image), "image")
+        made = await service.invert(upload, body.source_prompt, body.negative_prompt, body.steps, body.cfg_scale)
+        base = made.base
+        return {
+            "id": made.id, "created": int(time.time()), "seed": base.seed, "data": [{"b64_json": b64(made.png)}],
+            "parameters": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "steps": base.steps,
+                           "cfg_scale": base.guidance, "seed": base.seed, "size": f"{base.width}x{base.height}",
+                           "image": base.image, "notes": upload.notes},
+            "info": {"seconds": round(made.seconds, 4), "store_tier": service.store.tier(made.id), "base_ids": [made.id]},
+        }  # fmt: skip
 
     @router.get("/v1/models", response_model=ModelList, responses=errors(401, 503), summary="The served model")
     async def models():

@@ -30,7 +30,7 @@ from .config import Base
 from .errors import EditRtError
 from .images import composite
 from .metrics import Metrics
-from .scheduler_ddim import DDIMSchedule
+from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from .slots import Recording, Row, RowScheduler
 from .state import KV, BaseState, TailRow
 
@@ -64,6 +64,7 @@ class RowResult:
     seconds: float
     preserve: str = "none"  # what the row's preserve mode came to ("auto", or why none)
     keep: Optional[np.ndarray] = None  # [1, h, w] bool: where the row kept the base's latent
+    record: Optional[Recording] = None  # what a recording row kept (inversion, its corrections)
 
 
 @dataclass
@@ -80,6 +81,10 @@ class Job:
     started: float = 0.0
     scheduled: Optional[Row] = None
     preserve: str = "none"
+    # "": an edit (state) or a generation (noise); "invert": DDIM inversion of the image latent
+    # ``noise`` over steps row.start_step..T-1; "correct": one forward step of ``state`` from
+    # step row.start_step (pipeline.invert's two phases)
+    kind: str = ""
 
 
 @dataclass
@@ -301,6 +306,19 @@ class Batcher:
                 raise RowError(f"the prompt {prompt[:40]!r} cannot be encoded ({type(err).__name__}: {err})")
         edit = kv[job.row.prompt]
         schedule = DDIMSchedule(self.pipe.ddim_config, job.base.steps)
+        shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
+        if job.kind == "invert":  # the source prompt's prediction alone, backwards, recording
+            inverse = InverseDDIMSchedule(schedule, job.row.start_step, job.base.steps)
+            K = inverse.num_inference_steps
+            record = Recording(np.empty((K + 1, *shape), dtype=np.float32), np.empty((K, *shape), dtype=np.float32))
+            record.latents[0] = job.noise[0]
+            return Row(inverse, 0, job.noise[0].copy(), 1.0, [t[0] for t in edit.tensors], kv[job.base.negative_prompt],
+                       record=record, owner=job)  # fmt: skip
+        if job.kind == "correct":  # one forward step from the inverted latent, recording u
+            T, i = job.base.steps, job.row.start_step
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
+            return Row(schedule, i, job.state.latent(i)[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
+                       job.state.uncond_kv, record=record, stop=i + 1, owner=job)  # fmt: skip
         if job.state is None:  # a base: its own prompt's K/V, from noise, recording
             T = job.base.steps
             record = Recording(np.empty((T + 1, *job.noise.shape[1:]), dtype=np.float32),
@@ -309,13 +327,13 @@ class Batcher:
             return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
                        kv[job.base.negative_prompt], record=record, owner=job)  # fmt: skip
         state, tail = job.state, job.row
-        shape = state.latents.shape[1:]
         auto, job.preserve = self.pipe.auto_mask(state.base.prompt, tail, shape)
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             mix_kv(state.cond_kv, edit, tail.strength), state.uncond_kv,
             entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
-            keep=self.pipe.keep_mask(tail.mask, shape), base=state, auto=auto, owner=job,
+            keep=self.pipe.keep_mask(tail.mask, shape), base=state, auto=auto,
+            corrections=state if state.corrections is not None else None, owner=job,
         )  # fmt: skip
 
     def _drop_expired(self) -> None:
@@ -357,12 +375,13 @@ class Batcher:
             self.metrics.observe("edit_rt_row_seconds", seconds)
             row = job.scheduled
             state = None
-            if row.record is not None:
+            if row.record is not None and not job.kind:
                 state = BaseState(job.base, self.pipe.manifest.fingerprint, 0, row.record.latents,
                                   KV([t[None] for t in row.kv]), row.uncond, row.record.uncond)  # fmt: skip
-            else:
+            elif row.record is None:
                 self.metrics.inc("edit_rt_edits_served_total")
-            job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds, job.preserve, row.keep))
+            job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds, job.preserve, row.keep,
+                                            row.record))  # fmt: skip
 
 
 def mix_kv(base: KV, edit: KV, strength: float) -> list[np.ndarray]:

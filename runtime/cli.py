@@ -108,7 +108,8 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     builder = _export_module("engines")
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     e = cfg.engines
-    profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale)
+    profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
+                               e.max_uncond_sets, scale)  # fmt: skip
     from .backend_trt import trt_unavailable_reason
     from .engines import GRAPHS
 
@@ -194,6 +195,13 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"entry-step reuse, {entry['n']} rows x {entry['tail_steps']} steps: {entry['half_rows_skipped']} of "
             f"{entry['half_rows']} half-rows skipped ({entry['expected_saving']:.1%}), tail "
             f"{entry['seconds_without']:.2f} s -> {entry['seconds_with']:.2f} s ({entry['measured_saving']:.1%} faster)"
+        )  # fmt: skip
+    inv = report.get("inversion")
+    if inv:
+        out.print(
+            f"a base from an image: {inv['seconds_invert']:.2f} s ({inv['rows_backwards']} rows back, one at a time, + "
+            f"{inv['rows_forward']} one-step rows forward, batched) vs {inv['seconds_generate']:.2f} s to generate one "
+            f"({inv['ratio']:.2f}x)"
         )  # fmt: skip
     cost = report.get("preserve_cost")
     if cost:

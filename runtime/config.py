@@ -105,6 +105,10 @@ class Base:
     guidance: Float = 7.5
     width: Int = 512
     height: Int = 512
+    # An image to edit instead of a generation: it is inverted (pipeline.invert) with `prompt`
+    # as its description. In a config, a path (relative to the config); in a stored base's key,
+    # "sha256:<hex>" of the pixels it was inverted from.
+    image: Optional[Str] = None
 
     def validate(self, where: str) -> None:
         if not 1 <= self.steps <= 1000:
@@ -266,7 +270,12 @@ class Serve:
     # Rows waiting for a batch slot; past this a request gets 429 with Retry-After.
     queue_limit: Int = 256
     max_prompt_chars: Int = 500
-    max_body_bytes: Int = 1_000_000
+    # Room for an uploaded image (multipart or base64 JSON) besides the rest of a body.
+    max_body_bytes: Int = 16_000_000
+    # An uploaded image's own bytes; one of another size is resized to the served size (or,
+    # with resize_uploads false, refused with the size it must have).
+    max_image_bytes: Int = 10_000_000
+    resize_uploads: Bool = True
     max_steps: Int = 150
     # A request whose rows are not done by then is dropped at the next step boundary.
     request_timeout_s: Float = 600.0
@@ -280,7 +289,7 @@ class Serve:
     def validate(self, where: str) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{where}.port: must lie in [0, 65535], got {self.port}")
-        for name in ("max_edits_per_request", "queue_limit", "max_prompt_chars", "max_body_bytes", "max_steps"):
+        for name in ("max_edits_per_request", "queue_limit", "max_prompt_chars", "max_body_bytes", "max_steps", "max_image_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout_s", "drain_timeout_s", "header_timeout_s", "body_timeout_s"):
@@ -327,6 +336,8 @@ class RunConfig:
 
     def validate(self, where: str) -> None:
         self.base.validate(f"{where}base")
+        if self.base.image is not None and not Path(self.base.image).is_file():
+            raise ConfigError(f"{where}base.image: {self.base.image} is not a file; give the path of a PNG or JPEG")
         self.cache.validate(f"{where}cache")
         self.preserve.validate(f"{where}preserve")
         self.export.validate(f"{where}export")
@@ -462,6 +473,8 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
         )
         if cfg.store.disk_dir is not None:
             cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
+        if cfg.base.image is not None:
+            cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, image=str(_resolve(Path(cfg.base.image), root))))
         cfg.validate("")
     except ConfigError as err:
         raise ConfigError(f"{label}{err}") from None

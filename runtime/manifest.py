@@ -176,7 +176,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
         )
     _check_keys(path, data)
     manifest = Manifest(onnx_dir, data)
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"):
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"):
         if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
     if not (onnx_dir / "tokenizer.json").is_file():
@@ -200,7 +200,7 @@ def _check_keys(path: Path, data: dict) -> None:
     for key in _MODEL_KEYS:
         if key not in data["model"]:
             raise missing(f"model.{key}")
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"):
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"):
         graph = data["graphs"].get(name)
         if not isinstance(graph, dict):
             raise ArtifactError(f"{path.parent}: graph {name!r} is missing; re-run `make export`")

@@ -73,7 +73,7 @@ class EditPipeline:
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets)
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale)
         self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile, cuda_graphs)
         self.graphs = self.graph_set.graphs
         self.profile = self.graph_set.profile
@@ -248,6 +248,40 @@ class EditPipeline:
                                         uncond_out=state.uncond_out[window_start:])  # fmt: skip
         log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
         return state
+
+    def encode_image(self, image: np.ndarray) -> np.ndarray:
+        """[H, W, 3] in [0, 1] -> the VAE's latent [1, c, h, w] (the posterior mean, scaled)."""
+        (latents,) = self.graphs["vae_encoder"].infer({"images": np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)})
+        return latents
+
+    def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None) -> BaseState:
+        """A base state from an image: DDIM inversion over the window, with Direct Inversion's
+        per-step corrections (Ju et al. 2023), so that the base's own row, and an identity
+        edit from any step, end at the image's latent exactly (up to the VAE).
+
+        1. encode the image (vae_encoder) to z*_T and run DDIM backwards with ``base.prompt`` (the
+           image's description; guidance 1) to z*_{window_start}: T - window_start rows, in turn;
+        2. from every z*_i one forward step as the base's rows take it (its prompt, guidance and
+           negative prompt): x^_{i+1}, and the unconditional prediction u_i; all in one tail;
+        3. keep d_i = z*_{i+1} - x^_{i+1}: every edit row of this base adds it after step i.
+        """
+        shape = self.latent_shape(base)
+        T = base.steps
+        z0 = self.encode_image(image)
+        request = Request(uuid.uuid4().hex, decode=False)
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, window_start, 1.0), noise=z0, kind="invert")
+        (inversion,) = self._run([job], request, shape, progress)
+        inverted = np.ascontiguousarray(inversion.record.latents[::-1])  # z*_ws .. z*_T
+        cond, uncond = self.kv_from_prompts([base.prompt]), self.kv_from_prompts([base.negative_prompt])
+        partial = BaseState(base, self.manifest.fingerprint, window_start, inverted, cond, uncond)
+        request = Request(uuid.uuid4().hex, decode=False)
+        steps = list(range(window_start, T))
+        jobs = [Job(request, k, base, TailRow(base.prompt, 1.0, i, base.guidance), state=partial, kind="correct")
+                for k, i in enumerate(steps)]  # fmt: skip
+        results = self._run(jobs, request, shape, progress)
+        stepped = np.stack([r.latent for r in results])
+        uncond_out = np.stack([r.record.uncond[i] for r, i in zip(results, steps)])
+        return dataclasses.replace(partial, uncond_out=uncond_out, corrections=inverted[1:] - stepped)
 
     def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
         """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order.

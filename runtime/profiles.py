@@ -27,6 +27,8 @@ class EditBatchProfile:
     # Distinct negative prompts one step may mix (each adds 77 tokens to every unconditional
     # row's cross-attention): the server waits to admit a row whose set would pass it.
     max_sets: int = 4
+    # Image pixels per latent pixel (the VAE's factor): vae_encoder takes images, not latents.
+    vae_scale: int = 1
 
     def dims(self, which: str) -> dict[str, int]:
         """Values of the symbolic dims at ``which`` in (min, opt, max)."""
@@ -39,6 +41,8 @@ class EditBatchProfile:
             "S": TEXT_LEN * (1 if which != "max" else self.max_sets),
             "H": self.latent_height,
             "W": self.latent_width,
+            "IH": self.latent_height * self.vae_scale,
+            "IW": self.latent_width * self.vae_scale,
             # vae_decoder's image size is fixed by the latent size; it is an output only.
         }
 

@@ -7,6 +7,7 @@ rows evaluated against regenerating every edit, the base state's size).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from .images import contact_sheet, save_png
 from .pnginfo import base_fields, edit_fields, parameters_text
 from .pipeline import EditPipeline
 from .state import TailRow
+from .uploads import ImageInputError, Upload, image_from_bytes
 from .store import BaseStore, base_id
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,18 @@ def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserv
     if edit.seed is not None:
         parts.append(f"seed {edit.seed}")
     return " ".join(parts) + ": " + edit.prompt
+
+
+def image_of(cfg: RunConfig) -> Upload:
+    """``base.image``, read as the server reads an upload (the same checks, the same key)."""
+    path, s = Path(cfg.base.image), cfg.serve
+    try:
+        return image_from_bytes(path.read_bytes(), (cfg.base.width, cfg.base.height), "base.image", s.max_image_bytes,
+                                s.resize_uploads)  # fmt: skip
+    except ImageInputError as err:
+        raise ConfigError(f"{err} ({path})") from None
+    except OSError as err:
+        raise ConfigError(f"base.image: {path} cannot be read ({err.strerror})") from None
 
 
 def writable_or_refuse(folder: Path, field: str) -> None:
@@ -116,6 +130,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
     writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
+    upload = None
+    if base.image is not None:  # a base from an image: its key holds the pixels' hash
+        upload = image_of(cfg)
+        base = dataclasses.replace(base, image=upload.key)
     with timer.stage("load"):
         pipe = pipeline_of(cfg).activate()
     try:
@@ -126,6 +144,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             state = store.get(bid) if tier else None
             if state is not None and state.window_start <= cfg.cache.window_start:
                 base_source = f"store ({tier})"
+            elif upload is not None:
+                state = pipe.invert(upload.pixels, base, cfg.cache.window_start, progress=progress(2 * (T - cfg.cache.window_start), "inversion"))
+                store.put(state)
+                base_source = "inverted"
             else:
                 state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
                 store.put(state)
@@ -161,7 +183,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
 
     tail_rows_evaluated = sum(T - r.start_step for r in rows)
-    base_rows = T if base_source == "generated" else 0  # a stored base costs no UNet call
+    # a stored base costs no UNet call; an inversion is T - window_start rows backwards (guidance
+    # 1) and as many one-step rows forward (its corrections)
+    window = T - cfg.cache.window_start
+    base_rows = {"generated": T, "inverted": 2 * window}.get(base_source, 0)
     n = len(rows)
     report = {
         "edit_rt_version": __version__,

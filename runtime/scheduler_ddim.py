@@ -127,3 +127,21 @@ class DDIMSchedule:
             x0 = np.clip(x0, -self.config.clip_sample_range, self.config.clip_sample_range)
         # 2. eq. 12 with sigma_t = 0: x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps
         return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
+
+
+class InverseDDIMSchedule:
+    """DDIM run backwards over steps ``start..end-1`` of ``forward``: x_{i+1} -> x_i.
+
+    Row step k is forward step i = end - 1 - k. As diffusers' ``DDIMInverseScheduler``, the
+    noise is predicted at x_{i+1} with timestep t_i, and the DDIM update (eq. 12) is taken with
+    the two alphas swapped: x_i = sqrt(a_i) x0 + sqrt(1 - a_i) eps, x0 = (x_{i+1} - sqrt(1 -
+    a_{i+1}) eps) / sqrt(a_{i+1}). So the step graph runs it unchanged (guidance 1: the source
+    prompt's conditional prediction alone).
+    """
+
+    def __init__(self, forward: DDIMSchedule, start: int, end: int):
+        steps = np.arange(end - 1, start - 1, -1)
+        self.num_inference_steps = end - start
+        self.timesteps = forward.timesteps[steps]
+        self.alpha_t = forward.alpha_prev[steps]
+        self.alpha_prev = forward.alpha_t[steps]

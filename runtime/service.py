@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
+import numpy as np
 from fastapi import Request as HttpRequest
 
 from .api import ApiError
@@ -32,6 +33,7 @@ from .pnginfo import base_fields, edit_fields, parameters_text
 from .run import pipeline_of, store_of
 from .state import BaseState, TailRow
 from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
+from .uploads import ImageInputError, Upload, image_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +181,8 @@ class Service:
             raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
         seed = seed if seed >= 0 else secrets.randbelow(2**31)
         guidance = default.guidance if guidance is None else guidance
-        return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance)
+        return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
+                       image=None)  # fmt: skip
 
     def row_of(self, i: int, state: BaseState, prompt: str, strength: Optional[float] = None,
                tail_steps: Optional[int] = None, mask: Optional[Mask] = None, seed: Optional[int] = None,
@@ -274,8 +277,95 @@ class Service:
         return [Edited(i, row, self.edit_png(state, row, r.image, r.preserve), r.seconds, r.preserve, T - row.start_step)
                 for i, (row, r) in enumerate(zip(rows, results))]  # fmt: skip
 
-    async def edit_upload(self, http: HttpRequest):
-        """OpenAI's ``images.edit`` form (an image file and a prompt)."""
-        raise ApiError(400, "image: uploading an image to edit is not supported yet; generate a base with "
-                       "POST /v1/images/generations, then send JSON {base_id, edits: [{prompt}]} to /v1/images/edits",
-                       param="image", code="unsupported_upload")  # fmt: skip
+    def upload(self, data: bytes, param: str) -> Upload:
+        """An uploaded image as the served size's pixels, or the API's error for it."""
+        base, s = self.cfg.base, self.cfg.serve
+        try:
+            return image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes, s.resize_uploads)
+        except ImageInputError as err:
+            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+
+    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: str = "", steps: Optional[int] = None,
+                     guidance: Optional[float] = None) -> Generated:  # fmt: skip
+        """A base from an uploaded image (its inversion; kept in the store like a generation).
+
+        ``prompt`` describes the image (the source prompt; empty if not given). The same image
+        with the same settings finds the stored base instead of inverting again."""
+        if prompt:
+            self.check_prompt(prompt, "source_prompt")
+        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0), image=upload.key)
+        pipe = self.pipe
+        bid = base_id(pipe.manifest.fingerprint, base)
+        start = time.perf_counter()
+        if bid not in self.store:
+            try:
+                state = await asyncio.to_thread(pipe.invert, upload.pixels, base, self.cfg.cache.window_start)
+            except QueueFullError as err:
+                raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
+            except ShuttingDownError as err:
+                raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+            try:
+                await asyncio.to_thread(self.store.put, state)
+            except StoreFullError as err:
+                raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
+        state = await self.pinned(bid)
+        try:
+            image = pipe.decode(state.final_latent)[0]
+        finally:
+            self.store.unpin(bid)
+        fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
+        fields["Inverted from"] = upload.key
+        png = png_bytes(image, parameters_text(base.prompt, base.negative_prompt, fields))
+        return Generated(bid, base, png, time.perf_counter() - start)
+
+    async def edit_upload(self, http: HttpRequest) -> dict:
+        """OpenAI's ``images.edit`` form: each uploaded image is inverted into a base (or found
+        again), then edited with ``prompt``; ``base_ids`` name the bases for further edits."""
+        form = await http.form()
+        files = [v for k, v in form.multi_items() if k in ("image", "image[]") and hasattr(v, "read")]
+        if not files:
+            raise ApiError(400, "image: required (a file field named image, as OpenAI's images.edit sends it)",
+                           param="image", code="missing")  # fmt: skip
+        text = {k: v for k, v in form.multi_items() if isinstance(v, str)}
+        prompt = text.get("prompt", "")
+        if not prompt:
+            raise ApiError(400, "prompt: required field missing", param="prompt", code="missing")
+        number = lambda name, kind: _form_number(text, name, kind)  # noqa: E731
+        n = number("n", int) or 1
+        if not 1 <= n <= 8:
+            raise ApiError(400, "n: must lie in [1, 8]", param="n", code="out_of_range")
+        if text.get("response_format", "b64_json") != "b64_json":
+            raise ApiError(400, "response_format: this server hosts no files; use b64_json (the default)",
+                           param="response_format", code="unsupported_value")  # fmt: skip
+        self.check_edit_count(n * len(files))
+        out, bases = [], []
+        for k, f in enumerate(files):
+            upload = self.upload(await f.read(), "image" if len(files) == 1 else f"image[{k}]")
+            made = await self.invert(upload, text.get("source_prompt", ""), text.get("negative_prompt", ""),
+                                     number("steps", int), number("cfg_scale", float))  # fmt: skip
+            bases.append(made.id)
+            state = await self.pinned(made.id)
+            try:
+                rows = [self.row_of(0, state, prompt, number("strength", float), number("tail_steps", int), None,
+                                    (number("seed", int) + j) if number("seed", int) is not None and n > 1 else number("seed", int),
+                                    number("cfg_scale", float), text.get("preserve")) for j in range(n)]  # fmt: skip
+                out += await self.edit(state, rows, http)
+            finally:
+                self.store.unpin(made.id)
+        return {"created": int(time.time()), "base_id": bases[0], "base_ids": bases,
+                "data": [{"index": i, "b64_json": b64(e.png), "info": {"seconds": round(e.seconds, 4), "tail_steps": e.tail_steps,
+                          "strength": e.row.strength, "preserve": e.preserve}} for i, e in enumerate(out)]}  # fmt: skip
+
+
+def _form_number(form: dict, name: str, kind: type):
+    """A form field as a number (forms carry text), None when absent; a bad one is a 400."""
+    if name not in form or form[name] == "":
+        return None
+    try:
+        value = kind(form[name])
+    except ValueError:
+        raise ApiError(400, f"{name}: must be {'an integer' if kind is int else 'a number'}, got {echo(form[name])}",
+                       param=name, code="invalid_type") from None  # fmt: skip
+    if kind is float and not np.isfinite(value):
+        raise ApiError(400, f"{name}: must be a finite number", param=name, code="invalid_type")
+    return value

@@ -69,13 +69,15 @@ class Row:
     base: Optional[BaseState] = None  # what ``keep`` blends in
     record: Optional[Recording] = None  # a generation: keep every latent and u
     auto: Optional[AutoMask] = None  # preserve: auto; its mask becomes ``keep`` as maps arrive
+    corrections: Optional[BaseState] = None  # an inverted image's base: its d_i after each step i
+    stop: Optional[int] = None  # finish before the schedule's end (an inversion's one-step rows)
     owner: Any = None  # the caller's (the batcher's job)
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
 
     @property
     def end(self) -> int:
-        return self.schedule.num_inference_steps
+        return self.schedule.num_inference_steps if self.stop is None else self.stop
 
 
 @dataclass
@@ -317,6 +319,8 @@ class RowScheduler:
                 self.dev["attn_maps"].read(step_map, offset=r * self.map_elems)
                 row.auto.add(step_map)
                 row.keep = row.auto.keep
+            if row.corrections is not None:
+                np.add(self.latents[r], row.corrections.correction(row.step), out=self.latents[r])
             if row.record is not None:
                 self.dev["uncond_out"].read(row.record.uncond[row.step], offset=r * self.latent_elems)
                 row.record.latents[row.step + 1] = self.latents[r]

@@ -61,6 +61,9 @@ class BaseState:
     uncond_kv: KV  # the negative prompt's K/V, B = 1
     # [T - window_start, c, h, w]: the unconditional prediction at x_i, i in window_start..T-1
     uncond_out: Optional[np.ndarray] = None
+    # An inverted image's base (pipeline.invert): [T - window_start, c, h, w], added to every
+    # row of this base after its step i, so that the base's own row retraces x_{i+1} exactly
+    corrections: Optional[np.ndarray] = None
 
     def latent(self, i: int) -> np.ndarray:
         """x_i as a [1, c, h, w] view into the cache (no copy)."""
@@ -72,13 +75,17 @@ class BaseState:
             return None
         return self.uncond_out[i - self.window_start]
 
+    def correction(self, i: int) -> Optional[np.ndarray]:
+        """d_i, added after step i (None: a generated base needs none)."""
+        return None if self.corrections is None else self.corrections[i - self.window_start]
+
     @property
     def final_latent(self) -> np.ndarray:
         return self.latents[-1][None]
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.uncond_out is None else self.uncond_out.nbytes
+        extra = sum(a.nbytes for a in (self.uncond_out, self.corrections) if a is not None)
         return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes + extra
 
 

@@ -112,6 +112,8 @@ class BaseStore:
         tensors = encode("latents", state.latents, self.latents_precision, pixels)
         if state.uncond_out is not None:
             tensors.update(encode("uncond_out", state.uncond_out, self.latents_precision, pixels))
+        if state.corrections is not None:  # small differences: kept in fp32 whatever the precision
+            tensors.update(encode("corrections", state.corrections, "fp32", pixels))
         for i, t in enumerate(state.cond_kv.tensors):
             tensors.update(encode(f"cond_{i}", t, self.kv_precision, (_token_axis(i),)))
         uncond = {}
@@ -315,4 +317,5 @@ class BaseStore:
             cond_kv=KV([decode(f"cond_{i}", entry.tensors) for i in range(layers)]),
             uncond_kv=KV([decode(f"uncond_{i}", uncond) for i in range(layers)]),
             uncond_out=decode("uncond_out", entry.tensors) if "uncond_out" in entry.tensors else None,
+            corrections=decode("corrections", entry.tensors) if "corrections" in entry.tensors else None,
         )

@@ -47,4 +47,6 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir):
     assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
     entry = report["entry_reuse"]  # 2 rows joined at once: one takes u from the base
     assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
+    inv = report["inversion"]
+    assert inv["rows_backwards"] == inv["rows_forward"] == 4 and inv["seconds_invert"] > 0
     assert _finite(report)

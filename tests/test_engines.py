@@ -59,7 +59,7 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
     manifest = load_manifest(onnx_dir)
     assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
     assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16,
-                               "max_sets": 4}  # fmt: skip
+                               "max_sets": 4, "vae_scale": 1}  # fmt: skip
     assert data["tools"] == engine_tools("ort-cpu")
     for graph, entry in data["graphs"].items():
         assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
@@ -184,7 +184,7 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((build / model_dir.name / "parity.json").read_text())
     assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}
-    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder"}
+    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"}
     assert all(r["pass"] for r in report)
     assert "| unet_step | ort-cpu-engine |" in (build / model_dir.name / "parity.md").read_text()
 

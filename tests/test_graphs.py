@@ -23,7 +23,7 @@ from edit_rt.runtime.manifest import load_manifest
 ATOL, RTOL = 1e-4, 1e-3
 
 
-@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "vae_decoder"])
+@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"])
 def test_onnx_graph_matches_torch(graph, onnx_dir, model_dir):
     manifest = load_manifest(onnx_dir)
     rng = np.random.default_rng(0)
