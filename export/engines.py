@@ -59,7 +59,14 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
 def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str,
                 done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
     """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU)."""
-    from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
+    import tensorrt as trt
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        PostprocessNetwork,
+        Profile,
+        engine_bytes_from_network,
+        network_from_onnx_path,
+    )
 
     staging = _fresh(out)
     timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
@@ -68,21 +75,71 @@ def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precis
         trt_profile = Profile()
         for name, (lo, opt, hi) in profile.shapes(manifest.graphs[graph].inputs).items():
             trt_profile.add(name, min=lo, opt=opt, max=hi)
+        own = graph_precision(manifest, graph, precision)
+        network = network_from_onnx_path(str(manifest.path(graph)))
+        pinned = fp32_attention_nodes(manifest.path(graph)) if own != "fp32" and upcasts(manifest, graph) else set()
+        if pinned:
+            network = PostprocessNetwork(network, lambda network, pinned=pinned: _pin_fp32(network, pinned, trt), name="upcast_attention")
         config = CreateConfig(
-            fp16=precision == "fp16",
-            bf16=precision == "bf16",
+            fp16=own == "fp16",
+            bf16=own == "bf16",
             profiles=[trt_profile],
+            precision_constraints="obey" if pinned else None,
             load_timing_cache=str(timing_cache) if timing_cache.exists() else None,
         )
-        plan = engine_bytes_from_network(
-            network_from_onnx_path(str(manifest.path(graph))), config=config, save_timing_cache=str(timing_cache)
-        )
+        plan = engine_bytes_from_network(network, config=config, save_timing_cache=str(timing_cache))
         target = staging / f"{graph}.plan"
         target.write_bytes(plan)
         graphs[graph] = _entry(manifest, graph, target.name)
-        log.info("trt: %s -> %s (%s)", graph, target, precision)
+        log.info("trt: %s -> %s (%s, %d attention layers kept fp32)", graph, target, own, len(pinned))
         done(f"trt/{graph}")
     return _publish(staging, out, EngineSet(out, "trt", profile, precision, engine_tools("trt"), engine_device("trt"), graphs))
+
+
+def graph_precision(manifest: Manifest, graph: str, precision: str) -> str:
+    """The precision ``graph``'s engine is built in: the VAE of a model whose config says
+    ``force_upcast`` (SDXL 1.0's overflows in fp16) stays fp32, everything else ``precision``."""
+    if graph.startswith("vae_") and manifest.family.get("vae_force_upcast"):
+        return "fp32"
+    return precision
+
+
+def upcasts(manifest: Manifest, graph: str) -> bool:
+    """Whether ``graph`` has attention whose scores the model needs in fp32 (``upcast_attention``)."""
+    return graph.startswith("unet_step") and bool(manifest.family.get("upcast_attention"))
+
+
+def fp32_attention_nodes(onnx_path: Path) -> set[str]:
+    """The ONNX nodes of every attention's scores: each Softmax and what computes its input back
+    to the ``q k^T`` MatMul (through the scale and mask Mul/Add/Div). diffusers computes these in
+    fp32 under ``upcast_attention``/``upcast_softmax``; an fp16 engine keeps them fp32."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    producer = {out: node for node in model.graph.node for out in node.output}
+    names: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type != "Softmax":
+            continue
+        names.add(node.name)
+        source = producer.get(node.input[0])
+        while source is not None and source.op_type in ("Add", "Mul", "Div", "MatMul"):
+            names.add(source.name)
+            if source.op_type == "MatMul":
+                break
+            source = producer.get(source.input[0])
+    return names
+
+
+def _pin_fp32(network, names: set[str], trt) -> None:
+    """Run the layers the ONNX parser made of ``names`` in fp32 (the parser names a layer after
+    its node, with a suffix where one node became several)."""
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.name in names or layer.name.rsplit("_", 1)[0] in names:
+            layer.precision = trt.float32
+            for k in range(layer.num_outputs):
+                layer.set_output_type(k, trt.float32)
 
 
 def build_engines(

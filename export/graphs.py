@@ -1,6 +1,6 @@
-"""The four torch modules that become edit-rt's ONNX graphs.
+"""The torch modules that become edit-rt's ONNX graphs (the text encoder's is the family's:
+``export/family_*.py``).
 
-- :class:`TextEncoderGraph`: ``input_ids -> hidden_states``.
 - :class:`KVProjGraph`: ``hidden_states -> k_0, v_0, ...``: every cross-attention (``attn2``)
   layer's ``to_k``/``to_v`` projection, in :func:`cross_attention_layers` order, already in
   the layout the step's attention reads (so a step never reshuffles K/V).
@@ -113,15 +113,6 @@ def kv_layout(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tenso
     return k.contiguous(), v.contiguous()
 
 
-class TextEncoderGraph(nn.Module):
-    def __init__(self, text_encoder: nn.Module):
-        super().__init__()
-        self.text_encoder = text_encoder
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids)[0]
-
-
 class KVProjGraph(nn.Module):
     """``hidden_states [B,77,D]`` -> ``(k_0, v_0, k_1, v_1, ...)`` in the step graph's layout
     (:func:`kv_layout`); K/V are linear in the text, so an edit mixes them per element."""
@@ -161,8 +152,12 @@ class UNetStepGraph(nn.Module):
     """
 
     def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77,
-                 map_layers: frozenset[int] | None = None, map_factor: int = 1):  # fmt: skip
+                 map_layers: frozenset[int] | None = None, map_factor: int = 1, conds: list[dict] | None = None):  # fmt: skip
+        """``conds``: the family's per-row conditioning besides K/V (family_*.conds): each is an
+        input ``cond_<name> [N, dim]`` and ``uncond_<name> [M, dim]`` (the negative prompts' sets,
+        indexed by uncond_index) when its uncond side is a set, else one ``<name> [N, dim]``."""
         super().__init__()
+        self.conds = list(conds or [])
         if prediction_type not in ("epsilon", "v_prediction", "sample"):
             raise ValueError(f"prediction_type {prediction_type!r} is not supported")
         self.unet = unet
@@ -178,11 +173,21 @@ class UNetStepGraph(nn.Module):
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
-    def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, uncond_given, *kv):
+    def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, uncond_given, *rest):
         self.context.maps = []
         self.context.want_maps = self.map_layers is not None
         n = latents.shape[0]
         nu = n - uncond_given.shape[0]
+        added, k = {}, 0
+        for cond in self.conds:  # the UNet's added conditioning, rows [uncond; cond]
+            if cond["uncond"] == "set":
+                cond_value, sets = rest[k], rest[k + 1]
+                added[cond["name"]] = torch.cat([sets.index_select(0, uncond_index[:nu]), cond_value])
+                k += 2
+            else:
+                added[cond["name"]] = torch.cat([rest[k][:nu], rest[k]])
+                k += 1
+        kv = rest[k:]
         # 1. the UNet's rows: [uncond rows 0..nu-1; cond rows 0..n-1]
         for i in range(self.num_layers):
             self.context.kv[i] = kv[4 * i : 4 * i + 4]
@@ -195,7 +200,7 @@ class UNetStepGraph(nn.Module):
         t = torch.cat([timestep[:nu], timestep])
         # The processors read the context; encoder_hidden_states only has to exist.
         dummy_text = latents.new_zeros(x.shape[0], 1, self.cross_attention_dim)
-        out = self.unet(x, t, encoder_hidden_states=dummy_text, return_dict=False)[0]
+        out = self.unet(x, t, encoder_hidden_states=dummy_text, added_cond_kwargs=added or None, return_dict=False)[0]
         out_uncond = torch.cat([out[:nu], uncond_given])
         out_cond = out[nu:]
         # 2. classifier-free guidance (Ho & Salimans 2022, eq. 6), per-row scale

@@ -24,9 +24,10 @@ import torch
 from edit_rt.runtime.errors import ModelError
 from edit_rt.runtime.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
+from . import family_sd
+from .family import family_module, family_of
 from .graphs import (
     KVProjGraph,
-    TextEncoderGraph,
     UNetStepGraph,
     VaeDecoderGraph,
     VaeEncoderGraph,
@@ -41,28 +42,11 @@ EXPORT_STAGES = 6  # text_encoder, kv_proj, unet_step, unet_step_maps, vae_decod
 _ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
 
 
-def load_components(model_dir: Path):
-    """The UNet, text encoder, VAE, tokenizer and scheduler config of a diffusers SD folder."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    import diffusers
-    import transformers
-
-    # Their loaders print hints (accelerate, torchvision) that are noise for an export.
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    model_dir = Path(model_dir)
-    try:
-        unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet").eval()
-        text_encoder = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder").eval()
-        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae").eval()
-        tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-        scheduler = json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text())
-    except (OSError, ValueError, json.JSONDecodeError) as err:
-        raise ModelError(f"{model_dir}: cannot load the model ({err})") from None
-    return unet, text_encoder, vae, tokenizer, scheduler
+def load_components(model_dir: Path, variant: Optional[str] = None):
+    """(unet, text_encoder, vae, tokenizer, scheduler config) of an SD 1.x/2.x folder (the tests'
+    and the shapes tools' PyTorch references; the export itself goes through the family)."""
+    components = family_sd.load_components(Path(model_dir), variant)
+    return components.unet, components.text_encoders[0], components.vae, components.tokenizers[0], components.scheduler
 
 
 def _spec(value_info) -> dict:
@@ -146,7 +130,7 @@ class StepIO:
         return {name: role for name, role, _, _ in self.inputs} | dict(self.outputs)
 
 
-def step_io(layers: list, c: int, h: int, w: int, maps: bool = False) -> StepIO:
+def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None) -> StepIO:
     """Roles: ``latents``, ``step_scalar`` (changes every step), ``row_scalar`` (fixed per row),
     ``set_index`` (the row's negative-prompt set), ``entry_uncond`` (rows at their entry step),
     ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V); outputs
@@ -164,6 +148,13 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False) -> StepIO:
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
     ]
+    for cond in conds or []:  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
+        name, dim = cond["name"], cond["dim"]
+        if cond["uncond"] == "set":
+            inputs += [(f"cond_{name}", f"row_cond:{name}", torch.randn(n, dim), {0: "N"}),
+                       (f"uncond_{name}", f"set_cond:{name}", torch.randn(sets, dim), {0: "M"})]  # fmt: skip
+        else:
+            inputs.append((name, f"row_cond:{name}", torch.rand(n, dim) * 64, {0: "N"}))
 
     for i, layer in enumerate(layers):
         d = layer.inner_dim // layer.heads
@@ -191,14 +182,17 @@ def _write_tokenizer(tokenizer, out: Path) -> None:
 
 
 def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0,
-                progress: Optional[Callable[[str], None]] = None) -> Path:  # fmt: skip
+                progress: Optional[Callable[[str], None]] = None, variant: Optional[str] = None) -> Path:  # fmt: skip
     """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path.
 
-    ``progress`` is called with each graph's name as it is done (``EXPORT_STAGES`` in all)."""
+    ``progress`` is called with each graph's name as it is done (``EXPORT_STAGES`` in all);
+    ``variant`` picks diffusers' variant weights (``fp16``: cast to fp32 for the graphs)."""
     done = progress or (lambda name: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    family = family_module(family_of(model_dir))  # refuses what edit-rt cannot run, in one line
+    components = family.load_components(model_dir, variant)
     fingerprint, file_stats = model_fingerprint(model_dir)
-    unet, text_encoder, vae, tokenizer, scheduler = load_components(model_dir)
+    unet, vae, scheduler = components.unet, components.vae, components.scheduler
     if scheduler.get("thresholding"):
         raise ModelError(f"{model_dir}/scheduler: thresholding=true is not supported by edit-rt")
     prediction_type = scheduler.get("prediction_type", "epsilon")
@@ -213,19 +207,19 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
 
     c = unet.config.in_channels
     h = w = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else int(unet.config.sample_size[0])
-    d_text = text_encoder.config.hidden_size
+    d_text = int(unet.config.cross_attention_dim)  # the hidden states kv_proj takes (SDXL: both encoders)
     layers = [layer for layer, _ in cross_attention_layers(unet)]
+    conds = family.conds(components)
     n2 = 2  # trace with B=2 so no batch-1 broadcast gets frozen into the graph
     graphs = {}
 
-    log.info("exporting text_encoder")
-    ids = torch.zeros(n2, TEXT_LEN, dtype=torch.int64)
+    log.info("exporting text_encoder (%s)", components.family)
+    ids = [torch.zeros(n2, TEXT_LEN, dtype=torch.int64) for _ in family.text_inputs()]
+    axes = {name: {0: "B"} for name in family.text_inputs() + family.text_outputs()}
     graphs["text_encoder"] = _export_graph(
-        TextEncoderGraph(text_encoder), (ids,), staging / "text_encoder.onnx",
-        ["input_ids"], ["hidden_states"],
-        {"input_ids": {0: "B"}, "hidden_states": {0: "B"}}, opset, threshold,
+        family.TextGraph(components), tuple(ids), staging / "text_encoder.onnx",
+        family.text_inputs(), family.text_outputs(), axes, opset, threshold,
     )  # fmt: skip
-
     done("text_encoder")
     log.info("exporting kv_proj (%d cross-attention layers)", len(layers))
     kv_names = [f"{kind}_{i}" for i in range(len(layers)) for kind in ("k", "v")]
@@ -239,8 +233,8 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     map_layers, map_factor = attention_map_layers(unet)
     for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
         log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
-        step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN, map_layers if maps else None, map_factor).eval()
-        io = step_io(layers, c, h, w, maps)
+        step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN, map_layers if maps else None, map_factor, conds).eval()
+        io = step_io(layers, c, h, w, maps, conds)
         graphs[graph] = _export_graph(
             step, tuple(a for _, _, a, _ in io.inputs), staging / f"{graph}.onnx",
             [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
@@ -267,7 +261,11 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         {"images": {0: "N", 2: "IH", 3: "IW"}, "latents": {0: "N", 2: "H", 3: "W"}}, opset, threshold,
     )  # fmt: skip
     done("vae_encoder")
-    _write_tokenizer(tokenizer, staging / "tokenizer.json")
+    description = family.description(components)
+    # diffusers' upcast_attention (SD 2.x): scores past fp16's range; fp16 engines keep them fp32
+    description["upcast_attention"] = bool(unet.config.get("upcast_attention", False))
+    for tokenizer, name in zip(components.tokenizers, description["tokenizers"]):
+        _write_tokenizer(tokenizer, staging / name)
     import diffusers
     import onnxruntime
     import transformers
@@ -294,10 +292,12 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             "vae_scale_factor": 2 ** (len(vae.config.block_out_channels) - 1),
             "text_len": TEXT_LEN,
             "text_hidden_size": d_text,
-            "vocab_size": text_encoder.config.vocab_size,
+            "vocab_size": components.text_encoders[0].config.vocab_size,
+            "variant": variant,
             "prediction_type": prediction_type,
             "scheduler": scheduler,
         },
+        "family": description,
         "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
         # K of a layer is [B, heads, head_dim, 77] (transposed per head), V [B, heads, 77, head_dim]
         "kv_layout": "heads-major",

@@ -31,8 +31,8 @@ from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
 
-from .graphs import KVProjGraph, TextEncoderGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
-from .onnx_export import load_components
+from .family import family_module, family_of
+from .graphs import KVProjGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
 # layer; through the ~30 layers of a UNet that stays below 1e-4 on outputs of order 1.
@@ -79,13 +79,15 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     vocab = manifest.data["model"].get("vocab_size", 49408)
     for spec in manifest.graphs[graph].inputs:
         scale = manifest.vae_scale_factor
-        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "H": hw, "W": hw,
+        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "M": m, "H": hw, "W": hw,
                 "IH": hw * scale, "IW": hw * scale}  # fmt: skip
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
-        if spec.name == "input_ids":
+        if spec.name in ("input_ids", "input_ids_2"):
             feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)
         elif spec.name == "uncond_index":
             feeds[spec.name] = rng.integers(0, m, size=shape).astype(np.int64)
+        elif spec.name == "time_ids":  # SDXL's sizes and crop corner, in pixels
+            feeds[spec.name] = rng.integers(0, 1024, size=shape).astype(np.float32)
         elif spec.name == "timestep":
             feeds[spec.name] = schedule.timesteps[picks].astype(np.float32)
         elif spec.name in ("alpha_t", "alpha_prev"):
@@ -99,17 +101,20 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     return feeds
 
 
-def torch_module(graph: str, model_dir: Path) -> torch.nn.Module:
+def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Module:
     """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
-    unet, text_encoder, vae, _, scheduler = load_components(model_dir)
+    family = family_module(family_of(model_dir))
+    components = family.load_components(model_dir, manifest.data["model"].get("variant"))
+    unet, vae, scheduler = components.unet, components.vae, components.scheduler
     if graph == "text_encoder":
-        return TextEncoderGraph(text_encoder)
+        return family.TextGraph(components)
     if graph == "kv_proj":
         return KVProjGraph(unet)
     if graph in ("unet_step", "unet_step_maps"):
         clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
         map_layers, factor = attention_map_layers(unet) if graph == "unet_step_maps" else (None, 1)
-        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip, map_layers=map_layers, map_factor=factor)
+        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip, map_layers=map_layers,
+                             map_factor=factor, conds=family.conds(components))  # fmt: skip
     if graph == "vae_encoder":
         return VaeEncoderGraph(vae)
     return VaeDecoderGraph(vae)
@@ -120,7 +125,7 @@ def torch_runner(graph: str, manifest: Manifest, model_dir: Path) -> TorchCpuRun
     meta = TensorMetadata()
     for t in spec.inputs:
         meta.add(t.name, np.dtype(t.dtype), [None if isinstance(d, str) else d for d in t.shape])
-    return TorchCpuRunner(torch_module(graph, model_dir), meta, [o.name for o in spec.outputs])
+    return TorchCpuRunner(torch_module(graph, model_dir, manifest), meta, [o.name for o in spec.outputs])
 
 
 def ort_runner(path: Path, name: str) -> OnnxrtRunner:

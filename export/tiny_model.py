@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from edit_rt.runtime.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +33,7 @@ class TinyModelSpec:
     # whose 1024-token self-attention would dominate a CPU benchmark.
     attention_levels: tuple[bool, ...] | None = None
     layers_per_block: int = 1
-    attention_head_dim: int = 8
+    attention_head_dim: int | tuple[int, ...] = 8
     cross_attention_dim: int = 32
     # Latent size the UNet is built for; the VAE's two blocks make the image 2x the latent.
     sample_size: int = 16
@@ -40,6 +42,12 @@ class TinyModelSpec:
     text_heads: int = 4
     vae_block_out_channels: tuple[int, ...] = (32, 64)
     norm_num_groups: int = 8
+    # SD 2.x: linear projections in the transformers, fp32 attention scores, a v-prediction
+    # scheduler, GELU in the text encoder (OpenCLIP)
+    use_linear_projection: bool = False
+    upcast_attention: bool = False
+    prediction_type: str = "epsilon"
+    text_hidden_act: str = "quick_gelu"
 
 
 PRESETS = {
@@ -55,6 +63,15 @@ PRESETS = {
         text_layers=4,
         text_heads=4,
         norm_num_groups=32,
+    ),
+    # SD 2.x's architecture switches at tiny sizes (tests: upcast_attention, v-prediction)
+    "tiny-sd2": TinyModelSpec(
+        attention_head_dim=(4, 8),
+        use_linear_projection=True,
+        upcast_attention=True,
+        prediction_type="v_prediction",
+        text_hidden_act="gelu",
+        text_layers=3,
     ),
 }
 
@@ -113,10 +130,11 @@ def _word_merges(words: list[str]) -> list[tuple[str, str]]:
     return merges
 
 
-def write_tokenizer(out: Path, words: tuple[str, ...] = ()) -> int:
+def write_tokenizer(out: Path, words: tuple[str, ...] = (), pad_token: str = "<|endoftext|>") -> int:
     """Write a CLIP tokenizer to ``out`` (vocab.json, merges.txt, tokenizer.json); return vocab size.
 
     Without ``words`` every word is spelled byte by byte; each of ``words`` becomes one token.
+    ``pad_token``: SD's and SDXL's first tokenizer pad with the end token, SDXL's second with "!".
     """
     from transformers import CLIPTokenizer
 
@@ -127,7 +145,7 @@ def write_tokenizer(out: Path, words: tuple[str, ...] = ()) -> int:
         vocab.setdefault(left + right, len(vocab))
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token="<|endoftext|>")
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token=pad_token)
     tok.save_pretrained(str(out))
     return len(vocab)
 
@@ -138,7 +156,7 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {sorted(PRESETS) + ['tiny-sdxl']}")
     spec = PRESETS[preset]
     out = Path(out)
     torch.manual_seed(seed)
@@ -158,6 +176,8 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
         cross_attention_dim=spec.cross_attention_dim,
         attention_head_dim=spec.attention_head_dim,
         norm_num_groups=spec.norm_num_groups,
+        use_linear_projection=spec.use_linear_projection,
+        upcast_attention=spec.upcast_attention,
     )
     vae = AutoencoderKL(
         in_channels=3,
@@ -182,6 +202,7 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
             bos_token_id=vocab_size - 2,
             eos_token_id=vocab_size - 1,
             pad_token_id=vocab_size - 1,
+            hidden_act=spec.text_hidden_act,
         )
     )
     # Stable Diffusion 1.x's scheduler settings (scaled_linear betas, leading spacing, offset 1).
@@ -193,6 +214,7 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
         clip_sample=False,
         set_alpha_to_one=False,
         steps_offset=1,
+        prediction_type=spec.prediction_type,
     )
     pipe = StableDiffusionPipeline(
         vae=vae,
@@ -207,4 +229,63 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
     pipe.save_pretrained(str(out), safe_serialization=True)
     n_params = sum(p.numel() for p in unet.parameters())
     log.info("wrote %s: UNet %.2f M parameters, seed %d", out, n_params / 1e6, seed)
+    return out
+
+
+# SDXL base 1.0's scheduler_config.json: Euler, which edit-rt runs as DDIM on the same betas
+SDXL_SCHEDULER = {
+    "_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear", "num_train_timesteps": 1000,
+    "prediction_type": "epsilon", "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True,
+    "steps_offset": 1, "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False,
+}  # fmt: skip
+
+
+def write_tiny_sdxl(out: Path, seed: int = 0) -> Path:
+    """A tiny random SDXL (``StableDiffusionXLPipeline`` folder): two CLIP text encoders (the
+    second with a projection, its tokenizer padding with "!"), a UNet with ``text_time`` added
+    conditioning and two transformer layers at its attention level, SDXL's VAE scaling factor
+    and force_upcast, and SDXL's Euler scheduler config. Built as diffusers' own SDXL tests
+    build theirs, a little larger."""
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    hidden, projection, time_dim = 32, 32, 8
+    unet = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(4, 8), use_linear_projection=True, transformer_layers_per_block=(1, 2),
+        addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=6 * time_dim + projection, cross_attention_dim=2 * hidden,
+        norm_num_groups=8,
+    )  # fmt: skip
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), latent_channels=4,
+        norm_num_groups=8, sample_size=32, scaling_factor=0.13025, force_upcast=True,
+    )  # fmt: skip
+    tokenizers = []
+    for name, pad in (("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")):
+        vocab_size = write_tokenizer(out / name, pad_token=pad)
+        tokenizers.append(CLIPTokenizer.from_pretrained(str(out / name)))
+    config = CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=77, bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1, hidden_act="gelu", projection_dim=projection,
+    )  # fmt: skip
+    from diffusers import DDIMScheduler
+
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=CLIPTextModel(config), text_encoder_2=CLIPTextModelWithProjection(config),
+        tokenizer=tokenizers[0], tokenizer_2=tokenizers[1], unet=unet, scheduler=DDIMScheduler(),
+        force_zeros_for_empty_prompt=True, add_watermarker=False,
+    )  # fmt: skip
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SDXL_SCHEDULER, indent=2))
+    index = json.loads((out / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "EulerDiscreteScheduler"]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    log.info("wrote %s: tiny SDXL, UNet %.2f M parameters, seed %d", out, sum(p.numel() for p in unet.parameters()) / 1e6, seed)
     return out

@@ -31,6 +31,11 @@ class GenerationRequest(BaseModel):
     steps: Optional[int] = Field(None, ge=1, description="DDIM steps; the server's default if omitted.")
     cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
+    clip_skip: Optional[int] = Field(None, ge=0, le=8, description="Text-encoder layers to skip from the end (diffusers' clip_skip).")
+    original_width: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the size conditioning's original width.")
+    original_height: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the size conditioning's original height.")
+    crop_top: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the crop conditioning's top.")
+    crop_left: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the crop conditioning's left.")
     response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json only: this server hosts no files.")
     output_format: Literal["png", "jpeg", "webp"] = Field("png", description="png carries the generation parameters.")
     quality: Optional[str] = Field(None, description="Accepted and ignored.")
@@ -48,6 +53,7 @@ class BaseUpload(BaseModel):
     negative_prompt: str = ""
     steps: Optional[int] = Field(None, ge=1)
     cfg_scale: Optional[float] = Field(None, ge=0, le=50)
+    clip_skip: Optional[int] = Field(None, ge=0, le=8)
 
 
 class MaskRect(BaseModel):

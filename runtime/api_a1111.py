@@ -44,6 +44,18 @@ class Txt2Img(BaseModel):
     height: Optional[int] = None
     batch_size: int = Field(1, ge=1, le=8)
     n_iter: int = Field(1, ge=1, le=8)
+    # A1111's per-request settings; edit-rt reads CLIP_stop_at_last_layers (1: the last layer)
+    override_settings: dict[str, Any] = Field(default_factory=dict)
+
+    def clip_skip(self) -> Optional[int]:
+        """A1111's ``CLIP_stop_at_last_layers`` n as diffusers' clip_skip n - 1."""
+        stop = self.override_settings.get("CLIP_stop_at_last_layers")
+        if stop is None:
+            return None
+        if not isinstance(stop, int) or isinstance(stop, bool) or stop < 1:
+            raise ApiError(400, f"override_settings.CLIP_stop_at_last_layers: a whole number >= 1, got {stop!r}",
+                           param="override_settings.CLIP_stop_at_last_layers", code="out_of_range")  # fmt: skip
+        return stop - 1
 
 
 class Img2Img(BaseModel):
@@ -87,7 +99,8 @@ def a1111_routes(service: Service) -> APIRouter:
     async def txt2img(body: Txt2Img, http: HttpRequest):
         served = service.cfg.base
         size = f"{body.width or served.width}x{body.height or served.height}"
-        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed)
+        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
+                                body.clip_skip())  # fmt: skip
         made = [await service.generate(replace(first, seed=first.seed + k), http) for k in range(body.batch_size * body.n_iter)]
         info = {"prompt": first.prompt, "negative_prompt": first.negative_prompt, "seed": first.seed,
                 "all_seeds": [g.base.seed for g in made], "steps": first.steps, "cfg_scale": first.guidance,
@@ -142,7 +155,7 @@ def a1111_routes(service: Service) -> APIRouter:
     @router.get("/options", responses=errors(401), summary="Settings (read only)")
     async def options():
         base = service.cfg.base
-        return {"sd_model_checkpoint": service.model_name, "samples_format": "png", "CLIP_stop_at_last_layers": 1,
+        return {"sd_model_checkpoint": service.model_name, "samples_format": "png", "CLIP_stop_at_last_layers": base.clip_skip + 1,
                 "eta_ddim": 0.0, "edit_rt_default_steps": base.steps, "edit_rt_size": f"{base.width}x{base.height}"}  # fmt: skip
 
     @router.get("/progress", responses=errors(401), summary="The step loop's progress")

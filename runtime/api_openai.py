@@ -73,7 +73,9 @@ def openai_routes(service: Service) -> APIRouter:
             raise ApiError(400, "response_format: this server hosts no files; use b64_json (the default)",
                            param="response_format", code="unsupported_value")  # fmt: skip
         size = None if body.size == "auto" else body.size
-        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed)
+        sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
+        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
+                                body.clip_skip, sizes)  # fmt: skip
         bases = [replace(first, seed=first.seed + k) for k in range(body.n)]
         made = await asyncio.gather(*(service.generate(b, http) for b in bases))
         base = made[0].base
@@ -180,7 +182,7 @@ def openai_routes(service: Service) -> APIRouter:
                  summary="A base from an image (its inversion), to edit like a generated one")  # fmt: skip
     async def bases(body: BaseUpload):
         upload = service.upload(decode_base64_or_400(body.image), "image")
-        made = await service.invert(upload, body.source_prompt, body.negative_prompt, body.steps, body.cfg_scale)
+        made = await service.invert(upload, body.source_prompt, body.negative_prompt, body.steps, body.cfg_scale, body.clip_skip)
         base = made.base
         return {
             "id": made.id, "created": int(time.time()), "seed": base.seed, "data": [{"b64_json": b64(made.png)}],

@@ -261,26 +261,36 @@ class Batcher:
                     self.queue.appendleft(job.request)
                 self.queued_rows += 1
 
-    def _encode(self, prompts: list[str]) -> dict[str, Optional[KV] | Exception]:
-        """K/V per prompt, one batched encoding; a prompt that fails is retried alone, so only
-        its own rows fail."""
-        try:
-            kv = self.pipe.kv_from_prompts(prompts)
-            return {p: kv.row(k) for k, p in enumerate(prompts)}
-        except Exception:
-            out: dict[str, Optional[KV] | Exception] = {}
-            for p in prompts:
-                try:
-                    out[p] = self.pipe.kv_from_prompts([p])
-                except Exception as err:  # the tokenizer or text encoder refused this text
-                    out[p] = err
-            return out
+    def _encode(self, keys: list[tuple[str, int, bool]]) -> dict[tuple, KV | Exception]:
+        """K/V per (prompt, clip_skip, negative), one batched encoding per kind; a prompt that
+        fails is retried alone, so only its own rows fail."""
+        out: dict[tuple, KV | Exception] = {}
+        for kind in sorted({(skip, negative) for _, skip, negative in keys}):
+            prompts = [p for p, skip, negative in keys if (skip, negative) == kind]
+            try:
+                kv = self.pipe.kv_from_prompts(prompts, *kind)
+                out.update({(p, *kind): kv.row(k) for k, p in enumerate(prompts)})
+            except Exception:
+                for p in prompts:
+                    try:
+                        out[(p, *kind)] = self.pipe.kv_from_prompts([p], *kind)
+                    except Exception as err:  # the tokenizer or text encoder refused this text
+                        out[(p, *kind)] = err
+        return out
+
+    @staticmethod
+    def _needs(job: Job) -> list[tuple[str, int, bool]]:
+        """The encodings a job's row needs: its prompt (at its base's clip_skip) and, for a row
+        that starts a base, the negative prompt."""
+        keys = [(job.row.prompt, job.base.clip_skip, False)]
+        if job.state is None:
+            keys.append((job.base.negative_prompt, 0, True))
+        return keys
 
     def _admit(self, jobs: list[Job]) -> None:
         if not jobs:
             return
-        prompts = sorted({j.row.prompt for j in jobs} | {j.base.negative_prompt for j in jobs if j.state is None})
-        kv = self._encode(prompts)
+        kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}))
         waiting = []
         for job in jobs:
             try:
@@ -300,40 +310,44 @@ class Batcher:
 
     def _row(self, job: Job, kv: dict) -> Row:
         """The scheduler row of ``job``: its K/V mix, entry latent, mask, what it records."""
-        for prompt in (job.row.prompt, job.base.negative_prompt if job.state is None else None):
-            if isinstance(kv.get(prompt), Exception):
-                err = kv[prompt]
-                raise RowError(f"the prompt {prompt[:40]!r} cannot be encoded ({type(err).__name__}: {err})")
-        edit = kv[job.row.prompt]
-        schedule = DDIMSchedule(self.pipe.ddim_config, job.base.steps)
+        for key in self._needs(job):
+            if isinstance(kv.get(key), Exception):
+                err = kv[key]
+                raise RowError(f"the prompt {key[0][:40]!r} cannot be encoded ({type(err).__name__}: {err})")
+        base = job.base
+        edit = kv[(job.row.prompt, base.clip_skip, False)]
+        negative = kv.get((base.negative_prompt, 0, True))
+        schedule = DDIMSchedule(self.pipe.ddim_config, base.steps)
         shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
+        conds = self.pipe.row_conds(base, edit)
         if job.kind == "invert":  # the source prompt's prediction alone, backwards, recording
-            inverse = InverseDDIMSchedule(schedule, job.row.start_step, job.base.steps)
+            inverse = InverseDDIMSchedule(schedule, job.row.start_step, base.steps)
             K = inverse.num_inference_steps
             record = Recording(np.empty((K + 1, *shape), dtype=np.float32), np.empty((K, *shape), dtype=np.float32))
             record.latents[0] = job.noise[0]
-            return Row(inverse, 0, job.noise[0].copy(), 1.0, [t[0] for t in edit.tensors], kv[job.base.negative_prompt],
-                       record=record, owner=job)  # fmt: skip
+            return Row(inverse, 0, job.noise[0].copy(), 1.0, [t[0] for t in edit.tensors], negative,
+                       record=record, conds=conds, owner=job)  # fmt: skip
         if job.kind == "correct":  # one forward step from the inverted latent, recording u
-            T, i = job.base.steps, job.row.start_step
+            T, i = base.steps, job.row.start_step
             record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
             return Row(schedule, i, job.state.latent(i)[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
-                       job.state.uncond_kv, record=record, stop=i + 1, owner=job)  # fmt: skip
+                       job.state.uncond_kv, record=record, stop=i + 1, conds=conds, owner=job)  # fmt: skip
         if job.state is None:  # a base: its own prompt's K/V, from noise, recording
-            T = job.base.steps
-            record = Recording(np.empty((T + 1, *job.noise.shape[1:]), dtype=np.float32),
-                               np.empty((T, *job.noise.shape[1:]), dtype=np.float32))  # fmt: skip
+            T = base.steps
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
             record.latents[0] = job.noise[0]
-            return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
-                       kv[job.base.negative_prompt], record=record, owner=job)  # fmt: skip
+            return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
+                       record=record, conds=conds, owner=job)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = self.pipe.auto_mask(state.base.prompt, tail, shape)
+        mixed = mix_kv(state.cond_kv, edit, tail.strength)
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
-            mix_kv(state.cond_kv, edit, tail.strength), state.uncond_kv,
+            [t[0] for t in mixed.tensors], state.uncond_kv,
             entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
             keep=self.pipe.keep_mask(tail.mask, shape), base=state, auto=auto,
-            corrections=state if state.corrections is not None else None, owner=job,
+            corrections=state if state.corrections is not None else None,
+            conds=self.pipe.row_conds(base, mixed), owner=job,
         )  # fmt: skip
 
     def _drop_expired(self) -> None:
@@ -376,23 +390,26 @@ class Batcher:
             row = job.scheduled
             state = None
             if row.record is not None and not job.kind:
-                state = BaseState(job.base, self.pipe.manifest.fingerprint, 0, row.record.latents,
-                                  KV([t[None] for t in row.kv]), row.uncond, row.record.uncond)  # fmt: skip
+                cond = KV([t[None] for t in row.kv], {name: row.conds[name][None] for name in self.pipe.pooled})
+                state = BaseState(job.base, self.pipe.manifest.fingerprint, 0, row.record.latents, cond, row.uncond,
+                                  row.record.uncond)  # fmt: skip
             elif row.record is None:
                 self.metrics.inc("edit_rt_edits_served_total")
             job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds, job.preserve, row.keep,
                                             row.record))  # fmt: skip
 
 
-def mix_kv(base: KV, edit: KV, strength: float) -> list[np.ndarray]:
-    """``K_base + strength * (K_edit - K_base)`` per tensor (same for V), batch axis dropped."""
-    out = []
-    for b, e in zip(base.tensors, edit.tensors):
-        mixed = e[0] - b[0]
+def mix_kv(base: KV, edit: KV, strength: float) -> KV:
+    """``K_base + strength * (K_edit - K_base)`` per tensor (same for V, and for the family's
+    extras: SDXL's pooled embedding), one prompt (B = 1)."""
+
+    def mix(b: np.ndarray, e: np.ndarray) -> np.ndarray:
+        mixed = e[:1] - b[:1]
         mixed *= strength
-        mixed += b[0]
-        out.append(mixed)
-    return out
+        mixed += b[:1]
+        return mixed
+
+    return KV([mix(b, e) for b, e in zip(base.tensors, edit.tensors)], {k: mix(base.extras[k], v) for k, v in edit.extras.items()})
 
 
 def entry_latent(state: BaseState, row: TailRow, schedule: DDIMSchedule) -> np.ndarray:

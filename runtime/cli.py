@@ -76,11 +76,14 @@ def _quiet_third_parties() -> None:
 def model(
     out: Path = typer.Option(Path("build/models/tiny-sd"), help="Folder to write the diffusers model to."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
-    preset: str = typer.Option("tiny", help="Model size preset."),
+    preset: str = typer.Option("tiny", help="tiny, bench (SD 1.x sizes), tiny-sd2 (SD 2.x switches), tiny-sdxl."),
 ) -> None:
-    """Write the embedded default model (small SD-1.x architecture, seeded weights)."""
+    """Write a small random model (seeded weights): the embedded default and the test families."""
     tiny = _export_module("tiny_model")
-    path = tiny.write_tiny_model(out, seed=seed, preset=preset)
+    if preset == "tiny-sdxl":
+        path = tiny.write_tiny_sdxl(out, seed=seed)
+    else:
+        path = tiny.write_tiny_model(out, seed=seed, preset=preset)
     console.print(f"wrote {path}")
 
 
@@ -94,8 +97,10 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
         manifest = exporter.export_onnx(
             cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
             external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=lambda graph: advance(1),
+            variant=cfg.export.variant,
         )  # fmt: skip
-    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, manifest.json)")
+    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, "
+                  "vae_encoder, manifest.json)")  # fmt: skip
 
 
 @app.command()

@@ -105,6 +105,15 @@ class Base:
     guidance: Float = 7.5
     width: Int = 512
     height: Int = 512
+    # CLIP layers to skip from the end (diffusers' clip_skip; 0: none). The negative prompt
+    # keeps the default layer, as in diffusers.
+    clip_skip: Int = 0
+    # SDXL's size conditioning (its time_ids): the original size (default: width x height) and
+    # the crop's top-left corner.
+    original_width: Optional[Int] = None
+    original_height: Optional[Int] = None
+    crop_top: Int = 0
+    crop_left: Int = 0
     # An image to edit instead of a generation: it is inverted (pipeline.invert) with `prompt`
     # as its description. In a config, a path (relative to the config); in a stored base's key,
     # "sha256:<hex>" of the pixels it was inverted from.
@@ -121,6 +130,17 @@ class Base:
                 raise ConfigError(f"{where}.{name}: must lie in [1, 4096], got {value}")
         if self.seed < 0:
             raise ConfigError(f"{where}.seed: must be >= 0, got {self.seed}")
+        if not 0 <= self.clip_skip <= 8:
+            raise ConfigError(f"{where}.clip_skip: must lie in [0, 8], got {self.clip_skip}")
+        for name in ("original_width", "original_height", "crop_top", "crop_left"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 16384:
+                raise ConfigError(f"{where}.{name}: must lie in [0, 16384], got {value}")
+
+    def time_ids(self) -> list[float]:
+        """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""
+        return [float(self.original_height or self.height), float(self.original_width or self.width),
+                float(self.crop_top), float(self.crop_left), float(self.height), float(self.width)]  # fmt: skip
 
 
 @with_config(STRICT)
@@ -191,6 +211,10 @@ class Preserve:
 @dataclass(frozen=True)
 class Export:
     """Settings of `edit-rt export`."""
+
+    # diffusers' weight variant ("fp16": *.fp16.safetensors); fp16 weights are cast to fp32 for
+    # the CPU graphs.
+    variant: Optional[Str] = None
 
     # 17 is the newest opset the TorchScript exporter covers for every op the UNet uses
     # (scaled_dot_product_attention included) and TensorRT 8.6+ parses.

@@ -20,9 +20,10 @@ from typing import Any
 
 from .errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 2  # 2: K/V in the attention layout, step roles, entry-step reuse, the maps variant
+MANIFEST_VERSION = 3  # 2: K/V in the attention layout, step roles, entry reuse, maps; 3: families, vae_encoder
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
+_EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt")
 
 
@@ -40,7 +41,7 @@ def model_files(model_dir: Path) -> list[Path]:
             f"{model_dir} is not a diffusers Stable Diffusion folder: it lacks {', '.join(missing)}"
         )
     files = []
-    for part in _MODEL_PARTS:
+    for part in _MODEL_PARTS + tuple(p for p in _EXTRA_PARTS if (model_dir / p).is_dir()):
         for p in sorted((model_dir / part).iterdir()):
             if p.is_file() and p.suffix in _WEIGHT_SUFFIXES:
                 files.append(p)
@@ -130,6 +131,11 @@ class Manifest:
         return self.data["model"]["vae_scale_factor"]
 
     @property
+    def family(self) -> dict[str, Any]:
+        """The model family's description (export/family_*.py): tokenizers, clip_skips, conds."""
+        return self.data["family"]
+
+    @property
     def step_roles(self) -> dict[str, str]:
         """Each ``unet_step`` input's and output's role, in the graph's order (export's ``step_io``)."""
         return self.data["graphs"]["unet_step"]["roles"]
@@ -179,8 +185,9 @@ def load_manifest(onnx_dir: Path) -> Manifest:
     for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"):
         if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
-    if not (onnx_dir / "tokenizer.json").is_file():
-        raise ArtifactError(f"{onnx_dir}/tokenizer.json is missing; re-run `make export`")
+    for name in data["family"].get("tokenizers", ["tokenizer.json"]):
+        if not (onnx_dir / name).is_file():
+            raise ArtifactError(f"{onnx_dir}/{name} is missing; re-run `make export`")
     return manifest
 
 
@@ -194,7 +201,7 @@ def _check_keys(path: Path, data: dict) -> None:
     def missing(where: str) -> ArtifactError:
         return ArtifactError(f"{path}: {where} is missing; re-run `make export`")
 
-    for key in ("model", "layers", "graphs"):
+    for key in ("model", "layers", "graphs", "family"):
         if key not in data:
             raise missing(key)
     for key in _MODEL_KEYS:

@@ -65,10 +65,17 @@ class EditPipeline:
         self.manifest: Manifest = load_manifest(onnx_dir)
         if model_dir is not None:
             self.manifest.check_model(model_dir)
-        try:
-            self.tokenizer = Tokenizer.from_file(str(Path(onnx_dir) / "tokenizer.json"))
-        except Exception as err:  # the tokenizers library raises its own types
-            raise ArtifactError(f"{onnx_dir}/tokenizer.json cannot be loaded ({err}); re-run `make export`") from None
+        self.family = self.manifest.family
+        self.tokenizers = []
+        for name in self.family["tokenizers"]:  # SDXL has two
+            try:
+                self.tokenizers.append(Tokenizer.from_file(str(Path(onnx_dir) / name)))
+            except Exception as err:  # the tokenizers library raises its own types
+                raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
+        self.tokenizer = self.tokenizers[0]
+        self.conds = self.family.get("conds", [])
+        # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
+        self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
@@ -111,20 +118,52 @@ class EditPipeline:
 
     # --- text -------------------------------------------------------------------------------
 
-    def input_ids(self, prompts: Sequence[str]) -> np.ndarray:
+    def input_ids(self, prompts: Sequence[str], tokenizer: Optional[Tokenizer] = None) -> np.ndarray:
         """CLIP ids [B, 77]: BOS, the prompt's tokens, EOS, padding (as diffusers tokenizes)."""
-        return np.array([e.ids for e in self.tokenizer.encode_batch(list(prompts))], dtype=np.int64)
+        tokenizer = tokenizer or self.tokenizer
+        return np.array([e.ids for e in tokenizer.encode_batch(list(prompts))], dtype=np.int64)
 
-    def kv_from_prompts(self, prompts: Sequence[str]) -> KV:
-        """Every cross-attention layer's K/V for each prompt, batched (max_batch prompts a call)."""
+    def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False) -> KV:
+        """Every cross-attention layer's K/V for each prompt, and the family's extras (SDXL's
+        pooled embedding), batched (max_batch prompts a call).
+
+        ``clip_skip`` picks the text encoder's layer (0: the family's default). ``negative``
+        prompts keep the default layer, and an empty one is zeros where the family says so
+        (SDXL's ``force_zeros_for_empty_prompt``), as diffusers forms them.
+        """
+        skips = self.family.get("clip_skips", 1)
+        if not 0 <= clip_skip < skips:
+            raise ConfigError(f"base.clip_skip: {clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
+        layer = 0 if negative and not self.family.get("negative_clip_skip") else clip_skip
         parts = []
         for lo in range(0, len(prompts), self.max_batch):
-            ids = self.input_ids(prompts[lo : lo + self.max_batch])
-            (hidden,) = self.graphs["text_encoder"].infer({"input_ids": ids})
-            parts.append(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
-        if len(parts) == 1:
-            return KV(list(parts[0]))
-        return KV([np.concatenate(ts) for ts in zip(*parts)])
+            chunk = list(prompts[lo : lo + self.max_batch])
+            names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]  # one per tokenizer
+            feeds = {name: self.input_ids(chunk, t) for name, t in zip(names, self.tokenizers)}
+            outputs = self.graphs["text_encoder"].infer(feeds)
+            hidden = np.ascontiguousarray(outputs[0][:, layer])
+            pooled = outputs[1] if len(outputs) > 1 else None
+            if negative and self.family.get("zero_empty_negative"):
+                empty = np.array([p == "" for p in chunk])
+                hidden[empty] = 0.0
+                if pooled is not None:
+                    pooled[empty] = 0.0
+            kv = list(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
+            parts.append((kv, {name: pooled for name in self.pooled}))
+        tensors = [np.concatenate(ts) for ts in zip(*(kv for kv, _ in parts))]
+        extras = {k: np.concatenate([e[k] for _, e in parts]) for k in parts[0][1]}
+        return KV(tensors, extras)
+
+    def row_conds(self, base: Base, kv: KV) -> dict[str, np.ndarray]:
+        """A row's values of the family's per-row conditioning (none for SD 1.x/2.x): the
+        pooled embedding from ``kv`` (already mixed by strength), the size ids from ``base``."""
+        out = {}
+        for cond in self.conds:
+            if cond["source"] == "pooled":
+                out[cond["name"]] = np.ascontiguousarray(kv.extras[cond["name"]][0], dtype=np.float32)
+            elif cond["source"] == "time_ids":
+                out[cond["name"]] = np.array(base.time_ids(), dtype=np.float32)
+        return out
 
     # --- the chain --------------------------------------------------------------------------
 
@@ -272,7 +311,8 @@ class EditPipeline:
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, window_start, 1.0), noise=z0, kind="invert")
         (inversion,) = self._run([job], request, shape, progress)
         inverted = np.ascontiguousarray(inversion.record.latents[::-1])  # z*_ws .. z*_T
-        cond, uncond = self.kv_from_prompts([base.prompt]), self.kv_from_prompts([base.negative_prompt])
+        cond = self.kv_from_prompts([base.prompt], base.clip_skip)
+        uncond = self.kv_from_prompts([base.negative_prompt], negative=True)
         partial = BaseState(base, self.manifest.fingerprint, window_start, inverted, cond, uncond)
         request = Request(uuid.uuid4().hex, decode=False)
         steps = list(range(window_start, T))

@@ -40,6 +40,10 @@ def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str,
         "CFG scale": f"{base.guidance:g}",
         "Seed": base.seed,
         "Size": f"{base.width}x{base.height}",
+        **({"Clip skip": base.clip_skip + 1} if base.clip_skip else {}),  # A1111 counts the last layer as 1
+        **({"Original size": f"{base.original_width or base.width}x{base.original_height or base.height}"}
+           if base.original_width or base.original_height else {}),
+        **({"Crop": f"{base.crop_left}x{base.crop_top}"} if base.crop_top or base.crop_left else {}),
         "Model": model,
         "Model hash": fingerprint[:10],
         "Base id": bid,

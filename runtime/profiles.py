@@ -3,7 +3,8 @@
 A TensorRT engine (and the TensorRT execution provider) is built for a range of shapes per
 input: ``min``/``opt``/``max``. Here every dynamic axis is a count: ``N`` (rows of a step),
 ``B`` (prompts being encoded), ``E`` (rows at their entry step, whose unconditional prediction
-is given), ``S`` (tokens of the negative prompts' K/V sets, 77 per set); the latent size is
+is given), ``S`` (tokens of the negative prompts' K/V sets, 77 per set), ``M`` (those sets, where a family
+has per-set values besides K/V: SDXL's pooled embedding); the latent size is
 fixed per engine. The runtime binds each shape it runs once and reuses the binding (and its
 CUDA graph) for every later step of that shape.
 """
@@ -39,6 +40,7 @@ class EditBatchProfile:
             # At least one row computes its unconditional prediction, so E < N.
             "E": 0 if which != "max" else self.max_batch - 1,
             "S": TEXT_LEN * (1 if which != "max" else self.max_sets),
+            "M": 1 if which != "max" else self.max_sets,  # the sets' other per-prompt values (SDXL)
             "H": self.latent_height,
             "W": self.latent_width,
             "IH": self.latent_height * self.vae_scale,

@@ -24,7 +24,7 @@ import onnxruntime
 
 from . import __version__
 from .config import Edit, RunConfig
-from .errors import ConfigError
+from .errors import ArtifactError, ConfigError
 from .images import contact_sheet, save_png
 from .pnginfo import base_fields, edit_fields, parameters_text
 from .pipeline import EditPipeline
@@ -106,7 +106,19 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
         threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
         image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
     )  # fmt: skip
-    return EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+    pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+    exported = pipe.manifest.data["model"].get("variant")
+    if exported != cfg.export.variant:  # the same folder, other weights files
+        raise ArtifactError(f"{cfg.onnx_dir} was exported from the {exported or 'default'} weights and export.variant "
+                            f"is {cfg.export.variant!r}; re-run `make export` (edit-rt export CONFIG)")  # fmt: skip
+    skips = pipe.family["clip_skips"]
+    if cfg.base.clip_skip >= skips:
+        raise ConfigError(f"base.clip_skip: {cfg.base.clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
+    if not any(c["source"] == "time_ids" for c in pipe.conds):
+        for name in ("original_width", "original_height"):
+            if getattr(cfg.base, name) is not None:
+                raise ConfigError(f"base.{name}: only SDXL models take size conditioning; remove it")
+    return pipe
 
 
 def tail_rows(cfg: RunConfig) -> list[TailRow]:

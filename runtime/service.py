@@ -168,8 +168,10 @@ class Service:
             raise ApiError(400, f"{param}: longer than {limit} characters", param=param, code="too_long")
 
     def base_of(self, prompt: str, negative_prompt: str = "", size: Optional[str] = None, steps: Optional[int] = None,
-                guidance: Optional[float] = None, seed: int = -1) -> Base:  # fmt: skip
-        """A base from request fields (the server's defaults for what they leave out)."""
+                guidance: Optional[float] = None, seed: int = -1, clip_skip: Optional[int] = None,
+                sizes: Optional[dict[str, Optional[int]]] = None) -> Base:  # fmt: skip
+        """A base from request fields (the server's defaults for what they leave out). ``sizes``:
+        SDXL's size conditioning (original_width/height, crop_top/left), where the model takes it."""
         default, serve = self.cfg.base, self.cfg.serve
         self.check_prompt(prompt, "prompt")
         self.check_prompt(negative_prompt, "negative_prompt")
@@ -181,8 +183,22 @@ class Service:
             raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
         seed = seed if seed >= 0 else secrets.randbelow(2**31)
         guidance = default.guidance if guidance is None else guidance
+        family = self.pipe.family
+        clip_skip = default.clip_skip if clip_skip is None else clip_skip
+        if not 0 <= clip_skip < family["clip_skips"]:
+            raise ApiError(400, f"clip_skip: must lie in [0, {family['clip_skips'] - 1}] for this model's text encoder",
+                           param="clip_skip", code="out_of_range")  # fmt: skip
+        given = {k: v for k, v in (sizes or {}).items() if v is not None}
+        takes = any(c["source"] == "time_ids" for c in family["conds"])
+        if given and not takes:
+            name = next(iter(given))
+            raise ApiError(400, f"{name}: only SDXL models take size conditioning; this server serves an "
+                           f"{family['family']} model: leave it out", param=name, code="unsupported")  # fmt: skip
+        for name, value in given.items():
+            if not 0 <= value <= 16384:
+                raise ApiError(400, f"{name}: must lie in [0, 16384]", param=name, code="out_of_range")
         return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
-                       image=None)  # fmt: skip
+                       clip_skip=clip_skip, image=None, **given)  # fmt: skip
 
     def row_of(self, i: int, state: BaseState, prompt: str, strength: Optional[float] = None,
                tail_steps: Optional[int] = None, mask: Optional[Mask] = None, seed: Optional[int] = None,
@@ -286,14 +302,14 @@ class Service:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: str = "", steps: Optional[int] = None,
-                     guidance: Optional[float] = None) -> Generated:  # fmt: skip
+                     guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         """A base from an uploaded image (its inversion; kept in the store like a generation).
 
         ``prompt`` describes the image (the source prompt; empty if not given). The same image
         with the same settings finds the stored base instead of inverting again."""
         if prompt:
             self.check_prompt(prompt, "source_prompt")
-        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0), image=upload.key)
+        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
         pipe = self.pipe
         bid = base_id(pipe.manifest.fingerprint, base)
         start = time.perf_counter()

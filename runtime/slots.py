@@ -70,6 +70,7 @@ class Row:
     record: Optional[Recording] = None  # a generation: keep every latent and u
     auto: Optional[AutoMask] = None  # preserve: auto; its mask becomes ``keep`` as maps arrive
     corrections: Optional[BaseState] = None  # an inverted image's base: its d_i after each step i
+    conds: dict = field(default_factory=dict)  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
     stop: Optional[int] = None  # finish before the schedule's end (an inversion's one-step rows)
     owner: Any = None  # the caller's (the batcher's job)
     slot: int = field(default=-1, init=False)
@@ -142,9 +143,12 @@ class RowScheduler:
         latent_elems = math.prod(self.latent_shape)
         self.row_kv = [n for n, r in self.roles.items() if r == "row_kv"]
         self.set_kv = [n for n, r in self.roles.items() if r == "set_kv"]
+        # the family's conditioning: input name -> its cond's name (roles "row_cond:<cond>", "set_cond:<cond>")
+        self.row_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("row_cond:")}
+        self.set_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("set_cond:")}
         # Per-row element counts of everything a slot holds (moved together on a leave).
         self.row_elems: dict[str, int] = {"guidance": 1, "uncond_index": 1}
-        for name in self.row_kv:
+        for name in [*self.row_kv, *self.row_cond]:
             self.row_elems[name] = math.prod(self.specs[name][1:])
         # The host's side: latents (authoritative between steps) and the per-step scalars.
         self.latents = np.zeros((max_rows, *self.latent_shape), dtype=np.float32)
@@ -163,6 +167,8 @@ class RowScheduler:
             **{name: alloc(max_rows, np.float32) for name in STEP_SCALARS},
             **{name: alloc(max_rows * self.row_elems[name], np.float32) for name in self.row_kv},
             **{name: alloc(max_sets * self._set_elems(name), np.float32) for name in self.set_kv},
+            **{name: alloc(max_rows * self.row_elems[name], np.float32) for name in self.row_cond},
+            **{name: alloc(max_sets * math.prod(self.specs[name][1:]), np.float32) for name in self.set_cond},
         }
         self.latent_elems = latent_elems
         self.map_elems = text_len * math.prod(self.map_hw)
@@ -192,6 +198,8 @@ class RowScheduler:
             **{name: self.dev[name].view((n,)) for name in STEP_SCALARS},
             **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_kv},
             **{name: self.dev[name].view(self._set_shape(name, m)) for name in self.set_kv},
+            **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_cond},
+            **{name: self.dev[name].view((m, *self.specs[name][1:])) for name in self.set_cond},
         }
         outputs = {name: self.dev[name].view(latent(n)) for name in ("next_latents", "uncond_out")}
         graph = self.graph
@@ -246,6 +254,8 @@ class RowScheduler:
             self.active.append(row)
             for name, kv in zip(self.row_kv, row.kv):
                 self.dev[name].write(kv, offset=r * self.row_elems[name])
+            for name, cond in self.row_cond.items():
+                self.dev[name].write(row.conds[cond], offset=r * self.row_elems[name])
             self.one["guidance"][0] = max(row.guidance, 1.0)  # <= 1: no CFG (diffusers), = cond alone
             self.dev["guidance"].write(self.one["guidance"], offset=r)
             self.uncond_index[r] = positions[row.set_key]
@@ -259,6 +269,8 @@ class RowScheduler:
         for j, name in enumerate(self.set_kv):
             axis = self.specs[name].index("S")
             self.dev[name].write(np.concatenate([s.kv.tensors[j][0] for s in self.sets.values()], axis=axis))
+        for name, cond in self.set_cond.items():  # [sets, dim]: one row per set
+            self.dev[name].write(np.concatenate([s.kv.extras[cond] for s in self.sets.values()]))
         positions = {key: k for k, key in enumerate(self.sets)}
         for r, row in enumerate(self.active):
             self.uncond_index[r] = positions[row.set_key]

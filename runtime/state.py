@@ -28,14 +28,16 @@ class KV:
     """
 
     tensors: list[np.ndarray]
+    # The family's other per-prompt values (SDXL: "text_embeds", the pooled embedding [B, P])
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
     _digest: Optional[str] = field(default=None, repr=False, compare=False)
 
     def row(self, b: int) -> "KV":
-        return KV([t[b : b + 1] for t in self.tensors])
+        return KV([t[b : b + 1] for t in self.tensors], {k: v[b : b + 1] for k, v in self.extras.items()})
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors) + sum(v.nbytes for v in self.extras.values())
 
     @property
     def digest(self) -> str:
@@ -43,7 +45,7 @@ class KV:
         encoding and an int8-stored copy of one negative prompt do not)."""
         if self._digest is None:
             h = hashlib.blake2b(digest_size=16)
-            for t in self.tensors:
+            for t in [*self.tensors, *(self.extras[k] for k in sorted(self.extras))]:
                 h.update(np.ascontiguousarray(t).data)
             self._digest = h.hexdigest()
         return self._digest

@@ -119,12 +119,17 @@ class BaseStore:
         uncond = {}
         for i, t in enumerate(state.uncond_kv.tensors):
             uncond.update(encode(f"uncond_{i}", t, self.kv_precision, (_token_axis(i),)))
+        for name, t in state.cond_kv.extras.items():  # SDXL's pooled embedding: one vector, kept fp32
+            tensors[f"cond_x_{name}"] = np.ascontiguousarray(t, dtype=np.float32)
+        for name, t in state.uncond_kv.extras.items():
+            uncond[f"uncond_x_{name}"] = np.ascontiguousarray(t, dtype=np.float32)
         meta = {
             "fingerprint": self.fingerprint,
             "id": bid,
             "base": json.dumps(asdict(state.base)),
             "window_start": str(state.window_start),
             "layers": str(len(state.cond_kv.tensors)),
+            "extras": ",".join(sorted(state.cond_kv.extras)),
             "uncond": uid,
         }
         entry = _Entry(tensors, meta, uid)
@@ -309,13 +314,16 @@ class BaseStore:
     def _state(self, entry: _Entry, uncond: Optional[dict[str, np.ndarray]] = None) -> BaseState:
         uncond = uncond if uncond is not None else self._uncond_ram[entry.uncond]
         layers = int(entry.meta["layers"])
+        extras = [name for name in entry.meta.get("extras", "").split(",") if name]
         return BaseState(
             base=Base(**json.loads(entry.meta["base"])),
             fingerprint=entry.meta["fingerprint"],
             window_start=int(entry.meta["window_start"]),
             latents=decode("latents", entry.tensors),
-            cond_kv=KV([decode(f"cond_{i}", entry.tensors) for i in range(layers)]),
-            uncond_kv=KV([decode(f"uncond_{i}", uncond) for i in range(layers)]),
+            cond_kv=KV([decode(f"cond_{i}", entry.tensors) for i in range(layers)],
+                       {name: entry.tensors[f"cond_x_{name}"] for name in extras}),
+            uncond_kv=KV([decode(f"uncond_{i}", uncond) for i in range(layers)],
+                         {name: uncond[f"uncond_x_{name}"] for name in extras}),
             uncond_out=decode("uncond_out", entry.tensors) if "uncond_out" in entry.tensors else None,
             corrections=decode("corrections", entry.tensors) if "corrections" in entry.tensors else None,
         )

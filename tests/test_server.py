@@ -131,6 +131,8 @@ def test_base_metadata_and_delete(server):
         ("/v1/images/generations", {"prompt": "x", "steps": 1000}, 400, "steps"),
         ("/v1/images/generations", {"prompt": "x" * 600}, 400, "prompt"),
         ("/v1/images/generations", {"prompt": "x", "seed": "one"}, 400, "seed"),
+        ("/v1/images/generations", {"prompt": "x", "clip_skip": 5}, 400, "clip_skip"),  # the tiny model has 2 layers
+        ("/v1/images/generations", {"prompt": "x", "original_width": 64}, 400, "original_width"),  # SDXL only
     ],
 )
 def test_errors_have_one_shape_and_a_json_path(server, path, body, status, param):
