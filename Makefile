@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest train quality test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train quality test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png)"
 	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
 	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
+	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
 	@echo "make setup | model | export | clean"
@@ -28,7 +29,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c scripts/constraints.txt torch
-	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[export,test]'
+	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[export,test,ray]'
 	touch $@
 
 model: $(MODEL_DIR)/model_index.json
@@ -50,6 +51,9 @@ serve: engines
 
 loadtest: engines
 	$(BIN)/python scripts/loadtest.py $(CONFIG)
+
+loadtest-ray: engines
+	$(BIN)/python scripts/loadtest.py $(CONFIG) --ray 1,2 --levels 16 --requests 64 --bases 8
 
 # The shapes-world model: train it (seeded, CPU), and measure its edits.
 # The committed weights came from exactly `make train` (see export/models/shapes-sd/README.md).

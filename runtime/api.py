@@ -212,6 +212,9 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # pickled whole (Ray Serve carries it from a replica to the ingress)
+        return ApiError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
 
 def json_path(loc: Sequence[Any]) -> Optional[str]:
     """('body', 'edits', 3, 'strength') -> 'edits[3].strength'."""

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .api import ApiError, errors
 from .pnginfo import base_id_of
 from .api_openai import decode_base64_or_400
-from .service import Service, b64
+from .service import EditSpec, Service, b64
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
 
@@ -119,7 +119,7 @@ def a1111_routes(service: Service) -> APIRouter:
             image = decode_image(data, param)
             parameters = image.info.get("parameters")
             bid = base_id_of(parameters) if isinstance(parameters, str) else None
-            if bid is None or bid not in service.store:
+            if bid is None or not await service.has_base(bid):
                 # any other image: inverted into a base (A1111's prompt is the target; the
                 # image's own description is unknown, so the inversion's prompt is empty)
                 made = await service.invert(service.upload(raw, param), "", body.negative_prompt)
@@ -127,14 +127,8 @@ def a1111_routes(service: Service) -> APIRouter:
             bids.append(bid)
         out = []
         for k, bid in enumerate(bids):
-            state = await service.pinned(bid, f"init_images[{k}]")
-            try:
-                tail = max(1, round(body.denoising_strength * state.base.steps))
-                row = service.row_of(0, state, body.prompt, tail_steps=min(tail, state.base.steps - state.window_start),
-                                     guidance=body.cfg_scale)  # fmt: skip
-                out += await service.edit(state, [row], http)
-            finally:
-                service.store.unpin(bid)
+            spec = EditSpec(body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength)
+            out += await service.edit_base(bid, [spec], http, f"init_images[{k}]")
         info = {"prompt": body.prompt, "denoising_strength": body.denoising_strength, "base_ids": bids,
                 "tail_steps": [e.tail_steps for e in out],
                 "infotexts": [Image.open(io.BytesIO(e.png)).text["parameters"] for e in out]}  # fmt: skip
@@ -148,7 +142,7 @@ def a1111_routes(service: Service) -> APIRouter:
 
     @router.get("/sd-models", responses=errors(401), summary="The served model")
     async def sd_models():
-        fingerprint = service.pipe.manifest.fingerprint if service.pipe else ""
+        fingerprint = service.fingerprint
         return [{"title": f"{service.model_name} [{fingerprint[:10]}]", "model_name": service.model_name,
                  "hash": fingerprint[:10], "sha256": fingerprint, "filename": str(service.cfg.model), "config": None}]  # fmt: skip
 
@@ -160,9 +154,8 @@ def a1111_routes(service: Service) -> APIRouter:
 
     @router.get("/progress", responses=errors(401), summary="The step loop's progress")
     async def progress():
-        batcher = service.batcher
-        active = len(batcher.scheduler.active) if batcher else 0
-        queued = batcher.queued_rows if batcher else 0
+        rows = await service.progress()
+        active, queued = rows["active"], rows["queued"]
         done = 0.0 if active or queued else 1.0
         return {"progress": done, "eta_relative": 0.0, "current_image": None, "textinfo": f"{active} rows running, {queued} queued",
                 "state": {"job_count": active + queued, "sampling_steps": service.cfg.base.steps, "interrupted": False,

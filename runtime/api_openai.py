@@ -12,6 +12,7 @@ import io
 import json
 import time
 from dataclasses import replace
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import StreamingResponse
@@ -28,9 +29,8 @@ from .api import (
     ModelList,
     errors,
 )
-from .batcher import Job, Request
 from .config import Mask
-from .service import Service, b64, row_error
+from .service import EditSpec, Event, Service, b64
 from .uploads import ImageInputError, decode_base64
 
 COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
@@ -86,7 +86,7 @@ def openai_routes(service: Service) -> APIRouter:
             "data": [{"b64_json": b64(reencode(g.png, body.output_format))} for g in made],
             "parameters": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "steps": base.steps,
                            "cfg_scale": base.guidance, "seed": base.seed, "size": f"{base.width}x{base.height}"},  # fmt: skip
-            "info": {"seconds": round(max(g.seconds for g in made), 4), "store_tier": service.store.tier(made[0].id),
+            "info": {"seconds": round(max(g.seconds for g in made), 4), "store_tier": made[0].tier,
                      "base_ids": [g.id for g in made]},  # fmt: skip
         }
 
@@ -120,63 +120,30 @@ def openai_routes(service: Service) -> APIRouter:
             upload = service.upload(decode_base64_or_400(body.image), "image")
             made = await service.invert(upload, body.source_prompt, body.negative_prompt)
             body = body.model_copy(update={"base_id": made.id})
-        state = await service.pinned(body.base_id)
+        specs = [EditSpec(e.prompt, e.strength, e.tail_steps, Mask(e.mask.x, e.mask.y, e.mask.width, e.mask.height) if e.mask else None,
+                          e.seed, e.cfg_scale, e.preserve) for e in body.edits]  # fmt: skip
+        if not body.stream:
+            done = await service.edit_base(body.base_id, specs, http)
+            return {"created": int(time.time()), "base_id": body.base_id,
+                    "data": [{"index": e.index, "b64_json": b64(e.png), "info": e.info()} for e in done]}  # fmt: skip
+        events = service.edit_events(body.base_id, specs)
+        first = await events.__anext__()  # refusals (unknown base, bad edit, full queue) before the 200 goes out
+        return StreamingResponse(stream(first, events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         try:
-            rows = [service.row_of(i, state, e.prompt, e.strength, e.tail_steps,
-                                   Mask(e.mask.x, e.mask.y, e.mask.width, e.mask.height) if e.mask else None,
-                                   e.seed, e.cfg_scale, e.preserve) for i, e in enumerate(body.edits)]  # fmt: skip
-            if body.stream:
-                request, jobs = service.edit_jobs(state, rows)
-                events = event_queue(request, jobs)
-                service.submit(request, jobs)  # before the 200 goes out: a full queue is still a 429
-                return StreamingResponse(stream(events, request, jobs, state, body.base_id), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})  # fmt: skip
-            done = await service.edit(state, rows, http)
-        except BaseException:
-            service.store.unpin(body.base_id)
-            raise
-        service.store.unpin(body.base_id)
-        return {"created": int(time.time()), "base_id": body.base_id, "data": [edit_data(e) for e in done]}
-
-    def edit_data(e) -> dict:
-        return {"index": e.index, "b64_json": b64(e.png),
-                "info": {"seconds": round(e.seconds, 4), "tail_steps": e.tail_steps, "strength": e.row.strength,
-                         "preserve": e.preserve}}  # fmt: skip
-
-    def event_queue(request: Request, jobs: list[Job]) -> asyncio.Queue:
-        """Progress and completions, handed from the batcher's thread to this event loop."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
-            events.put_nowait, ("progress", {"index": i, "step": step, "of": of}))  # fmt: skip
-        for job in jobs:
-            job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
-        return events
-
-    async def stream(events, request, jobs, state, bid: str):
-        batcher = service.batcher
-        try:
-            yield sse("edit_rt.queue", {"position": batcher.queue_position(request), "queue_size": batcher.queued_rows})
-            remaining = len(jobs)
-            while remaining:
-                kind, payload = await events.get()
-                if kind == "progress":
-                    yield sse("edit_rt.progress", payload)
-                    continue
-                remaining -= 1
-                job = payload
-                if job.future.exception() is not None:
-                    yield sse("error", {"index": job.index, **row_error(job.future.exception()).body()})
-                    continue
-                r = job.future.result()
-                png = service.edit_png(state, job.row, r.image, r.preserve)
-                yield sse("image_edit.completed", {"index": job.index, "b64_json": b64(png), "info": {
-                    "seconds": round(r.seconds, 4), "tail_steps": state.base.steps - job.row.start_step,
-                    "strength": job.row.strength, "preserve": r.preserve}})  # fmt: skip
-            yield sse("edit_rt.done", {"base_id": bid})
+            yield sse(*first)
+            async for kind, data in events:
+                if kind == "error":
+                    yield sse(kind, {"index": data["index"], **data["error"].body()})
+                elif kind == "image_edit.completed":
+                    yield sse(kind, {"index": data["index"], "b64_json": b64(data["png"]), "info": data["info"]})
+                else:
+                    yield sse(kind, data)
+        except ApiError as err:  # after the 200: the rest of the request fails as one event
+            yield sse("error", err.body())
         finally:
-            request.cancelled.set()  # a client that left: its rows go at the next step
-            service.store.unpin(bid)
+            await events.aclose()  # a client that left: its rows go at the next step
 
     @router.post("/v1/bases", response_model=GenerationResponse, responses=errors(*COMMON_ERRORS),
                  summary="A base from an image (its inversion), to edit like a generated one")  # fmt: skip
@@ -189,7 +156,7 @@ def openai_routes(service: Service) -> APIRouter:
             "parameters": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "steps": base.steps,
                            "cfg_scale": base.guidance, "seed": base.seed, "size": f"{base.width}x{base.height}",
                            "image": base.image, "notes": upload.notes},
-            "info": {"seconds": round(made.seconds, 4), "store_tier": service.store.tier(made.id), "base_ids": [made.id]},
+            "info": {"seconds": round(made.seconds, 4), "store_tier": made.tier, "base_ids": [made.id]},
         }  # fmt: skip
 
     @router.get("/v1/models", response_model=ModelList, responses=errors(401, 503), summary="The served model")

@@ -199,6 +199,11 @@ class Batcher:
             self._cv.notify()
 
     @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (a health check's question)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def idle(self) -> bool:
         with self._cv:
             return not (self.queue or self.scheduler.active or self.scheduler.pending)

@@ -247,16 +247,25 @@ def serve(
     config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve."),
     host: Optional[str] = typer.Option(None, help="Listen here instead of serve.host."),
     port: Optional[int] = typer.Option(None, help="Listen here instead of serve.port."),
+    ray: bool = typer.Option(False, "--ray", help="On Ray Serve: serve.ray.replicas workers behind one ingress "
+                             "(pip install -e '.[ray]'; joins serve.ray.address or RAY_ADDRESS, else starts Ray)."),
 ) -> None:
     """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` or the flags say otherwise)."""
-    from .server import serve as serve_forever
-
     cfg = load_config(config)
     if host is not None or port is not None:
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
         s.validate("--host/--port")
         cfg = dataclasses.replace(cfg, serve=s)
     console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
+    if ray:
+        try:
+            from .ray_serve import serve_forever as serve_on_ray
+        except ImportError as err:
+            raise EditRtError(f"--ray needs Ray Serve ({err.name} is missing): pip install -e '.[ray]'") from None
+        serve_on_ray(cfg, say=console.print)
+        return
+    from .server import serve as serve_forever
+
     serve_forever(cfg)
 
 

@@ -282,6 +282,42 @@ class Store:
 
 @with_config(STRICT)
 @dataclass(frozen=True)
+class RayServe:
+    """`edit-rt serve CONFIG --ray`: the same API on Ray Serve, in front of N replicas."""
+
+    # Workers, each with its own engine set, batcher and RAM tier; they share store.disk_dir.
+    replicas: Int = 2
+    cpus_per_replica: Float = 1.0
+    gpus_per_replica: Float = 0.0
+    # A running cluster ("ray://head:10001" or "auto"); RAY_ADDRESS overrides; none starts a
+    # local Ray instance.
+    address: Optional[Str] = None
+    # Requests one replica takes at once: they queue in its batcher, which batches them, so this
+    # is well above Ray Serve's default of 5.
+    max_ongoing_requests: Int = 64
+    # Where each base was placed, kept by the ingress for routing (the least recent go first;
+    # a base it forgot is routed by rendezvous hashing, then remembered again).
+    placements: Int = 100_000
+    # affinity: a request that names a base goes to the replica holding it (ray_serve.py);
+    # power_of_two: Ray Serve's default router, which ignores the base (for comparison).
+    routing: Literal["affinity", "power_of_two"] = "affinity"
+    # affinity: a request goes past the replicas holding its base only when each of them has
+    # more requests in flight than load_bound x the mean, plus one (a large value: never).
+    load_bound: Float = 2.0
+
+    def validate(self, where: str) -> None:
+        for name in ("replicas", "max_ongoing_requests", "placements"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.load_bound < 1.0:
+            raise ConfigError(f"{where}.load_bound: must be >= 1, got {self.load_bound}")
+        for name in ("cpus_per_replica", "gpus_per_replica"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
 class Serve:
     """`edit-rt serve`: where it listens and what it accepts."""
 
@@ -309,8 +345,10 @@ class Serve:
     # connection, and a body must not stall for body_timeout_s.
     header_timeout_s: Float = 10.0
     body_timeout_s: Float = 30.0
+    ray: RayServe = field(default_factory=RayServe)
 
     def validate(self, where: str) -> None:
+        self.ray.validate(f"{where}.ray")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{where}.port: must lie in [0, 65535], got {self.port}")
         for name in ("max_edits_per_request", "queue_limit", "max_prompt_chars", "max_body_bytes", "max_steps", "max_image_bytes"):

@@ -48,12 +48,16 @@ class StoreCollector:
 class Metrics:
     """The service's metrics. The batcher and routes call ``inc``/``gauge``/``observe`` by name."""
 
-    def __init__(self, store_stats: Callable[[], Optional[dict]] = lambda: None):
+    def __init__(self, store_stats: Callable[[], Optional[dict]] = lambda: None, engines: bool = True):
+        """``engines``: this process runs the step loop (not so a Ray Serve ingress, which
+        re-exposes its replicas' metrics instead: ``ReplicaCollector``)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ready = Gauge("edit_rt_ready", "1 once the engines are loaded and the service takes requests", registry=r)
         self.http = Histogram("edit_rt_http_request_seconds", "HTTP request latency, by route, method and status",
                               ["route", "method", "status"], buckets=SECONDS, registry=r)  # fmt: skip
+        if not engines:
+            return
         self._by_name = {
             "edit_rt_step_seconds": Histogram("edit_rt_step_seconds", "Seconds of one unet_step call", buckets=SECONDS, registry=r),
             "edit_rt_batch_rows": Histogram("edit_rt_batch_rows", "Rows in one unet_step call",
@@ -65,6 +69,10 @@ class Metrics:
             "edit_rt_edits_served_total": Counter("edit_rt_edits_served", "Edit rows finished", registry=r),
             "edit_rt_bases_generated_total": Counter("edit_rt_bases_generated", "Bases generated", registry=r),
         }
+        # What affinity routing is for: an edit whose base this process holds in RAM starts at
+        # once; one it must load from the disk tier (misrouted, evicted, after a restart) does not.
+        self.edit_requests = Counter("edit_rt_edit_requests", "Edit requests, by the store tier their base was found in "
+                                     "(ram: this process held it)", ["base_tier"], registry=r)  # fmt: skip
         r.register(StoreCollector(store_stats))
 
     def inc(self, name: str, value: float = 1.0) -> None:
@@ -89,3 +97,31 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merged(own: CollectorRegistry, replicas: dict[str, bytes]) -> bytes:
+    """A Ray Serve ingress's ``/metrics``: its own metrics, and every replica's (scraped as text)
+    with a ``replica`` label, one family per name (``sum without (replica)`` gives totals)."""
+    from prometheus_client import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+
+    def add(family, extra: dict[str, str]) -> None:
+        out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+        for sample in family.samples:
+            out.add_sample(sample.name, {**sample.labels, **extra}, sample.value, sample.timestamp)
+
+    for family in own.collect():
+        add(family, {})
+    for replica, text in sorted(replicas.items()):
+        for family in text_string_to_metric_families(text.decode()):
+            add(family, {"replica": replica})
+
+    class Merged:
+        def collect(self):
+            yield from families.values()
+
+    registry = CollectorRegistry()
+    registry.register(Merged())
+    return generate_latest(registry)

@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +31,7 @@ from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
 from .config import RunConfig
 from .metrics import CONTENT_TYPE
-from .service import Service, base_errors, check_base_id
+from .service import Service
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("edit_rt.access")
@@ -69,8 +69,10 @@ def page_html(service: Service) -> str:
     return resources.files("edit_rt.runtime").joinpath("web.html").read_text().replace("/*DEFAULTS*/{}", data)
 
 
-def create_app(cfg: RunConfig) -> FastAPI:
-    service = Service(cfg)
+def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
+    """The one app: over a local :class:`Service` (engines in this process), or over one whose
+    operations run on Ray Serve replicas (``ray_serve.RayService``), with the same routes."""
+    service = service if service is not None else Service(cfg)
     limits = cfg.serve
 
     @asynccontextmanager
@@ -142,14 +144,14 @@ def create_app(cfg: RunConfig) -> FastAPI:
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "loading, failed or draining"}})
     async def health():
         if service.ready.is_set():
-            return {"status": "ready", "backend": service.pipe.graph_set.backend}
+            return {"status": "ready", "backend": service.backend}
         status = "failed" if service.load_error else "loading"
         return JSONResponse({"status": status, "error": service.load_error}, status_code=503)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
                                                             **errors(401)})  # fmt: skip
     async def metrics():
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page():
@@ -157,13 +159,11 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.get("/v1/bases/{bid}", response_model=BaseInfo, responses=errors(401, 404, 409, 503))
     async def get_base(bid: str):
-        with base_errors(bid):
-            return await asyncio.to_thread(service.store.info, check_base_id(bid))
+        return await service.base_info(bid)
 
     @app.delete("/v1/bases/{bid}", response_model=Deleted, responses=errors(401, 404, 409, 503))
     async def delete_base(bid: str):
-        with base_errors(bid):
-            await asyncio.to_thread(service.store.delete, check_base_id(bid))
+        await service.delete_base(bid)
         return {"id": bid, "deleted": True}
 
     app.include_router(openai_routes(service))

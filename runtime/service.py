@@ -18,7 +18,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 import numpy as np
 from fastapi import Request as HttpRequest
@@ -58,8 +58,12 @@ def row_error(err: BaseException) -> ApiError:
     return ApiError(500, "internal error; see the server log", "server_error")
 
 
+def is_base_id(bid: str) -> bool:
+    return len(bid) == 24 and all(c in "0123456789abcdef" for c in bid)
+
+
 def check_base_id(bid: str, param: str = "base_id") -> str:
-    if not (len(bid) == 24 and all(c in "0123456789abcdef" for c in bid)):
+    if not is_base_id(bid):
         raise UnknownBaseError(f"unknown base id {echo(bid)}")
     return bid
 
@@ -84,25 +88,52 @@ class Generated:
     base: Base
     png: bytes
     seconds: float
+    tier: Optional[str] = None  # the store tier that holds it ("ram", "disk")
 
 
 @dataclass
 class Edited:
     index: int
-    row: TailRow
     png: bytes
     seconds: float
     preserve: str
     tail_steps: int
+    strength: float
+
+    def info(self) -> dict:
+        return {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
+                "preserve": self.preserve}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EditSpec:
+    """One edit as a request gives it; ``Service.row_of`` checks it against its base."""
+
+    prompt: str
+    strength: Optional[float] = None
+    tail_steps: Optional[int] = None
+    mask: Optional[Mask] = None
+    seed: Optional[int] = None
+    guidance: Optional[float] = None
+    preserve: Optional[str] = None
+    # A1111's denoising_strength: the tail as a fraction of the base's steps (within its window)
+    tail_fraction: Optional[float] = None
+
+
+# An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress" and
+# one "image_edit.completed" (data: index, png, info) or "error" (data: index, error: ApiError),
+# then "edit_rt.done". The SSE stream sends them as they come; the JSON answer collects them.
+Event = tuple[str, dict]
 
 
 class Service:
     """The loaded engines, store and batcher, and the operations every route uses."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, engines: bool = True):
+        """``engines``: this process loads them (a Ray Serve ingress does not: ray_serve.py)."""
         self.cfg = cfg
         self.token = os.environ.get("EDIT_RT_TOKEN") or cfg.serve.token
-        self.metrics = Metrics(lambda: self.store.stats() if self.store is not None else None)
+        self.metrics = Metrics(lambda: self.store.stats() if self.store is not None else None, engines)
         self.pipe: Optional[EditPipeline] = None
         self.store: Optional[BaseStore] = None
         self.batcher: Optional[Batcher] = None
@@ -183,7 +214,7 @@ class Service:
             raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
         seed = seed if seed >= 0 else secrets.randbelow(2**31)
         guidance = default.guidance if guidance is None else guidance
-        family = self.pipe.family
+        family = self.family
         clip_skip = default.clip_skip if clip_skip is None else clip_skip
         if not 0 <= clip_skip < family["clip_skips"]:
             raise ApiError(400, f"clip_skip: must lie in [0, {family['clip_skips'] - 1}] for this model's text encoder",
@@ -217,6 +248,13 @@ class Service:
                                param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
         guidance = state.base.guidance if guidance is None else guidance
         return TailRow(prompt, cfg.strength_of(strength), T - tail, guidance, mask, seed, cfg.preserve_of(preserve))
+
+    def spec_row(self, i: int, state: BaseState, spec: EditSpec) -> TailRow:
+        tail = spec.tail_steps
+        if spec.tail_fraction is not None:
+            T = state.base.steps
+            tail = min(max(1, round(spec.tail_fraction * T)), T - state.window_start)
+        return self.row_of(i, state, spec.prompt, spec.strength, tail, spec.mask, spec.seed, spec.guidance, spec.preserve)
 
     # --- work ---------------------------------------------------------------------------------
 
@@ -263,7 +301,7 @@ class Service:
         self.metrics.inc("edit_rt_bases_generated_total")
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
         png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, result.seconds)
+        return Generated(bid, base, png, result.seconds, self.store.tier(bid))
 
     async def pinned(self, bid: str, param: str = "base_id") -> BaseState:
         with base_errors(bid, param):
@@ -284,14 +322,89 @@ class Service:
         request = self._new_request()
         return request, [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
 
-    async def edit(self, state: BaseState, rows: list[TailRow], http: Optional[HttpRequest] = None) -> list[Edited]:
-        """Run ``rows`` as edits of ``state`` (one batched tail with whatever else runs)."""
-        request, jobs = self.edit_jobs(state, rows)
-        self.submit(request, jobs)
-        results = await self.wait(http, request, jobs)
-        T = state.base.steps
-        return [Edited(i, row, self.edit_png(state, row, r.image, r.preserve), r.seconds, r.preserve, T - row.start_step)
-                for i, (row, r) in enumerate(zip(rows, results))]  # fmt: skip
+    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id") -> AsyncIterator[Event]:
+        """Edits of the stored base ``bid`` as one batched tail (with whatever else runs), as
+        events. Everything a request can be refused for (an unknown base, a bad edit, a full
+        queue) is raised before the first event; the base stays pinned until the last."""
+        tier = self.store.tier(bid) if is_base_id(bid) else None
+        state = await self.pinned(bid, param)
+        self.metrics.edit_requests.labels(tier or "disk").inc()
+        request = None
+        try:
+            rows = [self.spec_row(i, state, spec) for i, spec in enumerate(specs)]
+            request, jobs = self.edit_jobs(state, rows)
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()  # from the batcher's thread to this loop
+            request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
+                events.put_nowait, ("edit_rt.progress", {"index": i, "step": step, "of": of}))  # fmt: skip
+            for job in jobs:
+                job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
+            self.submit(request, jobs)
+            yield "edit_rt.queue", {"position": self.batcher.queue_position(request), "queue_size": self.batcher.queued_rows}
+            remaining = len(jobs)
+            while remaining:
+                kind, payload = await events.get()
+                if kind != "done":
+                    yield kind, payload
+                    continue
+                remaining -= 1
+                job = payload
+                if job.future.exception() is not None:
+                    yield "error", {"index": job.index, "error": row_error(job.future.exception())}
+                    continue
+                r, row = job.future.result(), job.row
+                edited = Edited(job.index, self.edit_png(state, row, r.image, r.preserve), r.seconds, r.preserve,
+                                state.base.steps - row.start_step, row.strength)  # fmt: skip
+                yield "image_edit.completed", {"index": job.index, "png": edited.png, "info": edited.info()}
+            yield "edit_rt.done", {"base_id": bid}
+        finally:
+            if request is not None:
+                request.cancelled.set()  # a client that left: its rows go at the next step
+            self.store.unpin(bid)
+
+    async def edit_base(self, bid: str, specs: list[EditSpec], http: Optional[HttpRequest] = None,
+                        param: str = "base_id") -> list[Edited]:  # fmt: skip
+        """``edit_events`` collected: the edits in order, or the first row's error."""
+        out = []
+        async for kind, data in watch(self.edit_events(bid, specs, param), http):
+            if kind == "error":
+                raise data["error"]
+            if kind == "image_edit.completed":
+                info = data["info"]
+                out.append(Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
+                                  info["strength"]))  # fmt: skip
+        return sorted(out, key=lambda e: e.index)
+
+    async def has_base(self, bid: str) -> bool:
+        return await asyncio.to_thread(self.store.__contains__, bid)
+
+    async def base_info(self, bid: str) -> dict:
+        with base_errors(bid):
+            return await asyncio.to_thread(self.store.info, check_base_id(bid))
+
+    async def delete_base(self, bid: str) -> None:
+        with base_errors(bid):
+            await asyncio.to_thread(self.store.delete, check_base_id(bid))
+
+    async def progress(self) -> dict[str, int]:
+        """Rows running and rows queued (AUTOMATIC1111's /progress)."""
+        batcher = self.batcher
+        return {"active": len(batcher.scheduler.active) if batcher else 0, "queued": batcher.queued_rows if batcher else 0}
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.pipe.manifest.fingerprint if self.pipe is not None else ""
+
+    @property
+    def backend(self) -> str:
+        return self.pipe.graph_set.backend if self.pipe is not None else ""
+
+    @property
+    def family(self) -> dict:
+        return self.pipe.family
 
     def upload(self, data: bytes, param: str) -> Upload:
         """An uploaded image as the served size's pixels, or the API's error for it."""
@@ -332,7 +445,7 @@ class Service:
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
         fields["Inverted from"] = upload.key
         png = png_bytes(image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, time.perf_counter() - start)
+        return Generated(bid, base, png, time.perf_counter() - start, self.store.tier(bid))
 
     async def edit_upload(self, http: HttpRequest) -> dict:
         """OpenAI's ``images.edit`` form: each uploaded image is inverted into a base (or found
@@ -360,17 +473,13 @@ class Service:
             made = await self.invert(upload, text.get("source_prompt", ""), text.get("negative_prompt", ""),
                                      number("steps", int), number("cfg_scale", float))  # fmt: skip
             bases.append(made.id)
-            state = await self.pinned(made.id)
-            try:
-                rows = [self.row_of(0, state, prompt, number("strength", float), number("tail_steps", int), None,
-                                    (number("seed", int) + j) if number("seed", int) is not None and n > 1 else number("seed", int),
-                                    number("cfg_scale", float), text.get("preserve")) for j in range(n)]  # fmt: skip
-                out += await self.edit(state, rows, http)
-            finally:
-                self.store.unpin(made.id)
+            seed = number("seed", int)
+            specs = [EditSpec(prompt, number("strength", float), number("tail_steps", int), None,
+                              seed + j if seed is not None and n > 1 else seed, number("cfg_scale", float),
+                              text.get("preserve")) for j in range(n)]  # fmt: skip
+            out += await self.edit_base(made.id, specs, http)
         return {"created": int(time.time()), "base_id": bases[0], "base_ids": bases,
-                "data": [{"index": i, "b64_json": b64(e.png), "info": {"seconds": round(e.seconds, 4), "tail_steps": e.tail_steps,
-                          "strength": e.row.strength, "preserve": e.preserve}} for i, e in enumerate(out)]}  # fmt: skip
+                "data": [{"index": i, "b64_json": b64(e.png), "info": e.info()} for i, e in enumerate(out)]}
 
 
 def _form_number(form: dict, name: str, kind: type):
@@ -385,3 +494,23 @@ def _form_number(form: dict, name: str, kind: type):
     if kind is float and not np.isfinite(value):
         raise ApiError(400, f"{name}: must be a finite number", param=name, code="invalid_type")
     return value
+
+
+async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:
+    """``events`` while the client is there: a client that disconnects closes them (its rows
+    leave the batch at the next step) and gets 499."""
+    try:
+        while True:
+            task = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait([task], timeout=0.25))[0]:
+                if http is not None and await http.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)  # the events' own cleanup runs
+                    raise ApiError(499, "client disconnected", code="client_closed")
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        await events.aclose()

@@ -1,0 +1,448 @@
+"""`edit-rt serve CONFIG --ray`: the same API on Ray Serve, past one machine.
+
+Two deployments:
+
+- ``edit-rt`` (the ingress, one replica, no engines): the one FastAPI app of ``server.py``
+  (``@serve.ingress``, late-bound so it is built in the replica) over a :class:`RayService`,
+  whose operations (generate, invert, edit, the store's) run on the workers. Everything about
+  HTTP (validation, errors, the bearer token, body limits, SSE, the page) happens here, once.
+- ``edit-rt-worker`` (``serve.ray.replicas`` replicas, ``cpus_per_replica``/``gpus_per_replica``
+  each): :class:`EditWorker`, a whole local :class:`~edit_rt.runtime.service.Service` (one
+  engine set, one batcher, a RAM tier) over the shared disk tier (``store.disk_dir``).
+
+Routing (:class:`BaseAffinityRouter`, Ray Serve's request-router API): a request that names a
+base goes to a replica that holds it (where it was made or served, remembered by the ingress; a
+base it does not remember goes to its rendezvous-hash owner among the live replicas), unless
+that replica is past a load bound: then to the least loaded, which loads the base from the
+shared tier (correct, just not warm) and holds it from then on. A new base goes to the less
+loaded of two random replicas.
+Each replica counts edits by where it found their base (``edit_rt_edit_requests_total
+{base_tier}``): ``ram`` is an edit served by its base's owner.
+
+A replica that dies loses nothing acknowledged: a base is in the shared tier before its
+generation is answered. Its in-flight requests get 503 (``replica_lost``, Retry-After) and a
+retry goes to a live replica; Ray Serve starts a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import signal
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, List, Optional
+
+import ray
+from prometheus_client import Counter
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .api import ApiError
+from .config import Base, RunConfig
+from .errors import ConfigError
+from .manifest import load_manifest
+from .metrics import merged
+from .server import create_app
+from .service import EditSpec, Event, Generated, Service, is_base_id
+from .store import base_id
+from .uploads import Upload
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "edit-rt"
+WORKER = "edit-rt-worker"
+
+
+# --- routing --------------------------------------------------------------------------------------
+
+
+def rendezvous(bid: str, replicas: List[RunningReplica]) -> RunningReplica:
+    """The replica with the highest hash of (base, replica): the same for every router, and
+    when a replica leaves only its own bases move."""
+    return max(replicas, key=lambda r: hashlib.sha256(f"{bid}\0{r.replica_id.unique_id}".encode()).digest())
+
+
+class BaseAffinityRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router for the workers. Requests carry ``route=`` in their kwargs:
+
+    - ``{"base": id}``: to the least loaded replica that holds the base (where it was made or
+      served), unless every holder is past the load bound, then to the least loaded replica,
+      which then holds it too (consistent hashing with bounded loads, Mirrokni et al. 2018, on
+      placements); a base no holder is known for goes to its rendezvous owner first;
+    - ``{"base": id, "new": True}``: a base about to be made: as above if it is held, else the
+      replica holding the fewest bases, the least loaded of those (as Ray's multiplexing places
+      a model it has not seen);
+    - ``{"replica": k}``: the k-th replica in id order (the ingress's scrape of every replica).
+
+    Load is this router's count of requests in flight per replica; the bound is ``load_bound``
+    x the mean, plus one. Beyond every rank given, a full replica (``max_ongoing_requests``) is
+    skipped by Ray as usual.
+    """
+
+    def initialize_state(self, placements: int = 100_000, load_bound: float = 2.0, **kwargs):
+        self.holders: OrderedDict[str, list[ReplicaID]] = OrderedDict()  # most recent last
+        self.held: dict[ReplicaID, int] = {}  # bases each replica holds, by the map above
+        self.max_placements = placements
+        self.load_bound = load_bound
+        self.inflight: dict[ReplicaID, int] = {}
+        self.routed: dict[str, ReplicaID] = {}  # internal request id -> replica, until completed
+
+    def load(self, replica: RunningReplica) -> int:
+        return self.inflight.get(replica.replica_id, 0)
+
+    def bound(self, replicas: List[RunningReplica]) -> float:
+        return self.load_bound * (sum(self.load(r) for r in replicas) / len(replicas)) + 1
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        replicas = candidate_replicas
+        if not replicas:
+            return []
+        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off when every replica is full
+        if "replica" in route:
+            ordered = sorted(replicas, key=lambda r: r.replica_id.unique_id)
+            return [[ordered[route["replica"] % len(ordered)]]]
+        bid = route.get("base")
+        if bid is None:
+            return [random.sample(replicas, min(2, len(replicas)))]
+        held = [r for r in replicas if r.replica_id in self.holders.get(bid, ())]
+        if not held:
+            if route.get("new"):
+                fewest = min(self.held.get(r.replica_id, 0) for r in replicas)
+                emptiest = [r for r in replicas if self.held.get(r.replica_id, 0) == fewest]
+                return [sorted(emptiest, key=self.load), [r for r in replicas if r not in emptiest]]
+            held = [rendezvous(bid, replicas)]
+        best = min(held, key=self.load)
+        rest = sorted((r for r in replicas if r is not best), key=self.load)
+        if self.load(best) <= self.bound(replicas) or not rest or self.load(rest[0]) >= self.load(best):
+            return [[best], rest]
+        return [[rest[0]], [best], rest[1:]]  # past the bound: spill to the least loaded
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
+        self.routed[pending_request.metadata.internal_request_id] = replica_id
+        bid = ((pending_request.kwargs or {}).get("route") or {}).get("base")
+        if bid is not None:  # the replica now holds it in RAM
+            holders = self.holders.pop(bid, [])
+            self.holders[bid] = [r for r in holders if r != replica_id][-3:] + [replica_id]
+            self._count(holders, -1)
+            self._count(self.holders[bid], +1)
+            while len(self.holders) > self.max_placements:
+                self._count(self.holders.popitem(last=False)[1], -1)
+
+    def _count(self, replicas: list[ReplicaID], step: int) -> None:
+        for r in replicas:
+            self.held[r] = self.held.get(r, 0) + step
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.routed.pop(internal_request_id, None) is not None:
+            self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.inflight.pop(replica_id, None)
+        self.held.pop(replica_id, None)
+
+
+# --- the workers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Refused:
+    """A worker's answer that is the API's error for the request (a refusal, returned rather
+    than raised: Ray would log a raised one as a replica failure, with its traceback)."""
+
+    error: ApiError
+
+
+async def refusing(call):
+    try:
+        return await call
+    except ApiError as err:
+        return Refused(err)
+
+
+class EditWorker:
+    """One replica: a local Service, loaded before the replica reports healthy. Every method
+    takes the ``route`` its request was routed by (the router reads it; the worker ignores it)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.service = Service(cfg)
+        self.service.load()
+        if self.service.load_error:
+            raise RuntimeError(f"edit-rt worker: {self.service.load_error}")
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    async def generate(self, base: Base, route: Optional[dict] = None) -> Generated:
+        return await refusing(self.service.generate(base))
+
+    async def invert(self, upload: Upload, prompt: str, negative_prompt: str, steps: Optional[int],
+                     guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
+        return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
+
+    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id",
+                          route: Optional[dict] = None) -> AsyncIterator[Event]:  # fmt: skip
+        try:
+            async for event in self.service.edit_events(bid, specs, param):
+                yield event
+        except ApiError as err:
+            yield "refused", {"error": err}
+
+    async def has_base(self, bid: str, route: Optional[dict] = None) -> bool:
+        return await refusing(self.service.has_base(bid))
+
+    async def base_info(self, bid: str, route: Optional[dict] = None) -> dict:
+        return await refusing(self.service.base_info(bid))
+
+    async def delete_base(self, bid: str, route: Optional[dict] = None) -> Optional[Refused]:
+        return await refusing(self.service.delete_base(bid))
+
+    async def status(self, route: Optional[dict] = None) -> dict:
+        """This replica's id, process, backend, rows and metrics (the ingress's scrape)."""
+        return {"replica": self.replica, "pid": os.getpid(), "backend": self.service.backend,
+                **(await self.service.progress()), "metrics": await self.service.metrics_text()}  # fmt: skip
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a worker whose step loop died is replaced."""
+        batcher = self.service.batcher
+        if batcher is None or not batcher.alive:
+            raise RuntimeError("the step loop is not running")
+
+    def __del__(self):
+        self.service.start_drain()
+        self.service.shutdown()
+
+
+# --- the ingress ----------------------------------------------------------------------------------
+
+
+def replica_lost(err: BaseException) -> ApiError:
+    return ApiError(503, f"the replica serving this request stopped ({type(err).__name__}); retry: another replica "
+                    "serves the base from the shared store", "server_error", code="replica_lost",
+                    headers={"Retry-After": "1"})  # fmt: skip
+
+
+def unwrap(err: BaseException) -> BaseException:
+    """A worker's ApiError as itself; a replica that died as a 503; anything else as is."""
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ApiError):
+        return err.cause
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return replica_lost(err)
+    return err
+
+
+class RayService(Service):
+    """The ingress's Service: validation and HTTP here, every operation on a worker replica."""
+
+    def __init__(self, cfg: RunConfig, workers):
+        super().__init__(cfg, engines=False)
+        self.workers = workers
+        self.resent = Counter("edit_rt_replica_lost_resent", "Requests sent again because their replica died",
+                              registry=self.metrics.registry)  # fmt: skip
+        self.manifest = None
+        self._backend = ""
+
+    def load(self) -> None:
+        try:
+            self.manifest = load_manifest(self.cfg.onnx_dir)  # base ids and validation need no engines
+            status = self.workers.status.remote(route={"replica": 0}).result(timeout_s=600)
+            self._backend = status["backend"]
+            self.ready.set()
+            self.metrics.ready.set(1)
+            log.info("ready: %d replicas, backend %s", self.cfg.serve.ray.replicas, self._backend)
+        except Exception as err:
+            self.load_error = str(err)
+            log.exception("connecting to the workers failed")
+
+    def shutdown(self) -> None:
+        self.ready.clear()
+        self.metrics.ready.set(0)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint if self.manifest is not None else ""
+
+    @property
+    def backend(self) -> str:
+        return f"ray:{self._backend}"
+
+    @property
+    def family(self) -> dict:
+        return self.manifest.family
+
+    async def call(self, send, http=None):
+        """A worker's answer to ``send()``; a client that leaves cancels it (its rows go at the
+        next step). Once, a request whose replica died is sent again (every operation here is
+        idempotent: a base is a function of its key, an edit of its base and row)."""
+        for attempt in range(2):
+            response = send()
+            task = asyncio.ensure_future(self._result(response))
+            while not (await asyncio.wait([task], timeout=0.25))[0]:
+                if http is not None and await http.is_disconnected():
+                    response.cancel()
+                    task.cancel()
+                    raise ApiError(499, "client disconnected", code="client_closed")
+            try:
+                return task.result()
+            except ApiError as err:
+                if err.code != "replica_lost" or attempt:
+                    raise
+                log.warning("a replica died under a request; sending it again")
+                self.resent.inc()
+
+    @staticmethod
+    async def _result(response):
+        try:
+            value = await response
+        except Exception as err:
+            raise unwrap(err) from None
+        if isinstance(value, Refused):
+            raise value.error
+        return value
+
+    async def generate(self, base: Base, http=None) -> Generated:
+        bid = base_id(self.fingerprint, base)
+        return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}), http)
+
+    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: str = "", steps: Optional[int] = None,
+                     guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
+        if prompt:
+            self.check_prompt(prompt, "source_prompt")
+        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
+        route = {"base": base_id(self.fingerprint, base), "new": True}
+        return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
+                                                                  clip_skip, route=route))  # fmt: skip
+
+    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id") -> AsyncIterator[Event]:
+        for attempt in range(2):
+            stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, route={"base": bid})
+            started = finished = False
+            try:
+                async for kind, data in stream:
+                    if kind == "refused":
+                        finished = True
+                        raise data["error"]
+                    started = True
+                    yield kind, data
+                finished = True
+                return
+            except Exception as err:
+                err = unwrap(err)
+                if getattr(err, "code", None) != "replica_lost" or started or attempt:
+                    raise err from None
+                log.warning("a replica died before answering an edit; sending it again")
+                self.resent.inc()
+            finally:
+                if not finished:
+                    stream.cancel()  # the client left, or a row failed: the worker drops its rows
+
+    async def edit_base(self, bid: str, specs: list[EditSpec], http=None, param: str = "base_id"):
+        """As the local one; a replica lost midway is tried once more (nothing was sent yet)."""
+        try:
+            return await super().edit_base(bid, specs, http, param)
+        except ApiError as err:
+            if err.code != "replica_lost":
+                raise
+            log.warning("a replica died under an edit; sending it again")
+            self.resent.inc()
+            return await super().edit_base(bid, specs, http, param)
+
+    async def _on_owner(self, method: str, bid: str):
+        if not is_base_id(bid):  # no replica can hold it: the worker answers 404 all the same
+            return await self._result(getattr(self.workers, method).remote(bid, route={}))
+        return await self._result(getattr(self.workers, method).remote(bid, route={"base": bid}))
+
+    async def has_base(self, bid: str) -> bool:
+        return await self._on_owner("has_base", bid)
+
+    async def base_info(self, bid: str) -> dict:
+        return await self._on_owner("base_info", bid)
+
+    async def delete_base(self, bid: str) -> None:
+        await self._on_owner("delete_base", bid)
+
+    async def replicas(self) -> list[dict]:
+        """Every worker's status (one call per replica, in id order; a replica lost meanwhile is
+        left out)."""
+        n, out = self.cfg.serve.ray.replicas, {}
+        for k in range(0, 4 * n, n):  # the affinity router answers in one round; Ray's own picks at random
+            calls = [self.workers.status.remote(route={"replica": k + i}) for i in range(n)]
+            for status in await asyncio.gather(*(self._result(c) for c in calls), return_exceptions=True):
+                if isinstance(status, dict):
+                    out[status["replica"]] = status
+            if len(out) >= n:
+                break
+        return list(out.values())
+
+    async def progress(self) -> dict[str, int]:
+        statuses = await self.replicas()
+        return {"active": sum(s["active"] for s in statuses), "queued": sum(s["queued"] for s in statuses)}
+
+    async def metrics_text(self) -> bytes:
+        return merged(self.metrics.registry, {s["replica"]: s["metrics"] for s in await self.replicas()})
+
+
+class Ingress:
+    """The HTTP deployment: the app of ``server.create_app`` over a :class:`RayService`."""
+
+    def __init__(self, cfg: RunConfig, workers):
+        self.cfg = cfg
+        self.service = RayService(cfg, workers)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.cfg, self.service)
+
+
+def application(cfg: RunConfig):
+    """The Ray Serve application: the ingress bound to the workers."""
+    r = cfg.serve.ray
+    if r.replicas > 1 and cfg.store.disk_dir is None:
+        raise ConfigError("store.disk_dir: Ray replicas share bases through the disk tier; set it to a folder every "
+                          "replica can reach (a shared filesystem on a cluster)")  # fmt: skip
+    router = RequestRouterConfig()  # Ray Serve's power of two choices
+    if r.routing == "affinity":
+        router = RequestRouterConfig(request_router_class=BaseAffinityRouter,
+                                     request_router_kwargs={"placements": r.placements, "load_bound": r.load_bound})
+    worker = serve.deployment(
+        EditWorker, name=WORKER, num_replicas=r.replicas, max_ongoing_requests=r.max_ongoing_requests,
+        ray_actor_options={"num_cpus": r.cpus_per_replica, "num_gpus": r.gpus_per_replica},
+        request_router_config=router, health_check_period_s=5, graceful_shutdown_timeout_s=cfg.serve.drain_timeout_s,
+    )  # fmt: skip
+    ingress = serve.deployment(serve.ingress()(Ingress), name=APP_NAME, num_replicas=1,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)  # fmt: skip
+    return ingress.bind(cfg, worker.bind(cfg))
+
+
+def start(cfg: RunConfig) -> None:
+    """Join (``serve.ray.address``, ``RAY_ADDRESS``) or start Ray, and deploy the application."""
+    address = os.environ.get("RAY_ADDRESS") or cfg.serve.ray.address
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    serve.run(application(cfg), name=APP_NAME, route_prefix="/")
+
+
+def serve_forever(cfg: RunConfig, say=print) -> None:
+    """`edit-rt serve --ray`: deploy, then wait for SIGTERM or SIGINT and take it down."""
+    start(cfg)
+    say(f"serving on http://{cfg.serve.host}:{cfg.serve.port} (Ray Serve, {cfg.serve.ray.replicas} replicas)")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
