@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -214,6 +215,7 @@ def run_bench(
     advance(1)
     say("bench: preserve: auto against none")
     report["preserve_cost"] = _preserve_cost(rt, state, prompts[: max(ns)], max(ks.values()), repeats)
+    report["structure_cost"] = _structure_cost(rt, state, prompts[: max(ns) - 1], max(ks.values()), repeats)
     advance(1)
     rt.deactivate()
     out = Path(cfg.output_dir)
@@ -333,6 +335,21 @@ def _inversion_cost(rt: EditPipeline, base, repeats: int) -> dict[str, Any]:
     T = base.steps
     return {"steps": T, "rows_backwards": T, "rows_forward": T, "seconds_invert": invert, "seconds_generate": generate,
             "ratio": invert / generate}  # fmt: skip
+
+
+def _structure_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int, fraction: float = 0.5) -> dict[str, Any]:
+    """One N-row tail of k steps keeping structure for ``fraction`` of it (one reference row,
+    N + 1 rows for those steps) against the same tail without, interleaved."""
+    base, T = state.base, state.base.steps
+    seconds: dict[str, list[float]] = {"structure": [], "none": []}
+    for _ in range(repeats + 1):  # the first round warms up both
+        for mode, f in (("structure", fraction), ("none", 0.0)):
+            rows = [TailRow(p, 1.0, T - k, base.guidance, structure=f) for p in prompts]
+            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
+    kept, none = statistics.median(seconds["structure"][1:]), statistics.median(seconds["none"][1:])
+    n, steps = len(prompts), math.ceil(fraction * k)
+    return {"n": n, "tail_steps": k, "structure_steps": steps, "seconds_structure": kept, "seconds_none": none,
+            "ratio": kept / none, "row_steps_ratio": (n * k + steps) / (n * k)}  # fmt: skip
 
 
 def _preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:

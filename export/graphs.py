@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
@@ -52,6 +53,8 @@ class _StepContext:
         self.set_bias: torch.Tensor | None = None
         self.want_maps = False
         self.maps: list[torch.Tensor] = []  # per map layer: [N, 77, image tokens]
+        # structure keeping: per UNet row, the row whose self-attention queries and keys it uses
+        self.self_index: torch.Tensor | None = None
 
 
 # Added to the scores of another set's tokens: exp() of it underflows to exactly 0 in fp32
@@ -104,6 +107,38 @@ class PrecomputedKVProcessor:
         return out / attn.rescale_output_factor
 
 
+class SharedLayoutProcessor:
+    """A self-attention (``attn1``) processor that can take a row's attention *pattern* from
+    another row: row r attends with the queries and keys of row ``self_index[r]`` and its own
+    values, ``softmax(q_ref k_ref^T / sqrt(d)) v_r`` (plug-and-play's self-attention injection,
+    Tumanyan et al. 2023): the reference's layout, the row's own content. With every row its
+    own reference it is diffusers' attention (``AttnProcessor2_0`` for 3-D hidden states)."""
+
+    def __init__(self, context: _StepContext):
+        self.context = context
+
+    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
+        residual = hidden_states
+        rows, tokens, _ = hidden_states.shape
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        index = self.context.self_index
+        if index is not None:
+            query, key = query.index_select(0, index), key.index_select(0, index)
+        head_dim = value.shape[-1] // attn.heads
+        q, k, v = (t.view(rows, tokens, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        out = out.transpose(1, 2).reshape(rows, tokens, attn.heads * head_dim)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+def self_attention_layers(unet: nn.Module) -> list[Attention]:
+    """Every self-attention (``attn1``) of the UNet's transformer blocks."""
+    return [m for name, m in unet.named_modules() if isinstance(m, Attention) and name.endswith("attn1")]
+
+
 def kv_layout(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, 77, C]`` projections -> the step graph's layout: K ``[B, heads, head_dim, 77]``,
     V ``[B, heads, 77, head_dim]``."""
@@ -137,7 +172,7 @@ class UNetStepGraph(nn.Module):
 
     Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]``, ``alpha_t [N]``, ``alpha_prev [N]``,
     ``guidance [N]``, ``uncond_index [N]`` (int64: the row's negative-prompt set),
-    ``uncond_given [E,c,h,w]``, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i
+    ``uncond_given [E,c,h,w]``, ``self_ref [N]`` (below), the family's conds, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i
     [N,heads,77,d]``, ``uncond_k_i [heads,d,S]``, ``uncond_v_i [heads,S,d]`` (S = 77 x sets).
 
     ``uncond_given`` holds the unconditional prediction of the *last* E rows, known already (a
@@ -149,6 +184,13 @@ class UNetStepGraph(nn.Module):
     With ``map_layers`` (the ``unet_step_maps`` variant) it also returns ``attn_maps [N, 77,
     h/f, w/f]``: per row and text position, the conditional cross-attention the image tokens
     pay to it, averaged over heads and over the layers at 1/f of the latent resolution.
+
+    Both variants take ``self_ref [N]`` (int64, after ``uncond_given``): the row whose
+    self-attention pattern each row uses (itself, or a reference row carrying its base's own
+    tail: structure keeping, ``SharedLayoutProcessor``), for both halves of CFG (an uncond half
+    whose reference computes none uses its own). It is in the plain graph too, so that the two
+    variants compute the same numbers for the same rows (ONNX Runtime fuses a graph's attention
+    differently when its inputs differ).
     """
 
     def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77,
@@ -170,6 +212,8 @@ class UNetStepGraph(nn.Module):
         self.context = _StepContext(len(layers))
         for i, (_, module) in enumerate(layers):
             module.set_processor(PrecomputedKVProcessor(self.context, i, map_layers is not None and i in map_layers))
+        for module in self_attention_layers(unet):  # in both variants: the same numbers for the same rows
+            module.set_processor(SharedLayoutProcessor(self.context))
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
@@ -178,6 +222,11 @@ class UNetStepGraph(nn.Module):
         self.context.want_maps = self.map_layers is not None
         n = latents.shape[0]
         nu = n - uncond_given.shape[0]
+        # rows [uncond 0..nu-1; cond 0..n-1], each with its reference's self-attention pattern
+        self_ref, rest = rest[0], rest[1:]
+        ref_u = self_ref[:nu]
+        ref_u = torch.where(ref_u < nu, ref_u, torch.arange(nu, device=latents.device))
+        self.context.self_index = torch.cat([ref_u, self_ref + nu])
         added, k = {}, 0
         for cond in self.conds:  # the UNet's added conditioning, rows [uncond; cond]
             if cond["uncond"] == "set":

@@ -133,6 +133,7 @@ class StepIO:
 def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None) -> StepIO:
     """Roles: ``latents``, ``step_scalar`` (changes every step), ``row_scalar`` (fixed per row),
     ``set_index`` (the row's negative-prompt set), ``entry_uncond`` (rows at their entry step),
+    ``row_ref`` (the row whose self-attention pattern it takes),
     ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V); outputs
     ``next_latents``, ``uncond_out`` and (the maps variant) ``attn_maps``."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
@@ -148,6 +149,8 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
     ]
+    # the row whose self-attention pattern each row takes (structure keeping; itself otherwise)
+    inputs.append(("self_ref", "row_ref", torch.tensor([0, 0, 2], dtype=torch.int64), {0: "N"}))
     for cond in conds or []:  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
         name, dim = cond["name"], cond["dim"]
         if cond["uncond"] == "set":

@@ -84,6 +84,8 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
         if spec.name in ("input_ids", "input_ids_2"):
             feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)
+        elif spec.name == "self_ref":  # any row's pattern, or its own
+            feeds[spec.name] = rng.integers(0, n, size=shape).astype(np.int64)
         elif spec.name == "uncond_index":
             feeds[spec.name] = rng.integers(0, m, size=shape).astype(np.int64)
         elif spec.name == "time_ids":  # SDXL's sizes and crop corner, in pixels

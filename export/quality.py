@@ -44,6 +44,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
 PSNR_CAP = 60.0  # dB given to identical regions (no error to take the log of)
 # preserve: auto knobs measured (threshold, dilate, region); the config's default is one of them
 AUTO_KNOBS = tuple((t, d, r) for t in (0.3, 0.5) for d in (0, 1) for r in ("contrast", "words"))
+# Longer tails than the default, where keeping the base's layout may let an edit go further
+STRUCTURE_TAILS = (0.5, 0.6)
 
 
 def edited(scene: Scene, kind: str, rng: np.random.Generator, avoid: Optional[Scene] = None) -> Scene:
@@ -142,6 +144,7 @@ def run_quality(
     default_fraction: float | None = None,
     prompts: int = 100,
     auto_knobs: tuple[tuple[float, int, str], ...] = AUTO_KNOBS,
+    structures: tuple[float, ...] = (0.25, 0.5, 1.0),
     real_images: int = 50,
     say: Callable[[str], None] = print,
     progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
@@ -149,8 +152,9 @@ def run_quality(
     """The table over ``bases`` bases: edit-rt (``preserve: none``) at every tail fraction
     (strength 1) and every strength at ``default_fraction`` (the config's tail unless given);
     at the default tail and strength, ``preserve: auto`` for each of ``auto_knobs`` and
-    prompt-to-prompt; img2img at every tail fraction. ``prompts`` generations measure prompt
-    following first."""
+    prompt-to-prompt; structure keeping at each of ``structures`` at the default strength and
+    the default and longer tails; img2img at every tail fraction. ``prompts`` generations
+    measure prompt following first."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
 
     from .onnx_export import load_components
@@ -160,6 +164,7 @@ def run_quality(
     default_fraction = cfg.cache.default_tail_fraction if default_fraction is None else default_fraction
     default_strength = cfg.cache.default_strength
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
+    structure_settings = [(f, k) for f in sorted({default_fraction, *STRUCTURE_TAILS}) for k in structures]
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     bar = progress or (lambda total, description: lambda n: None)
     following = _prompt_following(pipe, cfg.base, prompts, bar(prompts, "prompts")) if prompts else None
@@ -196,6 +201,14 @@ def run_quality(
             for (kind, (target, _)), result in zip(edits.items(), pipe.edit(state, rows)):
                 tallies[knobs_label(knobs), kind, default_fraction, default_strength].add(result.image, base_image, seen, target, kind)
         pipe.preserve = cfg.preserve
+        # edit-rt, structure keeping (the base's self-attention pattern for the first fraction
+        # of the tail), at the default tail and strength, and at longer tails
+        rows = [TailRow(text, default_strength, T - max(1, round(f * T)), base.guidance, structure=k)
+                for _, text in edits.values() for f, k in structure_settings]  # fmt: skip
+        images = iter(r.image for r in pipe.edit(state, rows))
+        for kind, (target, _) in edits.items():
+            for f, k in structure_settings:
+                tallies[f"structure {k:g}", kind, f, default_strength].add(next(images), base_image, seen, target, kind)
         for kind, (target, text) in edits.items():
             for f in fractions:
                 out = img2img(text, image=base_image[None], strength=f, num_inference_steps=T, guidance_scale=base.guidance,
@@ -261,6 +274,11 @@ def _plot(report: dict, path: Path) -> None:
             xs = [r["tail_fraction"] for r in rows]
             ax.plot(xs, [r["success_and_preserved"] for r in rows], "-o", color=colour, label=f"{method} (none), both")
             ax.plot(xs, [r["preservation"] for r in rows], ":", color=colour, alpha=0.6, label=f"{method} (none), preserved")
+        for k, alpha in ((0.25, 0.4), (0.5, 0.6), (1.0, 0.9)):
+            rows = sorted((r for r in report["rows"] if r["method"] == f"structure {k:g}" and r["kind"] == kind),
+                          key=lambda r: r["tail_fraction"])  # fmt: skip
+            ax.plot([r["tail_fraction"] for r in rows], [r["success_and_preserved"] for r in rows], "--",
+                    color="tab:red", alpha=alpha, label=f"edit-rt structure {k:g}, x{s0:g}, both")  # fmt: skip
         marks = [r for r in report["rows"] if r["kind"] == kind and r["tail_fraction"] == f0
                  and (r["method"].startswith("auto") or r["method"] == "p2p")]  # fmt: skip
         for r in marks:

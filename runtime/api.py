@@ -77,6 +77,10 @@ class EditItem(BaseModel):
     preserve: Optional[Literal["auto", "none"]] = Field(
         None, description="auto: only where the changed words attend may the image change; the server's default if omitted."
     )
+    structure: Optional[float] = Field(
+        None, ge=0, le=1, description="The first fraction of the tail that keeps the base's layout (its self-attention); "
+        "the server's default if omitted."
+    )
 
 
 class EditsRequest(BaseModel):

@@ -121,7 +121,7 @@ def openai_routes(service: Service) -> APIRouter:
             made = await service.invert(upload, body.source_prompt, body.negative_prompt)
             body = body.model_copy(update={"base_id": made.id})
         specs = [EditSpec(e.prompt, e.strength, e.tail_steps, Mask(e.mask.x, e.mask.y, e.mask.width, e.mask.height) if e.mask else None,
-                          e.seed, e.cfg_scale, e.preserve) for e in body.edits]  # fmt: skip
+                          e.seed, e.cfg_scale, e.preserve, structure=e.structure) for e in body.edits]  # fmt: skip
         if not body.stream:
             done = await service.edit_base(body.base_id, specs, http)
             return {"created": int(time.time()), "base_id": body.base_id,

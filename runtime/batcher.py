@@ -17,6 +17,7 @@ take, say) fails alone: its request gets the error, every other row goes on.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -224,7 +225,8 @@ class Batcher:
                 log.exception("batcher step failed")
                 for row in self.scheduler.active + self.scheduler.pending:
                     self.scheduler.remove(row)
-                    finished.append(row.owner)
+                    if not row.reference:
+                        finished.append(row.owner)
                 for job in finished:
                     if not job.future.done():
                         job.future.set_exception(err)
@@ -296,20 +298,35 @@ class Batcher:
         if not jobs:
             return
         kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}))
-        waiting = []
+        waiting, built = [], []
         for job in jobs:
             try:
-                row = self._row(job, kv)
+                built.append((job, self._row(job, kv)))
             except Exception as err:  # this row's input: fail it alone
                 log.info("row %s/%d refused: %s", job.request.id, job.index, err)
                 job.future.set_exception(err if isinstance(err, EditRtError) else RowError(f"{type(err).__name__}: {err}"))
-                continue
-            if not self.scheduler.can_admit(row):
-                waiting.append(job)
-                continue
-            job.scheduled = row
-            job.started = time.perf_counter()
-            self.scheduler.admit(row)
+        # Rows keeping structure come in groups (same base, entry step and structure window)
+        # with one reference row: all of a group's rows and its reference join together or wait.
+        groups: dict[tuple, list[tuple[Job, Row]]] = {}
+        for job, row in built:
+            key = (id(row.base), row.step, row.structure_end) if row.structure_end > row.step else (id(row),)
+            groups.setdefault(key, []).append((job, row))
+        for members in groups.values():
+            structure = members[0][1].structure_end > members[0][1].step
+            while members:
+                room = self.scheduler.free_slots - structure  # a reference takes a slot too
+                if room < 1 or not self.scheduler.can_admit(members[0][1]):
+                    waiting += [job for job, _ in members]
+                    break
+                chunk, members = members[:room], members[room:]
+                if structure:
+                    ref = reference_row(chunk[0][1], self.pipe)
+                    self.scheduler.admit(ref)
+                for job, row in chunk:
+                    row.ref = ref if structure else None
+                    self.scheduler.admit(row)
+                    job.scheduled = row
+                    job.started = time.perf_counter()
         if waiting:
             self._requeue(waiting)
 
@@ -346,18 +363,20 @@ class Batcher:
         state, tail = job.state, job.row
         auto, job.preserve = self.pipe.auto_mask(state.base.prompt, tail, shape)
         mixed = mix_kv(state.cond_kv, edit, tail.strength)
+        k = base.steps - tail.start_step
+        structure = math.ceil(tail.structure * k) if self.pipe.structure_keeping and tail.structure else 0
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             [t[0] for t in mixed.tensors], state.uncond_kv,
             entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
             keep=self.pipe.keep_mask(tail.mask, shape), base=state, auto=auto,
             corrections=state if state.corrections is not None else None,
-            conds=self.pipe.row_conds(base, mixed), owner=job,
+            conds=self.pipe.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
         )  # fmt: skip
 
     def _drop_expired(self) -> None:
         for row in list(self.scheduler.active + self.scheduler.pending):
-            if row.owner.request.expired():
+            if not row.reference and row.owner.request.expired():
                 self.scheduler.remove(row)
                 row.owner.future.set_exception(CancelledError("cancelled or past its deadline"))
 
@@ -369,7 +388,7 @@ class Batcher:
         self.metrics.gauge("edit_rt_active_rows", len(self.scheduler.active))
         for row in self.scheduler.active:
             job = row.owner
-            if job.request.on_progress is not None:
+            if not row.reference and job.request.on_progress is not None:
                 job.request.on_progress(job.index, row.step - job.row.start_step, job.base.steps - job.row.start_step)
 
     def _finish(self, jobs: list[Job]) -> None:
@@ -402,6 +421,17 @@ class Batcher:
                 self.metrics.inc("edit_rt_edits_served_total")
             job.future.set_result(RowResult(row.latent, image_of.get(id(job)), state, seconds, job.preserve, row.keep,
                                             row.record))  # fmt: skip
+
+
+def reference_row(row: Row, pipe) -> Row:
+    """The reference row of ``row``'s group: its base's own tail from the same step, with the
+    base's K/V and guidance, reset to the base's kept latent after every step (exact by
+    construction), for as long as the group keeps structure."""
+    state = row.base
+    return Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
+               [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
+               keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
+               conds=pipe.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
 
 
 def mix_kv(base: KV, edit: KV, strength: float) -> KV:

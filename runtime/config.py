@@ -77,6 +77,9 @@ class Edit:
     # "auto": only where the changed words attend may the image change (see `preserve:`);
     # "none": the plain tail. None: `preserve.mode`.
     preserve: Optional[PreserveMode] = None
+    # The first fraction of the tail that takes its layout from the base (structure keeping).
+    # None: `preserve.structure`.
+    structure: Optional[Float] = None
 
     def validate(self, where: str) -> None:
         if not self.prompt.strip():
@@ -89,6 +92,8 @@ class Edit:
             raise ConfigError(f"{where}.guidance: must lie in [0, 50], got {self.guidance}")
         if self.mask is not None:
             self.mask.validate(f"{where}.mask")
+        if self.structure is not None and not 0.0 <= self.structure <= 1.0:
+            raise ConfigError(f"{where}.structure: must lie in [0, 1] (a fraction of the tail), got {self.structure}")
 
 
 @with_config(STRICT)
@@ -195,6 +200,10 @@ class Preserve:
     # Decoded images are composited with the base image outside the mask; the edge blends
     # over this many pixels inside it, so nothing outside the mask changes at all.
     feather_px: Int = 2
+    # Structure keeping: for this first fraction of an edit's tail, its self-attention takes
+    # the pattern of the base's own tail (a reference row per base and entry step in the same
+    # call: plug-and-play's injection), so the layout stays the base's; 0 turns it off.
+    structure: Float = 0.0
 
     def validate(self, where: str) -> None:
         if not 0.0 < self.threshold < 1.0:
@@ -205,6 +214,8 @@ class Preserve:
             raise ConfigError(f"{where}.steps: must lie in [1, 50], got {self.steps}")
         if not 0 <= self.feather_px <= 16:
             raise ConfigError(f"{where}.feather_px: must lie in [0, 16], got {self.feather_px}")
+        if not 0.0 <= self.structure <= 1.0:
+            raise ConfigError(f"{where}.structure: must lie in [0, 1] (a fraction of the tail), got {self.structure}")
 
 
 @with_config(STRICT)
@@ -429,6 +440,10 @@ class RunConfig:
     def preserve_of(self, preserve: Optional[str]) -> str:
         """An edit's preserve mode (config or API), or ``preserve.mode`` when it gives none."""
         return self.preserve.mode if preserve is None else preserve
+
+    def structure_of(self, structure: Optional[float]) -> float:
+        """An edit's structure-keeping fraction (config or API), or ``preserve.structure``."""
+        return self.preserve.structure if structure is None else structure
 
     def strength_of(self, strength: Optional[float]) -> float:
         """An edit's strength (config or API), or ``cache.default_strength`` when it gives none."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 3  # 2: K/V in the attention layout, step roles, entry reuse, maps; 3: families, vae_encoder
+MANIFEST_VERSION = 4  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder

@@ -62,6 +62,8 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
         fields["Variation seed"] = row.seed
     if preserve and preserve != "none":
         fields["Preserve"] = preserve
+    if row.structure:
+        fields["Structure"] = f"{row.structure:g}"
     return fields
 
 

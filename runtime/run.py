@@ -131,6 +131,7 @@ def tail_rows(cfg: RunConfig) -> list[TailRow]:
             mask=e.mask,
             seed=e.seed,
             preserve=cfg.preserve_of(e.preserve),
+            structure=cfg.structure_of(e.structure),
         )
         for i, e in enumerate(cfg.edits)
     ]

@@ -118,6 +118,7 @@ class EditSpec:
     preserve: Optional[str] = None
     # A1111's denoising_strength: the tail as a fraction of the base's steps (within its window)
     tail_fraction: Optional[float] = None
+    structure: Optional[float] = None  # structure keeping's fraction of the tail
 
 
 # An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress" and
@@ -233,7 +234,8 @@ class Service:
 
     def row_of(self, i: int, state: BaseState, prompt: str, strength: Optional[float] = None,
                tail_steps: Optional[int] = None, mask: Optional[Mask] = None, seed: Optional[int] = None,
-               guidance: Optional[float] = None, preserve: Optional[str] = None) -> TailRow:  # fmt: skip
+               guidance: Optional[float] = None, preserve: Optional[str] = None,
+               structure: Optional[float] = None) -> TailRow:  # fmt: skip
         cfg = self.cfg
         self.check_prompt(prompt, f"edits[{i}].prompt")
         T, lo = state.base.steps, state.window_start
@@ -247,14 +249,16 @@ class Service:
                 raise ApiError(400, f"edits[{i}].mask: the rectangle leaves the {b.width}x{b.height} image",
                                param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
         guidance = state.base.guidance if guidance is None else guidance
-        return TailRow(prompt, cfg.strength_of(strength), T - tail, guidance, mask, seed, cfg.preserve_of(preserve))
+        return TailRow(prompt, cfg.strength_of(strength), T - tail, guidance, mask, seed, cfg.preserve_of(preserve),
+                       cfg.structure_of(structure))  # fmt: skip
 
     def spec_row(self, i: int, state: BaseState, spec: EditSpec) -> TailRow:
         tail = spec.tail_steps
         if spec.tail_fraction is not None:
             T = state.base.steps
             tail = min(max(1, round(spec.tail_fraction * T)), T - state.window_start)
-        return self.row_of(i, state, spec.prompt, spec.strength, tail, spec.mask, spec.seed, spec.guidance, spec.preserve)
+        return self.row_of(i, state, spec.prompt, spec.strength, tail, spec.mask, spec.seed, spec.guidance, spec.preserve,
+                           spec.structure)  # fmt: skip
 
     # --- work ---------------------------------------------------------------------------------
 

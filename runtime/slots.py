@@ -72,6 +72,11 @@ class Row:
     corrections: Optional[BaseState] = None  # an inverted image's base: its d_i after each step i
     conds: dict = field(default_factory=dict)  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
     stop: Optional[int] = None  # finish before the schedule's end (an inversion's one-step rows)
+    # Structure keeping: until ``structure_end`` the row's self-attention takes its pattern from
+    # ``ref``, a reference row of the same base at the same step (the base's own tail).
+    ref: Optional["Row"] = None
+    structure_end: int = 0
+    reference: bool = False  # a reference row: nobody's result; it leaves once no row uses it
     owner: Any = None  # the caller's (the batcher's job)
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
@@ -91,6 +96,7 @@ class _Set:
 class SchedulerStats:
     calls: int = 0
     map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)
+    reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
     row_steps: int = 0  # rows advanced by one step, summed over calls
     uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse
     bindings_made: int = 0
@@ -138,6 +144,7 @@ class RowScheduler:
         self.pending: list[Row] = []
         self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
+        self.references = 0  # active reference rows (structure keeping)
         self.bindings: OrderedDict[tuple[bool, int, int, int], Binding] = OrderedDict()
 
         latent_elems = math.prod(self.latent_shape)
@@ -154,6 +161,7 @@ class RowScheduler:
         self.latents = np.zeros((max_rows, *self.latent_shape), dtype=np.float32)
         self.scalars = {name: np.zeros(max_rows, dtype=np.float32) for name in STEP_SCALARS}
         self.uncond_index = np.zeros(max_rows, dtype=np.int64)
+        self.self_ref = np.arange(max_rows, dtype=np.int64)
         self.one = {"guidance": np.zeros(1, dtype=np.float32), "uncond_index": np.zeros(1, dtype=np.int64)}
         # The backend's side.
         alloc = graph.allocate
@@ -174,6 +182,9 @@ class RowScheduler:
         self.map_elems = text_len * math.prod(self.map_hw)
         if maps_graph is not None:
             self.dev["attn_maps"] = alloc(max_rows * self.map_elems, np.float32)
+        self.dev["self_ref"] = alloc(max_rows, np.int64)
+        self.dev["self_ref"].write(self.self_ref)  # every row its own reference until one keeps structure
+        self.refs_written = False
 
     # --- shapes ------------------------------------------------------------------------------
 
@@ -200,6 +211,7 @@ class RowScheduler:
             **{name: self.dev[name].view(self._set_shape(name, m)) for name in self.set_kv},
             **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_cond},
             **{name: self.dev[name].view((m, *self.specs[name][1:])) for name in self.set_cond},
+            "self_ref": self.dev["self_ref"].view((n,)),
         }
         outputs = {name: self.dev[name].view(latent(n)) for name in ("next_latents", "uncond_out")}
         graph = self.graph
@@ -248,6 +260,7 @@ class RowScheduler:
             self._write_sets()
         positions = {key: k for k, key in enumerate(self.sets)}
         for row in self.pending:
+            self.references += row.reference
             row.set_key = row.uncond.digest
             self.sets[row.set_key].users += 1
             r = row.slot = len(self.active)
@@ -295,6 +308,7 @@ class RowScheduler:
             self.active[r] = moved
             moved.slot = r
         self.active.pop()
+        self.references -= row.reference
         row.slot = -1
         self.sets[row.set_key].users -= 1
         if not self.active and not self.pending:
@@ -320,6 +334,17 @@ class RowScheduler:
         for j, row in enumerate(self.active[n - e :]):
             self.dev["uncond_given"].write(row.entry_uncond, offset=j * self.latent_elems)
         maps = self.maps_graph is not None and any(row.auto is not None and row.auto.wants_maps for row in self.active)
+        if self.references:  # each row's self-attention pattern: its reference's, or its own
+            self.self_ref[:n] = np.arange(n)
+            for r, row in enumerate(self.active):
+                if row.ref is not None and row.step < row.structure_end and row.ref.slot >= 0:
+                    self.self_ref[r] = row.ref.slot
+            self.dev["self_ref"].write(self.self_ref[:n])
+            self.refs_written = True
+        elif self.refs_written:  # back to every row its own, in every slot
+            self.self_ref[:] = np.arange(self.max_rows)
+            self.dev["self_ref"].write(self.self_ref)
+            self.refs_written = False
         binding = self._binding(maps, n, e, len(self.sets))
         start = time.perf_counter()
         binding.run()
@@ -345,11 +370,19 @@ class RowScheduler:
         self.stats.row_steps += n
         self.stats.uncond_rows_skipped += e
         self.stats.last_rows = n
+        references = self.references
         finished = [row for row in self.active if row.step == row.end]
         for row in finished:
             row.latent[...] = self.latents[row.slot]
             self.remove(row)
-        return finished
+        if not references:
+            return finished
+        # a reference row leaves with the last row that takes its structure
+        self.stats.reference_steps += sum(row.reference for row in self.active) + sum(row.reference for row in finished)
+        used = {id(row.ref) for row in self.active + self.pending if row.ref is not None and row.step < row.structure_end}
+        for row in [row for row in self.active if row.reference and id(row) not in used]:
+            self.remove(row)
+        return [row for row in finished if not row.reference]
 
     def free(self) -> None:
         for binding in self.bindings.values():

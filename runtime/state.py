@@ -102,3 +102,6 @@ class TailRow:
     mask: Optional[Mask] = None
     seed: Optional[int] = None
     preserve: str = "none"  # "auto": a mask from the changed words' attention (automask.py)
+    # Structure keeping: the first fraction of the tail takes its self-attention pattern from
+    # the base's own tail (a reference row in the same call); 0: off.
+    structure: float = 0.0

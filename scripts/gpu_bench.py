@@ -47,7 +47,7 @@ def tail_edits_per_s(step: UNetStepGraph, layers, n: int, k: int, device: str, d
         rand(n, c, h, h), torch.full((n,), 500.0, device=device, dtype=dtype),
         torch.full((n,), 0.3, device=device, dtype=dtype), torch.full((n,), 0.35, device=device, dtype=dtype),
         torch.full((n,), 7.5, device=device, dtype=dtype), torch.zeros(n, dtype=torch.int64, device=device),
-        rand(0, c, h, h),
+        rand(0, c, h, h), torch.arange(n, device=device),  # self_ref: every row its own pattern
     ]  # fmt: skip
     for layer in layers:
         d = layer.inner_dim // layer.heads

@@ -54,11 +54,12 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     unet = torch_components[0]
     assert [l["name"] for l in manifest.layers] == [l.name for l, _ in cross_attention_layers(unet)]
     step_inputs = [t.name for t in manifest.graphs["unet_step"].inputs]
-    assert step_inputs[:7] == ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", "uncond_given"]
-    assert len(step_inputs) == 7 + 4 * len(manifest.layers)
+    assert step_inputs[:8] == ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", "uncond_given",
+                               "self_ref"]  # fmt: skip
+    assert len(step_inputs) == 8 + 4 * len(manifest.layers)
     # every input and output has its role, in graph order (what the runtime's slots read)
     roles = manifest.step_roles
     assert list(roles) == step_inputs + ["next_latents", "uncond_out"]
-    assert [roles[n] for n in step_inputs[:8]] == [
-        "latents", "step_scalar", "step_scalar", "step_scalar", "row_scalar", "set_index", "entry_uncond", "row_kv"]
+    assert [roles[n] for n in step_inputs[:9]] == [
+        "latents", "step_scalar", "step_scalar", "step_scalar", "row_scalar", "set_index", "entry_uncond", "row_ref", "row_kv"]
     assert manifest.data["opset"] == 17 and manifest.data["tools"]["torch"] == torch.__version__

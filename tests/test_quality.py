@@ -36,11 +36,12 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
         "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32},
     })  # fmt: skip
     report = run_quality(cfg, bases=2, fractions=(0.25, 0.5), strengths=(1.0, 1.5), default_fraction=0.5, prompts=0,
-                         auto_knobs=((0.5, 1, "contrast"),), real_images=1, say=lambda s: None)  # fmt: skip
+                         auto_knobs=((0.5, 1, "contrast"),), structures=(0.5,), real_images=1, say=lambda s: None)  # fmt: skip
     assert (tmp_path / "quality.json").is_file() and (tmp_path / "quality.png").is_file()
     settings = {(r["method"], r["tail_fraction"], r["strength"]) for r in report["rows"]}
     assert settings == {("edit-rt", 0.25, 1.0), ("edit-rt", 0.5, 1.0), ("edit-rt", 0.5, 1.5), ("img2img", 0.25, 1.0),
                         ("img2img", 0.5, 1.0), ("auto t0.5 d1 contrast", 0.5, 1.0), ("p2p", 0.5, 1.0),
+                        ("structure 0.5", 0.5, 1.0), ("structure 0.5", 0.6, 1.0),
                         ("edit-rt (real)", 0.5, 1.0), ("img2img (real)", 0.5, 1.0)}  # fmt: skip
     generated = [r for r in report["rows"] if "(real)" not in r["method"]]
     assert len({r["n"] for r in generated}) == 1  # every setting scored once per edit

@@ -72,21 +72,24 @@ def test_generate_then_edit_matches_the_pipeline(server, pipeline):
         {"prompt": "a green circle", "strength": 0.5, "tail_steps": 5, "cfg_scale": 4.0},
         {"prompt": "a yellow circle", "tail_steps": 4, "mask": {"x": 0, "y": 0, "width": 16, "height": 16}},
         {"prompt": "a red circle", "tail_steps": 2, "seed": 3},
+        {"prompt": "a blue circle", "tail_steps": 4, "structure": 0.5},
     ]
     r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["base_id"] == gen["id"] and [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    assert body["base_id"] == gen["id"] and [d["index"] for d in body["data"]] == [0, 1, 2, 3, 4]
     rows = [
         TailRow("a blue square", 1.0, STEPS - 3, 7.5),
         TailRow("a green circle", 0.5, STEPS - 5, 4.0),
         TailRow("a yellow circle", 1.0, STEPS - 4, 7.5, mask=Mask(0, 0, 16, 16)),
         TailRow("a red circle", 1.0, STEPS - 2, 7.5, seed=3),
+        TailRow("a blue circle", 1.0, STEPS - 4, 7.5, structure=0.5),
     ]
     for d, row in zip(body["data"], rows):
         got, text = _png(d["b64_json"])
         assert np.abs(got - _expected_edit(pipeline, base, row)).max() <= 1
         assert f"Tail steps: {STEPS - row.start_step}" in text["parameters"]
+        assert ("Structure: 0.5" in text["parameters"]) == (row.structure == 0.5)
 
 
 def test_stream_sends_queue_progress_images_then_done(server):
@@ -124,6 +127,7 @@ def test_base_metadata_and_delete(server):
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}, {"prompt": "y", "strength": 3}]}, 400, "edits[1].strength"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "colour": 1}]}, 400, "edits[0].colour"),
         ("/v1/images/edits", {"base_id": "b", "edits": []}, 400, "edits"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "structure": 1.5}]}, 400, "edits[0].structure"),
         ("/v1/images/edits", {"edits": [{"prompt": "x"}]}, 400, "base_id"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}] * 9}, 413, "edits"),
         ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),
