@@ -63,7 +63,7 @@ def page_html(service: Service) -> str:
     cfg = service.cfg
     defaults = {"negative_prompt": cfg.base.negative_prompt, "strength": cfg.cache.default_strength,
                 "tail_fraction": cfg.cache.default_tail_fraction, "steps": cfg.base.steps,
-                "preserve": cfg.preserve.mode, "width": cfg.base.width, "height": cfg.base.height}  # fmt: skip
+                "preserve": cfg.preserve.mode, "structure": cfg.preserve.structure, "width": cfg.base.width, "height": cfg.base.height}  # fmt: skip
     # "</" cannot close the script element from inside a JSON string this way
     data = json.dumps(defaults).replace("</", "<\\/")
     return resources.files("edit_rt.runtime").joinpath("web.html").read_text().replace("/*DEFAULTS*/{}", data)

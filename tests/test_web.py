@@ -17,6 +17,10 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_generate_two_edits_in_the_browser(tmp_path, model_dir, onnx_dir):
+    import base64
+    import io
+
+    from PIL import Image
     from playwright.sync_api import sync_playwright
 
     proc = ServerProcess(tmp_path, model_dir, onnx_dir)
@@ -38,12 +42,17 @@ def test_generate_two_edits_in_the_browser(tmp_path, model_dir, onnx_dir):
             page.mouse.move(box["x"] + 120, box["y"] + 120)
             page.mouse.up()
             assert page.locator(".edit").nth(1).locator(".m").inner_text() == "masked"
+            page.locator(".edit .st").first.fill("0.5")  # the first edit keeps the base's layout for half its tail
             page.click("#apply")
             page.wait_for_function("document.querySelectorAll('figure.done').length === 2", timeout=120_000)
             widths = page.eval_on_selector_all("figure img", "imgs => imgs.map(i => i.naturalWidth)")
             assert widths == [32, 32]
             captions = page.locator("figure .i").all_inner_texts()
             assert all("s in the batch" in c for c in captions)
+            # what the server was sent, read back from each PNG's parameters by PIL
+            texts = [Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).text["parameters"]
+                     for src in page.eval_on_selector_all("figure img", "imgs => imgs.map(i => i.src)")]  # fmt: skip
+            assert ["Structure: 0.5" in t for t in texts] == [True, False]
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
             browser.close()
     finally:
