@@ -17,6 +17,7 @@ run as DDIM with their betas.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,6 +103,38 @@ def load(cls: Any, model_dir: Path, subfolder: str, variant: Optional[str]):
         return cls.from_pretrained(model_dir, subfolder=subfolder, variant=variant, torch_dtype=torch.float32).eval()
     except (OSError, ValueError) as err:
         raise ModelError(f"{model_dir}/{subfolder}: cannot load it ({err})") from None
+
+
+@dataclass
+class Components:
+    """A family's PyTorch parts, loaded in fp32 from a diffusers folder."""
+
+    family: str
+    unet: Any
+    vae: Any
+    scheduler: dict
+    text_encoders: list
+    tokenizers: list
+    index: dict = field(default_factory=dict)
+
+
+def load_family(family: str, model_dir: Path, variant: Optional[str], encoders: list[tuple[Any, str, str]]) -> Components:
+    """The UNet, VAE, scheduler config and ``encoders`` ((class, text encoder subfolder,
+    tokenizer subfolder), in the family's order) of the diffusers folder ``model_dir``."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTokenizer
+
+    quiet()
+    model_dir = Path(model_dir)
+    return Components(
+        family,
+        load(UNet2DConditionModel, model_dir, "unet", variant),
+        load(AutoencoderKL, model_dir, "vae", variant),
+        read_json(model_dir / "scheduler" / "scheduler_config.json"),
+        [load(cls, model_dir, subfolder, variant) for cls, subfolder, _ in encoders],
+        [CLIPTokenizer.from_pretrained(model_dir, subfolder=subfolder) for _, _, subfolder in encoders],
+        read_json(model_dir / "model_index.json"),
+    )
 
 
 def quiet() -> None:

@@ -7,44 +7,21 @@ returns the candidates for every c it supports, stacked, so the runtime picks pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .family import load, quiet, read_json
+from .family import Components, load_family
 
 CLIP_SKIPS = 4  # clip_skip 0 (none), 1, 2, 3
 
 
-@dataclass
-class Components:
-    family: str
-    unet: Any
-    vae: Any
-    scheduler: dict
-    text_encoders: list
-    tokenizers: list
-    index: dict = field(default_factory=dict)
-
-
 def load_components(model_dir: Path, variant: Optional[str] = None) -> Components:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel
 
-    quiet()
-    model_dir = Path(model_dir)
-    return Components(
-        "sd",
-        load(UNet2DConditionModel, model_dir, "unet", variant),
-        load(AutoencoderKL, model_dir, "vae", variant),
-        read_json(model_dir / "scheduler" / "scheduler_config.json"),
-        [load(CLIPTextModel, model_dir, "text_encoder", variant)],
-        [CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")],
-        read_json(model_dir / "model_index.json"),
-    )
+    return load_family("sd", model_dir, variant, [(CLIPTextModel, "text_encoder", "tokenizer")])
 
 
 class TextGraph(nn.Module):

@@ -17,27 +17,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .family import load, quiet, read_json
-from .family_sd import Components
+from .family import Components, load_family
 
 CLIP_SKIPS = 3  # clip_skip 0 (the penultimate layer), 1, 2
 
 
 def load_components(model_dir: Path, variant: Optional[str] = None) -> Components:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    quiet()
-    model_dir = Path(model_dir)
-    return Components(
-        "sdxl",
-        load(UNet2DConditionModel, model_dir, "unet", variant),
-        load(AutoencoderKL, model_dir, "vae", variant),
-        read_json(model_dir / "scheduler" / "scheduler_config.json"),
-        [load(CLIPTextModel, model_dir, "text_encoder", variant), load(CLIPTextModelWithProjection, model_dir, "text_encoder_2", variant)],
-        [CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"), CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer_2")],
-        read_json(model_dir / "model_index.json"),
-    )  # fmt: skip
+    return load_family("sdxl", model_dir, variant, [(CLIPTextModel, "text_encoder", "tokenizer"),
+                                                   (CLIPTextModelWithProjection, "text_encoder_2", "tokenizer_2")])  # fmt: skip
 
 
 class TextGraph(nn.Module):

@@ -187,33 +187,29 @@ def _print_bench(report: dict, output_dir: Path) -> None:
     )  # fmt: skip
     full = points[("edit-rt full", 1, None)]
     out.print(f"(c) edit-rt full generation: {full['seconds']:.2f} s; base state {report['base_state_bytes'] / 1024:.0f} KiB per base")
-    serve = report.get("server_vs_run")
-    if serve:
-        out.print(
-            f"server, {serve['n']} concurrent single-edit requests of one base ({serve['tail_steps']}-step tails): "
-            f"{serve['server_edits_per_s']:.2f} edits/s vs {serve['run_edits_per_s']:.2f} as one run tail "
-            f"({serve['ratio']:.2f}x)"
-        )  # fmt: skip
-    entry = report.get("entry_reuse")
-    if entry:
-        out.print(
-            f"entry-step reuse, {entry['n']} rows x {entry['tail_steps']} steps: {entry['half_rows_skipped']} of "
-            f"{entry['half_rows']} half-rows skipped ({entry['expected_saving']:.1%}), tail "
-            f"{entry['seconds_without']:.2f} s -> {entry['seconds_with']:.2f} s ({entry['measured_saving']:.1%} faster)"
-        )  # fmt: skip
-    inv = report.get("inversion")
-    if inv:
-        out.print(
-            f"a base from an image: {inv['seconds_invert']:.2f} s ({inv['rows_backwards']} rows back, one at a time, + "
-            f"{inv['rows_forward']} one-step rows forward, batched) vs {inv['seconds_generate']:.2f} s to generate one "
-            f"({inv['ratio']:.2f}x)"
-        )  # fmt: skip
-    cost = report.get("preserve_cost")
-    if cost:
-        out.print(
-            f"preserve: auto, {cost['n']} rows x {cost['tail_steps']} steps ({cost['map_steps']} on the maps graph): "
-            f"{cost['seconds_auto']:.2f} s vs {cost['seconds_none']:.2f} s without ({cost['ratio']:.2f}x)"
-        )  # fmt: skip
+    extras = {  # the side-by-side measurements, when the report has them
+        "server_vs_run": lambda d: (
+            f"server, {d['n']} concurrent single-edit requests of one base ({d['tail_steps']}-step tails): "
+            f"{d['server_edits_per_s']:.2f} edits/s vs {d['run_edits_per_s']:.2f} as one run tail ({d['ratio']:.2f}x)"),
+        "entry_reuse": lambda d: (
+            f"entry-step reuse, {d['n']} rows x {d['tail_steps']} steps: {d['half_rows_skipped']} of "
+            f"{d['half_rows']} half-rows skipped ({d['expected_saving']:.1%}), tail "
+            f"{d['seconds_without']:.2f} s -> {d['seconds_with']:.2f} s ({d['measured_saving']:.1%} faster)"),
+        "inversion": lambda d: (
+            f"a base from an image: {d['seconds_invert']:.2f} s ({d['rows_backwards']} rows back, one at a time, + "
+            f"{d['rows_forward']} one-step rows forward, batched) vs {d['seconds_generate']:.2f} s to generate one "
+            f"({d['ratio']:.2f}x)"),
+        "preserve_cost": lambda d: (
+            f"preserve: auto, {d['n']} rows x {d['tail_steps']} steps ({d['map_steps']} on the maps graph): "
+            f"{d['seconds_auto']:.2f} s vs {d['seconds_none']:.2f} s without ({d['ratio']:.2f}x)"),
+        "structure_cost": lambda d: (
+            f"structure keeping, {d['n']} rows x {d['tail_steps']} steps ({d['structure_steps']} with a reference "
+            f"row): {d['seconds_structure']:.2f} s vs {d['seconds_none']:.2f} s without ({d['ratio']:.2f}x; "
+            f"{d['row_steps_ratio']:.2f}x the rows)"),
+    }  # fmt: skip
+    for key, line in extras.items():
+        if report.get(key):
+            out.print(line(report[key]))
     out.print(f"wrote {output_dir}/bench.json and bench.png")
 
 

@@ -23,7 +23,7 @@ def _finite(value) -> bool:
     return True
 
 
-def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir):
+def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     cfg = config_from_dict({
         "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
         "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
@@ -49,4 +49,12 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir):
     assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
     inv = report["inversion"]
     assert inv["rows_backwards"] == inv["rows_forward"] == 4 and inv["seconds_invert"] > 0
+    kept = report["structure_cost"]  # 1 row x 2 steps, the first kept with one reference row
+    assert kept["n"] == 1 and kept["structure_steps"] == 1 and kept["row_steps_ratio"] == 1.5 and kept["seconds_structure"] > 0
     assert _finite(report)
+    from edit_rt.runtime.cli import _print_bench  # the CLI's summary reads every measurement
+
+    _print_bench(report, tmp_path)
+    printed = " ".join(capsys.readouterr().out.split())
+    for line in ("server, 2 concurrent", "entry-step reuse", "a base from an image", "preserve: auto", "structure keeping, 1 rows"):
+        assert line in printed, line

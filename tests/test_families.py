@@ -27,16 +27,14 @@ import torch
 import yaml
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-from polygraphy.comparator import Comparator, CompareFunc
 
-from edit_rt.export.parity import random_feeds, torch_runner
 from edit_rt.runtime.config import Base, Mask
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 from .conftest import TEST_BASE
+from .test_graphs import assert_graph_matches_torch
 from .server_process import ServerProcess
 
 BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch sizes
@@ -95,15 +93,7 @@ def _sdxl_reference(pipe, base: Base, latents: np.ndarray, **embeds) -> np.ndarr
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_sdxl_graph_matches_torch(graph, sdxl_onnx, sdxl_dir):
-    manifest = load_manifest(sdxl_onnx)
-    rng = np.random.default_rng(0)
-    data = [random_feeds(manifest, graph, n, m, rng, hw=16) for n, m in ((1, 1), (3, 2))]
-    runners = [
-        OnnxrtRunner(SessionFromOnnx(str(manifest.path(graph)), providers=["CPUExecutionProvider"])),
-        torch_runner(graph, manifest, sdxl_dir),
-    ]
-    results = Comparator.run(runners, data_loader=data)
-    assert bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=1e-4, rtol=1e-3)))
+    assert_graph_matches_torch(graph, sdxl_onnx, sdxl_dir)
 
 
 def test_sdxl_manifest_lists_the_step_inputs(sdxl_onnx, sdxl_dir):

@@ -14,26 +14,27 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 from polygraphy.comparator import Comparator, CompareFunc
 
-from edit_rt.export.parity import random_feeds, torch_runner
+from edit_rt.export.parity import ort_runner, random_feeds, torch_runner
 from edit_rt.runtime.manifest import load_manifest
 
 ATOL, RTOL = 1e-4, 1e-3
 
 
-@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"])
-def test_onnx_graph_matches_torch(graph, onnx_dir, model_dir):
+def assert_graph_matches_torch(graph: str, onnx_dir, model_dir) -> None:
+    """``graph`` on ONNX Runtime against its PyTorch source on random feeds at 1 and 3 rows."""
     manifest = load_manifest(onnx_dir)
     rng = np.random.default_rng(0)
     data = [random_feeds(manifest, graph, n, m, rng, hw=16) for n, m in ((1, 1), (3, 2))]
-    runners = [
-        OnnxrtRunner(SessionFromOnnx(str(manifest.path(graph)), providers=["CPUExecutionProvider"])),
-        torch_runner(graph, manifest, model_dir),
-    ]
+    runners = [ort_runner(manifest.path(graph), "onnxrt"), torch_runner(graph, manifest, model_dir)]
     results = Comparator.run(runners, data_loader=data)
     assert bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=ATOL, rtol=RTOL)))
+
+
+@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"])
+def test_onnx_graph_matches_torch(graph, onnx_dir, model_dir):
+    assert_graph_matches_torch(graph, onnx_dir, model_dir)
 
 
 def test_graphs_pass_onnx_checker_and_shape_inference(onnx_dir):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install -e '.[ray]')")
@@ -27,8 +26,6 @@ from ray import serve  # noqa: E402
 
 from edit_rt.runtime import ray_serve  # noqa: E402
 from edit_rt.runtime.config import Base, load_config  # noqa: E402
-from edit_rt.runtime.images import to_uint8  # noqa: E402
-from edit_rt.runtime.pipeline import TailRow  # noqa: E402
 
 from .server_process import free_port  # noqa: E402
 from .test_clients import (  # noqa: E402,F401  the client libraries' core cases, through Ray
@@ -39,7 +36,7 @@ from .test_clients import (  # noqa: E402,F401  the client libraries' core cases
 )
 from .test_server import (  # noqa: E402,F401  the API's core cases, through Ray
     STEPS,
-    _png,
+    concurrent_single_edits,
     test_base_metadata_and_delete,
     test_bad_json_and_oversized_body,
     test_client_that_disconnects_leaves_the_server_serving,
@@ -136,21 +133,7 @@ def test_32_clients_over_8_bases_get_their_own_images_from_their_bases_owner(ser
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"])
     before = _metric(server, "edit_rt_edit_requests_total")
-    jobs = [(k % 8, {"prompt": f"edit {k}", "strength": 0.5 + (k % 3) * 0.5, "tail_steps": 2 + k % 4}) for k in range(32)]
-
-    def client(job):
-        b, edit = job
-        return b, edit, httpx.post(server.url + "/v1/images/edits", json={"base_id": ids[b], "edits": [edit]}, timeout=300)
-
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(client, jobs))
-    assert all(r.status_code == 200 for _, _, r in results), [r.text for _, _, r in results if r.status_code != 200][:2]
-    states = {b: pipeline.generate_base(bases[b]) for b in range(8)}
-    for b, edit, r in results:
-        row = TailRow(edit["prompt"], edit["strength"], STEPS - edit["tail_steps"], 7.5)
-        alone = to_uint8(pipeline.decode(pipeline.run_tail(states[b], [row]))[0]).astype(np.int16)
-        got, _ = _png(r.json()["data"][0]["b64_json"])
-        assert np.abs(got - alone).max() <= 1
+    concurrent_single_edits(server.url, pipeline, bases, ids)
     ram, total = _owner_share(before, _metric(server, "edit_rt_edit_requests_total"))
     assert total == 32 and ram / total >= 0.95, (ram, total)
 

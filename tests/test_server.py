@@ -244,26 +244,32 @@ def test_server_still_serves_after_the_fuzz(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ready"
 
 
-def test_32_concurrent_clients_share_batches_and_get_their_own_images(server, pipeline):
-    bases = [_base(prompt=p, seed=10 + k) for k, p in enumerate(["a red circle", "a blue square", "a green triangle", "a cat"])]
-    ids = [_generate(server.url, prompt=b.prompt, seed=b.seed)["id"] for b in bases]
-    before = _batch_rows(server)
-    jobs = [(k % 4, {"prompt": f"edit {k}", "strength": 0.5 + (k % 3) * 0.5, "tail_steps": 2 + k % 4}) for k in range(32)]
+def concurrent_single_edits(url: str, pipeline, bases: list[Base], ids: list[str], clients: int = 32) -> None:
+    """``clients`` single-edit requests at once over the stored ``bases`` (``ids``), each
+    answered 200 with the image of the same edit run alone through the pipeline."""
+    jobs = [(k % len(bases), {"prompt": f"edit {k}", "strength": 0.5 + (k % 3) * 0.5, "tail_steps": 2 + k % 4}) for k in range(clients)]
 
     def client(job):
         b, edit = job
-        r = httpx.post(server.url + "/v1/images/edits", json={"base_id": ids[b], "edits": [edit]}, timeout=300)
+        r = httpx.post(url + "/v1/images/edits", json={"base_id": ids[b], "edits": [edit]}, timeout=300)
         return b, edit, r
 
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(client, jobs))
     assert all(r.status_code == 200 for _, _, r in results), [r.text for _, _, r in results if r.status_code != 200][:2]
-    states = {b: pipeline.generate_base(bases[b]) for b in range(4)}
+    states = [pipeline.generate_base(base) for base in bases]
     for b, edit, r in results:
         row = TailRow(edit["prompt"], edit["strength"], STEPS - edit["tail_steps"], 7.5)
         alone = to_uint8(pipeline.decode(pipeline.run_tail(states[b], [row]))[0]).astype(np.int16)
         got, _ = _png(r.json()["data"][0]["b64_json"])
         assert np.abs(got - alone).max() <= 1
+
+
+def test_32_concurrent_clients_share_batches_and_get_their_own_images(server, pipeline):
+    bases = [_base(prompt=p, seed=10 + k) for k, p in enumerate(["a red circle", "a blue square", "a green triangle", "a cat"])]
+    ids = [_generate(server.url, prompt=b.prompt, seed=b.seed)["id"] for b in bases]
+    before = _batch_rows(server)
+    concurrent_single_edits(server.url, pipeline, bases, ids)
     after = _batch_rows(server)
     shared = sum(after.get(k, 0) - before.get(k, 0) for k in after if k > 1)
     assert shared > 0, after  # single-edit requests met in multi-row calls

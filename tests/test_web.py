@@ -15,6 +15,15 @@ from .server_process import ServerProcess
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def _launch(playwright):
+    """Debian's headless Chromium, kept off the network but for loopback."""
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_generate_two_edits_in_the_browser(tmp_path, model_dir, onnx_dir):
     import base64
@@ -26,11 +35,7 @@ def test_generate_two_edits_in_the_browser(tmp_path, model_dir, onnx_dir):
     proc = ServerProcess(tmp_path, model_dir, onnx_dir)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            )  # fmt: skip
+            browser = _launch(p)
             page = browser.new_page()
             page.goto(proc.url + "/")
             page.click("#generate")
@@ -80,11 +85,7 @@ def test_a_colour_edit_with_the_pages_defaults_lands(tmp_path, shapes_onnx_dir):
                          extra={"cache": {"default_tail_fraction": 0.4, "default_strength": 1.5}})  # fmt: skip
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            )  # fmt: skip
+            browser = _launch(p)
             page = browser.new_page()
             page.goto(proc.url + "/")
             assert page.input_value("#negative") == "" and page.locator(".edit .s").first.input_value() == "1.5"
