@@ -443,7 +443,7 @@ class Service:
                 raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
         state = await self.pinned(bid)
         try:
-            image = pipe.decode(state.final_latent)[0]
+            image = (await asyncio.to_thread(pipe.decode, state.final_latent))[0]  # off the event loop
         finally:
             self.store.unpin(bid)
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)

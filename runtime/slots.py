@@ -370,7 +370,7 @@ class RowScheduler:
         self.stats.row_steps += n
         self.stats.uncond_rows_skipped += e
         self.stats.last_rows = n
-        references = self.references
+        references = self.references  # reference rows advanced by this call
         finished = [row for row in self.active if row.step == row.end]
         for row in finished:
             row.latent[...] = self.latents[row.slot]
@@ -378,7 +378,7 @@ class RowScheduler:
         if not references:
             return finished
         # a reference row leaves with the last row that takes its structure
-        self.stats.reference_steps += sum(row.reference for row in self.active) + sum(row.reference for row in finished)
+        self.stats.reference_steps += references
         used = {id(row.ref) for row in self.active + self.pending if row.ref is not None and row.step < row.structure_end}
         for row in [row for row in self.active if row.reference and id(row) not in used]:
             self.remove(row)
