@@ -49,7 +49,7 @@ from .errors import ConfigError
 from .manifest import load_manifest
 from .metrics import merged
 from .server import create_app
-from .service import EditSpec, Event, Generated, Service, is_base_id
+from .service import EditSpec, Event, Generated, Service, is_base_id, until_done
 from .store import base_id
 from .uploads import Upload
 
@@ -288,11 +288,7 @@ class RayService(Service):
         for attempt in range(2):
             response = send()
             task = asyncio.ensure_future(self._result(response))
-            while not (await asyncio.wait([task], timeout=0.25))[0]:
-                if http is not None and await http.is_disconnected():
-                    response.cancel()
-                    task.cancel()
-                    raise ApiError(499, "client disconnected", code="client_closed")
+            await until_done([task], http, lambda: (response.cancel(), task.cancel()))
             try:
                 return task.result()
             except ApiError as err:

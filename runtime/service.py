@@ -18,7 +18,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import numpy as np
 from fastapi import Request as HttpRequest
@@ -80,6 +80,26 @@ def base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
         raise ApiError(409, f"{param}: {err}", param=param, code="base_damaged") from None
     except StoreFullError as err:
         raise ApiError(409, str(err), param=param, code="base_in_use") from None
+
+
+async def until_done(waitables: list, http: Optional[HttpRequest], leave: Callable[[], None]) -> None:
+    """Wait for ``waitables``; if the client of ``http`` disconnects first, ``leave()`` (cancel
+    the work) and answer 499."""
+    while (await asyncio.wait(waitables, timeout=0.25))[1]:
+        if http is not None and await http.is_disconnected():
+            leave()
+            raise ApiError(499, "client disconnected", code="client_closed")
+
+
+@contextmanager
+def queue_errors() -> Iterator[None]:
+    """The batcher's refusals of new work as the API's: queue full 429, shutting down 503."""
+    try:
+        yield
+    except QueueFullError as err:
+        raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
+    except ShuttingDownError as err:
+        raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
 
 
 @dataclass
@@ -266,23 +286,20 @@ class Service:
         return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s)
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
-        try:
+        with queue_errors():
             self.batcher.submit(request, jobs)
-        except QueueFullError as err:
-            raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
-        except ShuttingDownError as err:
-            raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+
+    async def keep(self, state: BaseState) -> None:
+        """Put a new base in the store (503 ``store_full`` when every base there is pinned)."""
+        try:
+            await asyncio.to_thread(self.store.put, state)
+        except StoreFullError as err:
+            raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
 
     async def wait(self, http: Optional[HttpRequest], request: Request, jobs: list[Job]) -> list[Any]:
         futures = [asyncio.wrap_future(j.future) for j in jobs]
         try:
-            while True:
-                done, pending = await asyncio.wait(futures, timeout=0.25)
-                if not pending:
-                    break
-                if http is not None and await http.is_disconnected():
-                    request.cancelled.set()
-                    raise ApiError(499, "client disconnected", code="client_closed")
+            await until_done(futures, http, request.cancelled.set)
             return [f.result() for f in futures]
         except (CancelledError, ShuttingDownError, RowError) as err:
             raise row_error(err) from None
@@ -298,10 +315,7 @@ class Service:
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
         self.submit(request, [job])
         (result,) = await self.wait(http, request, [job])
-        try:
-            await asyncio.to_thread(self.store.put, result.state)
-        except StoreFullError as err:
-            raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
+        await self.keep(result.state)
         self.metrics.inc("edit_rt_bases_generated_total")
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
         png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
@@ -431,16 +445,9 @@ class Service:
         bid = base_id(pipe.manifest.fingerprint, base)
         start = time.perf_counter()
         if bid not in self.store:
-            try:
+            with queue_errors():  # the inversion's rows go through the batcher's queue
                 state = await asyncio.to_thread(pipe.invert, upload.pixels, base, self.cfg.cache.window_start)
-            except QueueFullError as err:
-                raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
-            except ShuttingDownError as err:
-                raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
-            try:
-                await asyncio.to_thread(self.store.put, state)
-            except StoreFullError as err:
-                raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
+            await self.keep(state)
         state = await self.pinned(bid)
         try:
             image = (await asyncio.to_thread(pipe.decode, state.final_latent))[0]  # off the event loop
