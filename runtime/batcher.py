@@ -29,7 +29,6 @@ import numpy as np
 
 from .config import Base
 from .errors import EditRtError
-from .images import composite
 from .metrics import Metrics
 from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from .slots import Recording, Row, RowScheduler
@@ -404,9 +403,7 @@ class Batcher:
             images = self.pipe.decode(np.stack([job.scheduled.latent for job in decode]))
             for job, image in zip(decode, images):
                 if job.state is not None:  # outside its mask an edit shows the base's own pixels
-                    weight = self.pipe.pixel_weight(job.row, job.scheduled.keep, image.shape[:2])
-                    if weight is not None:
-                        image = composite(image, self.pipe.base_image(job.state), weight)
+                    image = self.pipe.with_base(image, job.state, job.row, job.scheduled.keep)
                 image_of[id(job)] = image
         for job in jobs:
             seconds = time.perf_counter() - job.started

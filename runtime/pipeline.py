@@ -244,13 +244,16 @@ class EditPipeline:
         self._base_images.move_to_end(key)
         return self._base_images[key]
 
-    def render(self, state: BaseState, latents: np.ndarray, weights: Sequence[Optional[np.ndarray]]) -> np.ndarray:
-        """Decode edit latents and composite each with the base image outside its mask."""
-        images = self.decode(latents)
-        for k, weight in enumerate(weights):
-            if weight is not None:
-                images[k] = composite(images[k], self.base_image(state), weight)
-        return images
+    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray:
+        """``image``, an edit of ``state``, with the base's own pixels outside its mask."""
+        weight = self.pixel_weight(row, keep, image.shape[:2])
+        return image if weight is None else composite(image, self.base_image(state), weight)
+
+    def render(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> list[np.ndarray]:
+        """Decode the edits' latents (``edit(..., decode=False)``'s results), each with the
+        base's pixels outside its mask."""
+        images = self.decode(np.stack([r.latent for r in results]))
+        return [self.with_base(image, state, row, r.keep) for image, row, r in zip(images, rows, results)]
 
     def batcher(self, latent_shape: Sequence[int]) -> Batcher:
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""

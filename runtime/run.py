@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import onnxruntime
 
 from . import __version__
@@ -170,8 +169,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             results = pipe.edit(state, rows, progress=progress(row_steps, "edit tail"), decode=False)
         with timer.stage("decode"):
             # masked and preserve: auto edits show the base's own pixels outside their masks
-            weights = [pipe.pixel_weight(row, r.keep, (base.height, base.width)) for row, r in zip(rows, results)]
-            edits = pipe.render(state, np.stack([r.latent for r in results]), weights) if rows else []
+            edits = pipe.render(state, rows, results) if rows else []
             images = [pipe.base_image(state), *edits]
     finally:
         pipe.deactivate()
