@@ -337,16 +337,23 @@ def _inversion_cost(rt: EditPipeline, base, repeats: int) -> dict[str, Any]:
             "ratio": invert / generate}  # fmt: skip
 
 
+def _tail_seconds(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int, modes: dict[str, dict]) -> dict[str, float]:
+    """Median seconds of one N-row tail of k steps for each mode (the TailRow fields it sets),
+    the modes interleaved; a first round warms every mode up and is not counted."""
+    base, T = state.base, state.base.steps
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats + 1):
+        for mode, fields in modes.items():
+            rows = [TailRow(p, 1.0, T - k, base.guidance, **fields) for p in prompts]
+            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
+    return {mode: statistics.median(runs[1:]) for mode, runs in seconds.items()}
+
+
 def _structure_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int, fraction: float = 0.5) -> dict[str, Any]:
     """One N-row tail of k steps keeping structure for ``fraction`` of it (one reference row,
     N + 1 rows for those steps) against the same tail without, interleaved."""
-    base, T = state.base, state.base.steps
-    seconds: dict[str, list[float]] = {"structure": [], "none": []}
-    for _ in range(repeats + 1):  # the first round warms up both
-        for mode, f in (("structure", fraction), ("none", 0.0)):
-            rows = [TailRow(p, 1.0, T - k, base.guidance, structure=f) for p in prompts]
-            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
-    kept, none = statistics.median(seconds["structure"][1:]), statistics.median(seconds["none"][1:])
+    seconds = _tail_seconds(rt, state, prompts, k, repeats, {"structure": {"structure": fraction}, "none": {}})
+    kept, none = seconds["structure"], seconds["none"]
     n, steps = len(prompts), math.ceil(fraction * k)
     return {"n": n, "tail_steps": k, "structure_steps": steps, "seconds_structure": kept, "seconds_none": none,
             "ratio": kept / none, "row_steps_ratio": (n * k + steps) / (n * k)}  # fmt: skip
@@ -355,13 +362,8 @@ def _structure_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats
 def _preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
     """One N-row tail of k steps with ``preserve: auto`` on every row against the same tail
     without it, interleaved: the maps graph's first steps and the masks are the difference."""
-    base, T = state.base, state.base.steps
-    seconds: dict[str, list[float]] = {"auto": [], "none": []}
-    for _ in range(repeats + 1):  # the first round warms up both graphs
-        for mode in ("auto", "none"):
-            rows = [TailRow(p, 1.0, T - k, base.guidance, preserve=mode) for p in prompts]
-            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
-    auto, none = statistics.median(seconds["auto"][1:]), statistics.median(seconds["none"][1:])
+    seconds = _tail_seconds(rt, state, prompts, k, repeats, {"auto": {"preserve": "auto"}, "none": {}})
+    auto, none = seconds["auto"], seconds["none"]
     return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preserve.steps, "seconds_auto": auto,
             "seconds_none": none, "ratio": auto / none}  # fmt: skip
 
