@@ -362,8 +362,7 @@ class Batcher:
         state, tail = job.state, job.row
         auto, job.preserve = self.pipe.auto_mask(state.base.prompt, tail, shape)
         mixed = mix_kv(state.cond_kv, edit, tail.strength)
-        k = base.steps - tail.start_step
-        structure = math.ceil(tail.structure * k) if self.pipe.structure_keeping and tail.structure else 0
+        structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             [t[0] for t in mixed.tensors], state.uncond_kv,

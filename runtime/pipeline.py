@@ -74,8 +74,6 @@ class EditPipeline:
                 raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
         self.tokenizer = self.tokenizers[0]
         self.conds = self.family.get("conds", [])
-        # the step graphs take each row's self-attention reference (structure keeping)
-        self.structure_keeping = any(t.name == "self_ref" for t in self.manifest.graphs["unet_step"].inputs)
         # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
         self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
