@@ -252,33 +252,26 @@ class Service:
         return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
                        clip_skip=clip_skip, image=None, **given)  # fmt: skip
 
-    def row_of(self, i: int, state: BaseState, prompt: str, strength: Optional[float] = None,
-               tail_steps: Optional[int] = None, mask: Optional[Mask] = None, seed: Optional[int] = None,
-               guidance: Optional[float] = None, preserve: Optional[str] = None,
-               structure: Optional[float] = None) -> TailRow:  # fmt: skip
-        cfg = self.cfg
-        self.check_prompt(prompt, f"edits[{i}].prompt")
-        T, lo = state.base.steps, state.window_start
-        tail = tail_steps or max(1, round(cfg.cache.default_tail_fraction * T))
+    def row_of(self, i: int, state: BaseState, spec: EditSpec) -> TailRow:
+        """Edit ``i`` of a request as a row of ``state``'s tail: the config's defaults filled in,
+        its tail and mask checked against the base."""
+        cfg, b = self.cfg, state.base
+        self.check_prompt(spec.prompt, f"edits[{i}].prompt")
+        T, lo = b.steps, state.window_start
+        if spec.tail_fraction is not None:
+            tail = min(max(1, round(spec.tail_fraction * T)), T - lo)
+        else:
+            tail = spec.tail_steps or max(1, round(cfg.cache.default_tail_fraction * T))
         if not 1 <= tail <= T - lo:
             raise ApiError(400, f"edits[{i}].tail_steps: {tail} is outside [1, {T - lo}] for this base ({T} steps)",
                            param=f"edits[{i}].tail_steps", code="out_of_range")  # fmt: skip
-        if mask is not None:
-            b = state.base
-            if mask.x + mask.width > b.width or mask.y + mask.height > b.height:
-                raise ApiError(400, f"edits[{i}].mask: the rectangle leaves the {b.width}x{b.height} image",
-                               param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
-        guidance = state.base.guidance if guidance is None else guidance
-        return TailRow(prompt, cfg.strength_of(strength), T - tail, guidance, mask, seed, cfg.preserve_of(preserve),
-                       cfg.structure_of(structure))  # fmt: skip
-
-    def spec_row(self, i: int, state: BaseState, spec: EditSpec) -> TailRow:
-        tail = spec.tail_steps
-        if spec.tail_fraction is not None:
-            T = state.base.steps
-            tail = min(max(1, round(spec.tail_fraction * T)), T - state.window_start)
-        return self.row_of(i, state, spec.prompt, spec.strength, tail, spec.mask, spec.seed, spec.guidance, spec.preserve,
-                           spec.structure)  # fmt: skip
+        mask = spec.mask
+        if mask is not None and (mask.x + mask.width > b.width or mask.y + mask.height > b.height):
+            raise ApiError(400, f"edits[{i}].mask: the rectangle leaves the {b.width}x{b.height} image",
+                           param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
+        guidance = b.guidance if spec.guidance is None else spec.guidance
+        return TailRow(spec.prompt, cfg.strength_of(spec.strength), T - tail, guidance, mask, spec.seed,
+                       cfg.preserve_of(spec.preserve), cfg.structure_of(spec.structure))  # fmt: skip
 
     # --- work ---------------------------------------------------------------------------------
 
@@ -349,7 +342,7 @@ class Service:
         self.metrics.edit_requests.labels(tier or "disk").inc()
         request = None
         try:
-            rows = [self.spec_row(i, state, spec) for i, spec in enumerate(specs)]
+            rows = [self.row_of(i, state, spec) for i, spec in enumerate(specs)]
             request, jobs = self.edit_jobs(state, rows)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()  # from the batcher's thread to this loop
