@@ -29,7 +29,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c scripts/constraints.txt torch
-	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[export,test,ray]'
+	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[cpu,export,test,ray]'
 	touch $@
 
 model: $(MODEL_DIR)/model_index.json

@@ -3,8 +3,10 @@
 - ``ort-cpu`` (everywhere): each graph with all of ONNX Runtime's graph optimizations applied
   once and saved, so a later start loads it with optimizations off.
 - ``trt`` (where TensorRT and an NVIDIA GPU are present): a plan per graph built with
-  Polygraphy's builder API, one optimization profile over the edit-batch axis, fp16 by default
-  (bf16/fp32 as options) and a timing cache shared by all builds.
+  Polygraphy's builder API as a strongly typed network (no deprecated precision flags: the
+  precision is the ONNX graph's, fp16 with fp32 islands by default, see fp16.py), one
+  optimization profile over the edit-batch axis (the VAE's own, ``vae_max_batch`` rows), and a
+  timing cache shared by all builds.
 
 Each backend folder gets an ``engines.json`` (see edit_rt.runtime.engines).
 """
@@ -21,7 +23,8 @@ from typing import Callable, Optional
 import onnxruntime as ort
 
 from edit_rt.runtime.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.engines import GRAPHS, EngineSet, write_engines_json
+from edit_rt.runtime.engines import GRAPHS, EngineSet, graph_precision, upcasts, write_engines_json
+from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.profiles import EditBatchProfile
@@ -58,61 +61,60 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
 
 def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str,
                 done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
-    """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU)."""
-    import tensorrt as trt
-    from polygraphy.backend.trt import (
-        CreateConfig,
-        PostprocessNetwork,
-        Profile,
-        engine_bytes_from_network,
-        network_from_onnx_path,
-    )
+    """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU): strongly
+    typed networks, the precision carried by the ONNX graph itself (see fp16.py), one profile
+    per graph (the VAE's own, smaller one)."""
+    from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
 
+    if precision == "bf16":
+        raise ConfigError("engines.precision: bf16 strongly typed plans need a bf16 ONNX export, which edit-rt "
+                          "does not make yet; use fp16 (SD's UNet is trained for it) or fp32")  # fmt: skip
     staging = _fresh(out)
     timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
     graphs = {}
     for graph in GRAPHS:
         trt_profile = Profile()
-        for name, (lo, opt, hi) in profile.shapes(manifest.graphs[graph].inputs).items():
+        for name, (lo, opt, hi) in profile.shapes(manifest.graphs[graph].inputs, graph).items():
             trt_profile.add(name, min=lo, opt=opt, max=hi)
         own = graph_precision(manifest, graph, precision)
-        network = network_from_onnx_path(str(manifest.path(graph)))
-        pinned = fp32_attention_nodes(manifest.path(graph)) if own != "fp32" and upcasts(manifest, graph) else set()
-        if pinned:
-            network = PostprocessNetwork(network, lambda network, pinned=pinned: _pin_fp32(network, pinned, trt), name="upcast_attention")
-        config = CreateConfig(
-            fp16=own == "fp16",
-            bf16=own == "bf16",
-            profiles=[trt_profile],
-            precision_constraints="obey" if pinned else None,
-            load_timing_cache=str(timing_cache) if timing_cache.exists() else None,
-        )
+        source = typed_onnx(manifest, graph, own, staging)
+        network = network_from_onnx_path(str(source), strongly_typed=True)
+        config = CreateConfig(profiles=[trt_profile], load_timing_cache=str(timing_cache) if timing_cache.exists() else None)
         plan = engine_bytes_from_network(network, config=config, save_timing_cache=str(timing_cache))
         target = staging / f"{graph}.plan"
         target.write_bytes(plan)
-        graphs[graph] = _entry(manifest, graph, target.name)
-        log.info("trt: %s -> %s (%s, %d attention layers kept fp32)", graph, target, own, len(pinned))
+        graphs[graph] = {**_entry(manifest, graph, target.name), "precision": own}
+        log.info("trt: %s -> %s (%s, strongly typed)", graph, target, own)
         done(f"trt/{graph}")
+    for typed in staging.glob("*.typed.onnx*"):
+        typed.unlink()  # the plans hold what they need
     return _publish(staging, out, EngineSet(out, "trt", profile, precision, engine_tools("trt"), engine_device("trt"), graphs))
 
 
-def graph_precision(manifest: Manifest, graph: str, precision: str) -> str:
-    """The precision ``graph``'s engine is built in: the VAE of a model whose config says
-    ``force_upcast`` (SDXL 1.0's overflows in fp16) stays fp32, everything else ``precision``."""
-    if graph.startswith("vae_") and manifest.family.get("vae_force_upcast"):
-        return "fp32"
-    return precision
+def typed_onnx(manifest: Manifest, graph: str, precision: str, folder: Path) -> Path:
+    """The ONNX graph a strongly typed build of ``graph`` at ``precision`` starts from: the
+    exported fp32 graph, or its fp16 form with the model's fp32 islands (fp16.py)."""
+    source = manifest.path(graph)
+    if precision == "fp32":
+        return source
+    import onnx
 
+    from .fp16 import fp16_graph, unet_fp32_nodes
 
-def upcasts(manifest: Manifest, graph: str) -> bool:
-    """Whether ``graph`` has attention whose scores the model needs in fp32 (``upcast_attention``)."""
-    return graph.startswith("unet_step") and bool(manifest.family.get("upcast_attention"))
+    islands: set[str] = set()
+    fp16_inputs: set[str] = set()
+    if graph.startswith("unet_step"):
+        islands = unet_fp32_nodes(onnx.load(str(source), load_external_data=False))
+        if upcasts(manifest, graph):
+            islands |= fp32_attention_nodes(source)
+        fp16_inputs = {n for n, role in manifest.roles(graph).items() if role in ("row_kv", "set_kv")}
+    return fp16_graph(source, folder / f"{graph}.typed.onnx", islands, fp16_inputs)
 
 
 def fp32_attention_nodes(onnx_path: Path) -> set[str]:
     """The ONNX nodes of every attention's scores: each Softmax and what computes its input back
     to the ``q k^T`` MatMul (through the scale and mask Mul/Add/Div). diffusers computes these in
-    fp32 under ``upcast_attention``/``upcast_softmax``; an fp16 engine keeps them fp32."""
+    fp32 under ``upcast_attention``/``upcast_softmax``; an fp16 plan keeps them fp32."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -131,15 +133,6 @@ def fp32_attention_nodes(onnx_path: Path) -> set[str]:
     return names
 
 
-def _pin_fp32(network, names: set[str], trt) -> None:
-    """Run the layers the ONNX parser made of ``names`` in fp32 (the parser names a layer after
-    its node, with a suffix where one node became several)."""
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.name in names or layer.name.rsplit("_", 1)[0] in names:
-            layer.precision = trt.float32
-            for k in range(layer.num_outputs):
-                layer.set_output_type(k, trt.float32)
 
 
 def build_engines(

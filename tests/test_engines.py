@@ -59,7 +59,7 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
     manifest = load_manifest(onnx_dir)
     assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
     assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16,
-                               "max_sets": 4, "vae_scale": 1}  # fmt: skip
+                               "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8}  # fmt: skip
     assert data["tools"] == engine_tools("ort-cpu")
     for graph, entry in data["graphs"].items():
         assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
@@ -184,7 +184,8 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((build / model_dir.name / "parity.json").read_text())
     assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}
-    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"}
+    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend",
+                                            "vae_decoder", "vae_encoder"}  # fmt: skip
     assert all(r["pass"] for r in report)
     assert "| unet_step | ort-cpu-engine |" in (build / model_dir.name / "parity.md").read_text()
 
@@ -196,3 +197,41 @@ def test_trt_edit_tail_matches_onnx_runtime(engines_dir, onnx_dir, pipeline, bas
         ours = trt_pipe.run_tail(base_state, _rows())
     # fp16 engines against fp32 ONNX Runtime, through up to 8 chained steps.
     np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=5e-2)
+
+
+def test_vae_has_its_own_smaller_profile(onnx_dir):
+    manifest = load_manifest(onnx_dir)
+    profile = EditBatchProfile(1, 8, 32, 16, 16, 4, 2, vae_max_batch=8)
+    assert profile.shapes(manifest.graphs["vae_decoder"].inputs, "vae_decoder")["latents"][2] == (8, 4, 16, 16)
+    assert profile.shapes(manifest.graphs["unet_step"].inputs, "unet_step")["latents"][2] == (32, 4, 16, 16)
+
+
+def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path):
+    """The fp16 ONNX a strongly typed plan is built from: K/V inputs fp16, latents, scalars and
+    outputs fp32, the guidance and DDIM nodes fp32; against the fp32 graph on ONNX Runtime CPU
+    within fp16's error (and not equal: it did compute in fp16)."""
+    import onnx
+    import onnxruntime as ort
+
+    from edit_rt.export.engines import typed_onnx
+    from edit_rt.export.parity import random_feeds
+
+    manifest = load_manifest(onnx_dir)
+    typed = typed_onnx(manifest, "unet_step", "fp16", tmp_path)
+    model = onnx.load(str(typed))
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]}
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    assert types["cond_k_0"] == f16 and types["cond_v_3"] == f16
+    assert all(types[n] == f32 for n in ("latents", "alpha_t", "guidance", "uncond_given", "next_latents", "uncond_out"))
+    ddim = [n for n in model.graph.node if not n.name.startswith("/unet/") and n.op_type in ("Mul", "Add", "Sub", "Div")]
+    assert ddim and not any(types.get(o) == f16 for n in ddim for o in n.output)  # (shape arithmetic is int64)
+    assert sum(types.get(o) == f16 for n in model.graph.node if n.name.startswith("/unet/") for o in n.output) > 100
+    fp16 = ort.InferenceSession(str(typed), providers=["CPUExecutionProvider"])
+    fp32 = ort.InferenceSession(str(onnx_dir / "unet_step.onnx"), providers=["CPUExecutionProvider"])
+    feeds = random_feeds(manifest, "unet_step", 4, 2, np.random.default_rng(0), hw=16)
+    half = {i.name: feeds[i.name].astype(np.float16) if i.type == "tensor(float16)" else feeds[i.name] for i in fp16.get_inputs()}
+    for ours, reference in zip(fp16.run(None, half), fp32.run(None, feeds)):
+        assert ours.dtype == np.float32
+        error = np.abs(ours - reference).max()
+        assert 0 < error < 1e-2, error
+    assert typed_onnx(manifest, "vae_decoder", "fp32", tmp_path) == manifest.path("vae_decoder")
