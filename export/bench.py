@@ -216,6 +216,8 @@ def run_bench(
     say("bench: preserve: auto against none")
     report["preserve_cost"] = _preserve_cost(rt, state, prompts[: max(ns)], max(ks.values()), repeats)
     report["structure_cost"] = _structure_cost(rt, state, prompts[: max(ns) - 1], max(ks.values()), repeats)
+    say("bench: padded row buckets (the GPU backends' pow2) against exact row counts")
+    report["bucket_cost"] = _bucket_cost(rt, state, prompts, min(ks.values()), repeats)
     advance(1)
     rt.deactivate()
     out = Path(cfg.output_dir)
@@ -319,6 +321,37 @@ def _entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: i
             # every row skips its entry step's unconditional half, but one per call is computed
             # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
             "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
+def _bucket_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """Tails of row counts that are not powers of two, run at the pow2 buckets the GPU backends
+    use (padded rows computed and ignored) and at exact counts, interleaved: rows computed
+    against rows asked, and seconds. On the CPU a padded row costs a real row's time."""
+    from edit_rt.runtime.rows import pow2_buckets
+
+    scheduler = rt.batcher(state.latents.shape[1:]).scheduler
+    base, T = state.base, state.base.steps
+    sizes = [n for n in (3, 5, 6, 12) if n <= min(len(prompts), scheduler.max_rows)]
+    if not sizes:  # a bench of fewer rows (a smoke run): nothing to pad
+        return {}
+    kept = scheduler.buckets
+    modes = {"pow2": pow2_buckets(1, scheduler.max_rows), "exact": None}
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    rows: dict[str, tuple[int, int]] = {}
+    for r in range(repeats + 1):  # the first round warms every shape up
+        for mode, buckets in modes.items():
+            scheduler.buckets = buckets
+            computed, asked = scheduler.stats.rows_computed, scheduler.stats.row_steps
+            total = 0.0
+            for n in sizes:
+                total += _timed(lambda: rt.run_tail(state, [TailRow(p, 1.0, T - k, base.guidance) for p in prompts[:n]]))[0]
+            seconds[mode].append(total)
+            rows[mode] = (scheduler.stats.rows_computed - computed, scheduler.stats.row_steps - asked)
+    scheduler.buckets = kept
+    pow2, exact = statistics.median(seconds["pow2"][1:]), statistics.median(seconds["exact"][1:])
+    return {"sizes": sizes, "tail_steps": k, "rows_asked": rows["exact"][1], "rows_computed_pow2": rows["pow2"][0],
+            "rows_computed_exact": rows["exact"][0], "seconds_pow2": pow2, "seconds_exact": exact,
+            "ratio": pow2 / exact, "rows_ratio": rows["pow2"][0] / rows["exact"][0]}  # fmt: skip
 
 
 def _inversion_cost(rt: EditPipeline, base, repeats: int) -> dict[str, Any]:

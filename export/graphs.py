@@ -8,6 +8,9 @@
   every cross-attention K/V an explicit input, classifier-free guidance, and the DDIM (eta 0)
   update. Every row has its own timestep, alphas and guidance, so rows at different steps of
   different edits share one call.
+- :class:`LatentBlendGraph`: after each step, on the device, the rows' next latents with their
+  base's latents where a mask keeps the base, plus an inverted base's correction: the loop's
+  latents never leave the device between steps.
 - :class:`VaeDecoderGraph`: ``latents -> images`` in [0, 1].
 - :class:`VaeEncoderGraph`: ``images -> latents`` (an uploaded image's, to invert it).
 """
@@ -326,3 +329,16 @@ class VaeEncoderGraph(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         posterior = self.vae.encode(images * 2 - 1, return_dict=False)[0]
         return posterior.mode() * self.scaling_factor
+
+
+class LatentBlendGraph(nn.Module):
+    """``latents = where(keep, base, next_latents + add)`` per row and latent pixel.
+
+    ``keep`` [N, 1, h, w] is 1 where a masked (or ``preserve: auto``) row keeps its base's latent
+    ``base`` of the same step, 0 elsewhere and for every unmasked row; ``add`` is an inverted
+    base's per-step correction (Direct Inversion), zeros for every other row. A select, not a
+    mix: an unused ``base`` row may hold anything, and it never reaches the result.
+    """
+
+    def forward(self, next_latents, keep, base, add):
+        return torch.where(keep > 0.5, base, next_latents + add)

@@ -28,6 +28,7 @@ from . import family_sd
 from .family import family_module, family_of
 from .graphs import (
     KVProjGraph,
+    LatentBlendGraph,
     UNetStepGraph,
     VaeDecoderGraph,
     VaeEncoderGraph,
@@ -38,7 +39,7 @@ from .graphs import (
 log = logging.getLogger(__name__)
 
 TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
-EXPORT_STAGES = 6  # text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, vae_encoder
+EXPORT_STAGES = 7  # text_encoder, kv_proj, unet_step, unet_step_maps, latent_blend, vae_decoder, vae_encoder
 _ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
 
 
@@ -248,6 +249,15 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     graphs["unet_step_maps"]["map_factor"] = map_factor
     graphs["unet_step_maps"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
 
+    log.info("exporting latent_blend")
+    latent = lambda: torch.randn(n2, c, h, w)  # noqa: E731
+    axes = {0: "N", 2: "H", 3: "W"}
+    graphs["latent_blend"] = _export_graph(
+        LatentBlendGraph(), (latent(), (torch.rand(n2, 1, h, w) > 0.5).float(), latent(), latent()),
+        staging / "latent_blend.onnx", ["next_latents", "keep", "base", "add"], ["latents"],
+        {name: axes for name in ("next_latents", "keep", "base", "add", "latents")}, opset, threshold,
+    )  # fmt: skip
+    done("latent_blend")
     log.info("exporting vae_decoder")
     graphs["vae_decoder"] = _export_graph(
         VaeDecoderGraph(vae), (torch.randn(n2, vae.config.latent_channels, h, w),), staging / "vae_decoder.onnx",

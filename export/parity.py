@@ -32,7 +32,7 @@ from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
 
 from .family import family_module, family_of
-from .graphs import KVProjGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
+from .graphs import KVProjGraph, LatentBlendGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
 # layer; through the ~30 layers of a UNet that stays below 1e-4 on outputs of order 1.
@@ -96,6 +96,8 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
             feeds[spec.name] = getattr(schedule, spec.name)[picks]
         elif spec.name == "images":
             feeds[spec.name] = rng.random(shape).astype(np.float32)
+        elif spec.name == "keep":  # latent_blend: 1 where the base's latent is kept
+            feeds[spec.name] = (rng.random(shape) > 0.5).astype(np.float32)
         elif spec.name == "guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         else:
@@ -119,6 +121,8 @@ def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Mo
                              map_factor=factor, conds=family.conds(components))  # fmt: skip
     if graph == "vae_encoder":
         return VaeEncoderGraph(vae)
+    if graph == "latent_blend":
+        return LatentBlendGraph()
     return VaeDecoderGraph(vae)
 
 

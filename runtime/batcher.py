@@ -2,10 +2,11 @@
 
 :class:`Batcher` turns submitted jobs (an edit of a base, or a base's generation) into rows of
 its :class:`~edit_rt.runtime.slots.RowScheduler` and steps it. The same loop body,
-:meth:`Batcher.work_once`, runs in two ways: on a worker thread that owns the engines
-(``edit-rt serve``), or driven by the caller until its own request is done (``edit-rt run``,
-the bench, the pipeline's ``generate_base``/``run_tail``). Either way rows of different
-requests, bases, step counts and start steps share each ``unet_step`` call.
+:meth:`Batcher.work_once`, runs in two ways: on the pipeline's engine thread, the one thread
+that touches the backend (``edit-rt serve``; see engine_thread.py), or driven by the caller
+until its own request is done (``edit-rt run``, the bench, the pipeline's
+``generate_base``/``run_tail``, and a task already on the engine thread). Either way rows of
+different requests, bases, step counts and start steps share each ``unet_step`` call.
 
 The queue is bounded (``queue_limit`` rows) and fair: admission takes one row from the request
 at its head, then moves that request to the back, so one request's 64 edits do not hold back a
@@ -28,10 +29,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from .config import Base
+from .engine_thread import EngineThread
 from .errors import EditRtError
 from .metrics import Metrics
 from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
-from .slots import Recording, Row, RowScheduler
+from .rows import Recording, Row
+from .slots import RowScheduler
 from .state import KV, BaseState, TailRow
 
 if TYPE_CHECKING:
@@ -104,26 +107,30 @@ class Request:
 
 class Batcher:
     def __init__(self, pipe: "EditPipeline", scheduler: RowScheduler, queue_limit: Optional[int] = None,
-                 metrics: Optional[Metrics] = None):  # fmt: skip
+                 metrics: Optional[Metrics] = None, engine: Optional[EngineThread] = None):  # fmt: skip
         self.pipe = pipe
         self.scheduler = scheduler
         self.queue_limit = queue_limit
         self.metrics = metrics or Metrics()
         self.queue: deque[Request] = deque()
         self.queued_rows = 0
-        self._cv = threading.Condition()
+        self._own_engine = engine is None  # a batcher on its own (tests): its stop() ends the thread
+        self.engine = engine or EngineThread()
+        self._cv = self.engine.cv  # one condition: a submit wakes the engine thread
         self._work = threading.Lock()  # one work_once at a time: the engines are not reentrant
         self._closing = False
         self._stopped = False
-        self._thread: Optional[threading.Thread] = None
 
     # --- submitting -----------------------------------------------------------------------------
 
     def start(self) -> "Batcher":
-        """Run the loop on a worker thread (the server); without it, :meth:`run` drives it."""
-        self._thread = threading.Thread(target=self._loop, name="edit-rt-batcher", daemon=True)
-        self._thread.start()
+        """Run the loop on the engine thread (the server); without it, :meth:`run` drives it."""
+        self.engine.attach(self)
+        self.engine.start()
         return self
+
+    def has_work(self) -> bool:
+        return not self._stopped and bool(self.queue or self.scheduler.active or self.scheduler.pending)
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
         with self._cv:
@@ -135,12 +142,13 @@ class Batcher:
             self.queue.append(request)
             self.queued_rows += len(jobs)
             self.metrics.gauge("edit_rt_queue_rows", self.queued_rows)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def run(self, request: Request, jobs: list[Job]) -> list[RowResult]:
-        """Submit and wait: on the worker thread if one runs, else by driving the loop here."""
+        """Submit and wait: on the engine thread if one runs, else by driving the loop here (a
+        task on the engine thread drives it too: it must not wait on itself)."""
         self.submit(request, jobs)
-        if self._thread is None:
+        if self.engine.owns():
             while not all(job.future.done() for job in jobs):
                 self.work_once()
                 if not (self.queue or self.scheduler.active or self.scheduler.pending):
@@ -160,18 +168,28 @@ class Batcher:
         """
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify_all()
         deadline = time.monotonic() + timeout
         with self._cv:
             while (self.queue or self.scheduler.active or self.scheduler.pending) and time.monotonic() < deadline:
                 self._cv.wait(0.05)
             self._stopped = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._cv.notify_all()
+        try:
+            self.engine.call(self._fail_leftovers).result(timeout=10)
+        except Exception:  # an engine thread that cannot answer: fail the futures from here
+            log.exception("the engine thread did not take the batcher's leftovers")
+            for job in [row.owner for row in self.scheduler.active + self.scheduler.pending] + [
+                    j for r in self.queue for j in r.pending]:  # fmt: skip
+                if job is not None and not job.future.done():
+                    job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
+        if self._own_engine:
+            self.engine.stop()
+
+    def _fail_leftovers(self) -> None:
         with self._work:
             rows = self.scheduler.active + self.scheduler.pending
-            leftover = [row.owner for row in rows] + [j for r in self.queue for j in r.pending]
+            leftover = [row.owner for row in rows if not row.reference] + [j for r in self.queue for j in r.pending]
             for row in rows:
                 self.scheduler.remove(row)
             for job in leftover:
@@ -180,28 +198,16 @@ class Batcher:
 
     # --- the loop -------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopped and not self.scheduler.active and not self.queue:
-                    self._cv.wait()
-                if self._stopped:
-                    return
-            try:
-                self.work_once()
-            except Exception:  # work_once fails its own rows; nothing may end this thread
-                log.exception("the batcher loop caught an error; it goes on")
-
     def close(self) -> None:
         """Take no new work (submit raises ShuttingDownError); what is queued still runs."""
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify_all()
 
     @property
     def alive(self) -> bool:
-        """Whether the worker thread runs (a health check's question)."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the engine thread runs (a health check's question)."""
+        return self.engine.running
 
     @property
     def idle(self) -> bool:

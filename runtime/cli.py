@@ -114,7 +114,7 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     e = cfg.engines
     profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
-                               e.max_uncond_sets, scale)  # fmt: skip
+                               e.max_uncond_sets, scale, e.vae_max_batch)  # fmt: skip
     from .backend_trt import trt_unavailable_reason
     from .engines import GRAPHS
 
@@ -206,6 +206,10 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"structure keeping, {d['n']} rows x {d['tail_steps']} steps ({d['structure_steps']} with a reference "
             f"row): {d['seconds_structure']:.2f} s vs {d['seconds_none']:.2f} s without ({d['ratio']:.2f}x; "
             f"{d['row_steps_ratio']:.2f}x the rows)"),
+        "bucket_cost": lambda d: (
+            f"padded buckets (pow2, the GPU default), tails of {d['sizes']} rows x {d['tail_steps']} steps: "
+            f"{d['rows_computed_pow2']} rows computed for {d['rows_asked']} asked ({d['rows_ratio']:.2f}x), "
+            f"{d['seconds_pow2']:.2f} s vs {d['seconds_exact']:.2f} s at exact counts ({d['ratio']:.2f}x)"),
     }  # fmt: skip
     for key, line in extras.items():
         if report.get(key):

@@ -260,6 +260,14 @@ class Engines:
     max_uncond_sets: Int = 4
     # Capture each bound step shape as a CUDA graph on the GPU backends (one launch per step).
     cuda_graphs: Bool = True
+    # Row counts a step call runs at. pow2: 1, 2, 4, ... max_batch, the rest padded (a GPU
+    # replays one captured graph per bucket; a new row count would mean a new capture); exact:
+    # every count (the CPU, where a padded row costs as much as a real one); auto: pow2 on the
+    # GPU backends, exact on ort-cpu.
+    buckets: Literal["auto", "pow2", "exact"] = "auto"
+    # Rows per VAE call: its activations at full image size are far larger per row than the
+    # UNet's (SDXL at 1024x1024), so it has its own profile and decodes in chunks of it.
+    vae_max_batch: Int = 8
 
     def validate(self, where: str) -> None:
         if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch <= 1024:
@@ -269,6 +277,8 @@ class Engines:
             )
         if not 1 <= self.max_uncond_sets <= 64:
             raise ConfigError(f"{where}.max_uncond_sets: must lie in [1, 64], got {self.max_uncond_sets}")
+        if not 1 <= self.vae_max_batch <= 1024:
+            raise ConfigError(f"{where}.vae_max_batch: must lie in [1, 1024], got {self.vae_max_batch}")
 
 
 @with_config(STRICT)

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import onnxruntime as ort
+
+try:
+    import onnxruntime as ort
+except ImportError as err:  # neither extra was installed
+    raise ImportError("edit-rt needs ONNX Runtime: pip install 'edit-rt[cpu]', or 'edit-rt[gpu]' on an NVIDIA machine") from err
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,10 @@ class DeviceTensor(Protocol):
         """Copy ``host`` (contiguous) to elements ``offset..offset + host.size``."""
 
     def read(self, out: np.ndarray, offset: int = 0) -> None:
-        """Copy elements ``offset..offset + out.size`` into ``out`` (contiguous)."""
+        """Copy elements ``offset..offset + out.size`` into ``out`` (contiguous), now."""
+
+    def read_async(self, out: np.ndarray, offset: int = 0) -> None:
+        """The same copy, landing when the backend next synchronizes (at once on the CPU)."""
 
     def move(self, dst: int, src: int, count: int) -> None:
         """Copy ``count`` elements from ``src`` to ``dst`` inside this tensor (no host trip)."""
@@ -80,6 +87,8 @@ class HostTensor:
     def read(self, out: np.ndarray, offset: int = 0) -> None:
         _check_fits(self, offset, out.size)
         out.reshape(-1)[...] = self.array[offset : offset + out.size]
+
+    read_async = read
 
     def move(self, dst: int, src: int, count: int) -> None:
         _check_fits(self, max(dst, src), count)

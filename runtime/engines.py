@@ -20,7 +20,7 @@ from .manifest import Manifest
 from .profiles import EditBatchProfile
 
 ENGINES_VERSION = 1
-GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder")
+GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder")
 REBUILD = "re-run `make engines` (edit-rt engines CONFIG)"
 
 
@@ -50,6 +50,20 @@ class EngineSet:
             "device": self.device,
             "graphs": self.graphs,
         }
+
+
+def graph_precision(manifest: Manifest, graph: str, precision: str) -> str:
+    """The precision ``graph``'s engine runs in: the VAE of a model whose config says
+    ``force_upcast`` (SDXL 1.0's overflows in fp16) stays fp32, and so does ``latent_blend`` (it
+    only selects latents, which the step keeps in fp32); everything else ``precision``."""
+    if graph == "latent_blend" or (graph.startswith("vae_") and manifest.family.get("vae_force_upcast")):
+        return "fp32"
+    return precision
+
+
+def upcasts(manifest: Manifest, graph: str) -> bool:
+    """Whether ``graph`` has attention whose scores the model needs in fp32 (``upcast_attention``)."""
+    return graph.startswith("unet_step") and bool(manifest.family.get("upcast_attention"))
 
 
 def write_engines_json(engines: EngineSet) -> Path:

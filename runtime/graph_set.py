@@ -17,8 +17,9 @@ from typing import Optional
 
 import onnxruntime as ort
 
-from .backend import Graph, OrtGraph, select_backend
-from .engines import GRAPHS, load_engines
+from .backend import Graph, select_backend
+from .backend_ort import OrtDevice, OrtGraph
+from .engines import GRAPHS, graph_precision, load_engines, upcasts
 from .manifest import Manifest
 from .profiles import EditBatchProfile, ort_trt_profile_options
 
@@ -77,8 +78,11 @@ def graphs_from_artifacts(
     threads: int,
     profile: EditBatchProfile,
     cuda_graphs: bool = True,
+    precision: str = "fp16",
 ) -> GraphSet:
-    """``cuda_graphs``: capture the step graph's bindings as CUDA graphs on GPU backends."""
+    """``cuda_graphs``: capture the step loop's bindings as CUDA graphs on GPU backends;
+    ``precision``: what ``ort-tensorrt`` builds each graph in (per graph, as `make engines` does).
+    Every graph of the set shares one device object (stream, context memory)."""
     built = set()
     if engines_dir is not None and Path(engines_dir).is_dir():
         built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
@@ -86,34 +90,41 @@ def graphs_from_artifacts(
     log.info("backend %s: %s", chosen, reason)
     latent_hw = (profile.latent_height, profile.latent_width)
 
+    stepping = lambda g: g.startswith("unet_step") or g == "latent_blend"  # noqa: E731  (the loop's graphs)
     if chosen == "trt":
-        from .backend_trt import TrtGraph
+        from .backend_trt import TrtDevice, TrtGraph
 
         engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), latent_hw)
         files = {g: engines.path(g) for g in GRAPHS}
-        graphs = {g: TrtGraph(f, cuda_graphs=cuda_graphs and g.startswith("unet_step")) for g, f in files.items()}
+        device = TrtDevice()
+        graphs = {g: TrtGraph(f, device, cuda_graphs=cuda_graphs and stepping(g)) for g, f in files.items()}
         return GraphSet(chosen, reason, graphs, files, engines.profile)
 
     if chosen == "ort-cpu" and "ort-cpu" in built:
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
         files = {g: engines.path(g) for g in GRAPHS}
-        graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=True) for g, f in files.items()}
+        device = OrtDevice(gpu=False)
+        graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=True, device=device) for g, f in files.items()}
         return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile)
 
     files = {g: manifest.path(g) for g in GRAPHS}
     graphs = {}
+    device = OrtDevice(gpu=chosen != "ort-cpu")
     for g, f in files.items():
         options = None
         if chosen == "ort-tensorrt":
             cache = Path(engines_dir or manifest.root.parent / "engines") / "ort-tensorrt"
+            # The EP has one precision switch per session, no per-layer pinning: a graph with
+            # fp32 islands (upcast attention, a force_upcast VAE) runs fp32 whole.
+            fp16 = graph_precision(manifest, g, precision) == "fp16" and not upcasts(manifest, g)
             options = {
-                **ort_trt_profile_options(profile, manifest.graphs[g].inputs),
-                "trt_fp16_enable": "True",
+                **ort_trt_profile_options(profile, manifest.graphs[g].inputs, g),
+                "trt_fp16_enable": "True" if fp16 else "False",
                 "trt_engine_cache_enable": "True",
                 "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": "True",
             }
-        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and g.startswith("unet_step"))
+        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and stepping(g), device=device)
     if chosen == "ort-cpu":
         reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
     return GraphSet(chosen, reason, graphs, files, profile)

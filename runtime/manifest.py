@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 4  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref
+MANIFEST_VERSION = 5  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
@@ -182,7 +182,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
         )
     _check_keys(path, data)
     manifest = Manifest(onnx_dir, data)
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"):
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder"):
         if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
     for name in data["family"].get("tokenizers", ["tokenizer.json"]):
@@ -207,7 +207,7 @@ def _check_keys(path: Path, data: dict) -> None:
     for key in _MODEL_KEYS:
         if key not in data["model"]:
             raise missing(f"model.{key}")
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"):
+    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder"):
         graph = data["graphs"].get(name)
         if not isinstance(graph, dict):
             raise ArtifactError(f"{path.parent}: graph {name!r} is missing; re-run `make export`")

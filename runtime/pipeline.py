@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from .batcher import Batcher, Job, Request
 from .automask import AutoMask
+from .engine_thread import EngineThread
 from .config import Base, Mask, Preserve
 from .images import composite, feathered_rectangle, upsample_weight
 from .errors import ArtifactError, ConfigError
@@ -27,6 +28,7 @@ from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
 from .profiles import EditBatchProfile
 from .scheduler_ddim import DDIMConfig
+from .rows import pow2_buckets
 from .slots import RowScheduler
 from .align import token_diff
 from .state import KV, BaseState, TailRow
@@ -54,12 +56,19 @@ class EditPipeline:
         cuda_graphs: bool = True,
         reuse_entry: bool = True,
         preserve: Optional[Preserve] = None,
+        precision: str = "fp16",
+        buckets: str = "auto",
+        vae_max_batch: int = 8,
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
         pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
         negative prompts one call may mix; all come from the config. ``reuse_entry`` takes an
         edit's first unconditional prediction from its base (off only to measure the saving);
-        ``preserve`` holds the knobs of ``preserve: auto`` edits (the config's ``preserve:``)."""
+        ``preserve`` holds the knobs of ``preserve: auto`` edits (the config's ``preserve:``);
+        ``precision`` what ``ort-tensorrt`` builds in; ``buckets`` the row counts step calls run
+        at: ``pow2`` (1, 2, 4, ... max: one captured graph each), ``exact`` (every count: no
+        padding), ``auto`` (pow2 on GPU backends, exact on the CPU, where a padded row costs as
+        much as a real one); ``vae_max_batch`` the VAE's rows per call."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -80,12 +89,20 @@ class EditPipeline:
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale)
-        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile, cuda_graphs)
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch)
+        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
+                                                         cuda_graphs, precision)  # fmt: skip
         self.graphs = self.graph_set.graphs
         self.profile = self.graph_set.profile
         self.max_batch = self.profile.max_batch
         self.max_uncond_sets = self.profile.max_sets
+        if buckets not in ("auto", "pow2", "exact"):
+            raise ConfigError(f"engines.buckets: {buckets!r} is not one of auto, pow2, exact")
+        gpu = self.graph_set.backend != "ort-cpu"
+        self.buckets = (pow2_buckets(self.profile.min_batch, self.max_batch)
+                        if buckets == "pow2" or (buckets == "auto" and gpu) else None)  # fmt: skip
+        # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
+        self.engine = EngineThread()
         self.reuse_entry = reuse_entry
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
@@ -105,8 +122,9 @@ class EditPipeline:
     def deactivate(self) -> None:
         for batcher in self.batchers.values():
             batcher.stop(timeout=0)
-            batcher.scheduler.free()
+            self.engine.call(batcher.scheduler.free).result(timeout=30)
         self.batchers.clear()
+        self.engine.stop()
         for graph in self.graphs.values():
             graph.deactivate()
 
@@ -203,6 +221,7 @@ class EditPipeline:
             graph or self.graphs["unet_step"], self.manifest.step_roles, {t.name: t.shape for t in step.inputs},
             tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
             maps_graph=self.graphs.get("unet_step_maps"), map_hw=(latent_shape[1] // f, latent_shape[2] // f),
+            blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
         )  # fmt: skip
 
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Optional[AutoMask], str]:
@@ -257,7 +276,7 @@ class EditPipeline:
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
         latent_shape = tuple(latent_shape)
         if latent_shape not in self.batchers:
-            self.batchers[latent_shape] = Batcher(self, self.new_scheduler(latent_shape))
+            self.batchers[latent_shape] = Batcher(self, self.new_scheduler(latent_shape), engine=self.engine)
         return self.batchers[latent_shape]
 
     def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress]) -> list:
@@ -357,7 +376,8 @@ class EditPipeline:
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
         images = []
-        for lo in range(0, len(latents), self.max_batch):
-            (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + self.max_batch])})
+        chunk = self.profile.rows("max", "vae_decoder")  # the VAE's own profile
+        for lo in range(0, len(latents), chunk):
+            (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + chunk])})
             images.append(part)
         return np.concatenate(images).transpose(0, 2, 3, 1)

@@ -30,10 +30,19 @@ class EditBatchProfile:
     max_sets: int = 4
     # Image pixels per latent pixel (the VAE's factor): vae_encoder takes images, not latents.
     vae_scale: int = 1
+    # Rows per VAE call: its activations at full image size dwarf the UNet's per row (SDXL at
+    # 1024x1024: ~3 GB a row in fp16), so it has its own, smaller profile; decode chunks by it.
+    vae_max_batch: int = 8
 
-    def dims(self, which: str) -> dict[str, int]:
-        """Values of the symbolic dims at ``which`` in (min, opt, max)."""
+    def rows(self, which: str, graph: str = "") -> int:
         rows = getattr(self, f"{which}_batch")
+        if graph.startswith("vae_"):
+            rows = min(rows, self.vae_max_batch)
+        return rows
+
+    def dims(self, which: str, graph: str = "") -> dict[str, int]:
+        """Values of the symbolic dims at ``which`` in (min, opt, max) for ``graph``."""
+        rows = self.rows(which, graph)
         return {
             "N": rows,
             "B": rows,
@@ -48,20 +57,20 @@ class EditBatchProfile:
             # vae_decoder's image size is fixed by the latent size; it is an output only.
         }
 
-    def shapes(self, inputs: Sequence[Any]) -> dict[str, tuple[Shape, Shape, Shape]]:
+    def shapes(self, inputs: Sequence[Any], graph: str = "") -> dict[str, tuple[Shape, Shape, Shape]]:
         """(min, opt, max) shape of each input spec (``.name``, ``.shape`` with symbolic dims)."""
         out = {}
         for spec in inputs:
             out[spec.name] = tuple(
-                tuple(self.dims(which)[d] if isinstance(d, str) else int(d) for d in spec.shape)
+                tuple(self.dims(which, graph)[d] if isinstance(d, str) else int(d) for d in spec.shape)
                 for which in ("min", "opt", "max")
             )
         return out
 
 
-def ort_trt_profile_options(profile: EditBatchProfile, inputs: Sequence[Any]) -> dict[str, str]:
+def ort_trt_profile_options(profile: EditBatchProfile, inputs: Sequence[Any], graph: str = "") -> dict[str, str]:
     """ONNX Runtime TensorRT EP provider options for ``profile`` (``trt_profile_*_shapes``)."""
-    shapes = profile.shapes(inputs)
+    shapes = profile.shapes(inputs, graph)
     options = {}
     for k, which in enumerate(("min", "opt", "max")):
         options[f"trt_profile_{which}_shapes"] = ",".join(

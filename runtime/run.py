@@ -104,6 +104,7 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     options = dict(
         threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
         image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
+        precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
     )  # fmt: skip
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
     exported = pipe.manifest.data["model"].get("variant")

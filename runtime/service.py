@@ -439,11 +439,11 @@ class Service:
         start = time.perf_counter()
         if bid not in self.store:
             with queue_errors():  # the inversion's rows go through the batcher's queue
-                state = await asyncio.to_thread(pipe.invert, upload.pixels, base, self.cfg.cache.window_start)
+                state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start))
             await self.keep(state)
         state = await self.pinned(bid)
         try:
-            image = (await asyncio.to_thread(pipe.decode, state.final_latent))[0]  # off the event loop
+            image = (await asyncio.wrap_future(pipe.engine.call(pipe.decode, state.final_latent)))[0]  # on the engine thread
         finally:
             self.store.unpin(bid)
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)

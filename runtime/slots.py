@@ -7,13 +7,20 @@ request share a call; they join and leave at step boundaries.
 
 Where things live (see backend.py for the memory):
 
-- a row is *admitted* into a slot: its K/V, guidance and negative-prompt index are written into
-  the backend's memory once; a step writes only the per-row step scalars and the latents
-  (the host keeps the latents: masks blend there, generations record there);
+- a row is *admitted* into a slot: its K/V, guidance, negative-prompt index, entry latent and
+  mask are written into the backend's memory once; a step writes only the per-row step scalars
+  (and, for a masked row, its base's next latent; for an inverted base's row, its correction).
+  The latents stay in backend memory: after the step graph, the ``latent_blend`` graph puts
+  each row's next latent (its base's where a mask keeps it) back into the step's input, on the
+  device. A row's latent comes back to the host when it finishes (a generation's every step,
+  the maps while ``preserve: auto`` collects them), with one synchronization per step;
 - the negative prompts' K/V are resident once per distinct set (keyed by their values, so an
   int8-stored copy and a fresh encoding of one prompt are two sets), laid side by side;
-- a binding (graph inputs and outputs bound by address) is made per bucket (rows, rows at
-  their entry step, negative-prompt sets) and kept in a bounded LRU; evicting frees it;
+- a call runs at a *bucket* of rows (``buckets``: e.g. 1, 2, 4, 8, 16, 32 on a GPU, where each
+  bucket is one captured CUDA graph; every row count on the CPU, where a padded row costs as
+  much as a real one): rows past the active ones are padding, bound but ignored. A binding
+  (graph inputs and outputs bound by address) is made per bucket (rows, rows whose
+  unconditional half is given, negative-prompt sets) and kept in a bounded LRU; evicting frees it;
 - a row at its entry step re-enters its base's chain at x_s, whose unconditional prediction the
   base kept: it is passed in (``uncond_given``) and the UNet skips that half-row;
 - a row with ``preserve: auto`` collects cross-attention maps over its first steps: those calls
@@ -30,82 +37,15 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .automask import AutoMask
 from .backend import Binding, Graph
 from .device import DeviceTensor, TensorView
-from .scheduler_ddim import DDIMSchedule
-from .state import KV, BaseState
+from .rows import STEP_SCALARS, Row, SchedulerStats, _floor_pow2, _Set
 
 log = logging.getLogger(__name__)
-
-STEP_SCALARS = ("timestep", "alpha_t", "alpha_prev")
-
-
-@dataclass
-class Recording:
-    """What a generation row keeps: x_0..x_T and the unconditional prediction of each step."""
-
-    latents: np.ndarray  # [T + 1, c, h, w]
-    uncond: np.ndarray  # [T, c, h, w]
-
-
-@dataclass(eq=False)
-class Row:
-    """One row of the step loop: an edit's tail or a base's generation."""
-
-    schedule: DDIMSchedule
-    step: int  # the step this row runs next (its entry step until it has run one)
-    latent: np.ndarray  # [c, h, w]: x at ``step`` on admission; x_T when it finishes
-    guidance: float
-    kv: Sequence[np.ndarray]  # the row's K/V, one per step-graph K/V input, batch axis dropped
-    uncond: KV  # its negative prompt's K/V (B = 1)
-    entry_uncond: Optional[np.ndarray] = None  # [c, h, w]: u at the entry step, when the base kept it
-    keep: Optional[np.ndarray] = None  # [1, h, w] bool: True where the base's latent is kept
-    base: Optional[BaseState] = None  # what ``keep`` blends in
-    record: Optional[Recording] = None  # a generation: keep every latent and u
-    auto: Optional[AutoMask] = None  # preserve: auto; its mask becomes ``keep`` as maps arrive
-    corrections: Optional[BaseState] = None  # an inverted image's base: its d_i after each step i
-    conds: dict = field(default_factory=dict)  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
-    stop: Optional[int] = None  # finish before the schedule's end (an inversion's one-step rows)
-    # Structure keeping: until ``structure_end`` the row's self-attention takes its pattern from
-    # ``ref``, a reference row of the same base at the same step (the base's own tail).
-    ref: Optional["Row"] = None
-    structure_end: int = 0
-    reference: bool = False  # a reference row: nobody's result; it leaves once no row uses it
-    owner: Any = None  # the caller's (the batcher's job)
-    slot: int = field(default=-1, init=False)
-    set_key: str = field(default="", init=False)
-
-    @property
-    def end(self) -> int:
-        return self.schedule.num_inference_steps if self.stop is None else self.stop
-
-
-@dataclass
-class _Set:
-    kv: KV
-    users: int = 0
-
-
-@dataclass
-class SchedulerStats:
-    calls: int = 0
-    map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)
-    reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
-    row_steps: int = 0  # rows advanced by one step, summed over calls
-    uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse
-    bindings_made: int = 0
-    bindings_freed: int = 0
-    set_writes: int = 0  # rewrites of the negative-prompt sets (new or dropped sets)
-    last_rows: int = 0
-    last_joined: int = 0  # rows placed into slots at the start of the last call
-    last_seconds: float = 0.0
-
 
 class RowScheduler:
     """Resident slots for up to ``max_rows`` rows and ``max_sets`` negative prompts."""
@@ -123,13 +63,18 @@ class RowScheduler:
         max_bindings: int = 64,
         maps_graph: Optional[Graph] = None,
         map_hw: tuple[int, int] = (0, 0),
+        blend_graph: Graph = None,
+        buckets: Optional[Sequence[int]] = None,
     ):
         """``roles``/``specs`` come from the manifest's ``unet_step`` entry: each input's role and
         its shape with symbolic dims (N rows, E entry rows, S negative-prompt tokens).
         ``maps_graph`` is the ``unet_step_maps`` variant (the same inputs, plus the ``attn_maps``
-        output: [77, *map_hw] per row), run on a step where a row collects its mask."""
+        output: [77, *map_hw] per row), run on a step where a row collects its mask;
+        ``blend_graph`` is ``latent_blend`` (next latents, masks and corrections -> latents);
+        ``buckets`` the row counts calls run at (None: exactly the active rows)."""
         self.graph = graph
         self.maps_graph = maps_graph
+        self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
         self.roles = dict(roles)
         self.specs = {name: list(shape) for name, shape in specs.items()}
@@ -139,60 +84,93 @@ class RowScheduler:
         self.text_len = text_len
         self.reuse_entry = reuse_entry
         self.max_bindings = max_bindings
+        self.buckets = tuple(sorted(b for b in set(buckets) if b <= max_rows)) if buckets else None
+        if self.buckets and self.buckets[-1] != max_rows:
+            self.buckets += (max_rows,)
         self.stats = SchedulerStats()
         self.active: list[Row] = []
         self.pending: list[Row] = []
         self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
         self.references = 0  # active reference rows (structure keeping)
-        self.bindings: OrderedDict[tuple[bool, int, int, int], Binding] = OrderedDict()
+        self.bindings: OrderedDict[tuple, Binding] = OrderedDict()
+        self.blend_bindings: dict[int, Binding] = {}
 
         latent_elems = math.prod(self.latent_shape)
+        hw = math.prod(self.latent_shape[1:])
         self.row_kv = [n for n, r in self.roles.items() if r == "row_kv"]
         self.set_kv = [n for n, r in self.roles.items() if r == "set_kv"]
         # the family's conditioning: input name -> its cond's name (roles "row_cond:<cond>", "set_cond:<cond>")
         self.row_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("row_cond:")}
         self.set_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("set_cond:")}
         # Per-row element counts of everything a slot holds (moved together on a leave).
-        self.row_elems: dict[str, int] = {"guidance": 1, "uncond_index": 1}
+        self.row_elems: dict[str, int] = {"guidance": 1, "uncond_index": 1, "latents": latent_elems, "keep": hw,
+                                          "add": latent_elems}  # fmt: skip
         for name in [*self.row_kv, *self.row_cond]:
             self.row_elems[name] = math.prod(self.specs[name][1:])
-        # The host's side: latents (authoritative between steps) and the per-step scalars.
-        self.latents = np.zeros((max_rows, *self.latent_shape), dtype=np.float32)
-        self.scalars = {name: np.zeros(max_rows, dtype=np.float32) for name in STEP_SCALARS}
-        self.uncond_index = np.zeros(max_rows, dtype=np.int64)
-        self.self_ref = np.arange(max_rows, dtype=np.int64)
-        self.one = {"guidance": np.zeros(1, dtype=np.float32), "uncond_index": np.zeros(1, dtype=np.int64)}
-        # The backend's side.
-        alloc = graph.allocate
+        # The host's side: the per-step scalars and indices (all slots: padding rows read them).
+        self.scalars = {name: np.zeros(max_rows, dtype=self._dtype(name)) for name in STEP_SCALARS}
+        self.uncond_index = np.zeros(max_rows, dtype=self._dtype("uncond_index"))
+        self.self_ref = np.arange(max_rows, dtype=self._dtype("self_ref"))
+        self.one = {"guidance": np.zeros(1, dtype=self._dtype("guidance"))}
+        self.zero_keep = np.zeros((1, *self.latent_shape[1:]), dtype=np.float32)
+        self.zero_latent = np.zeros(self.latent_shape, dtype=np.float32)
+        # The backend's side, each buffer in the dtype the compiled graph takes.
+        alloc = lambda name, elems: graph.allocate(elems, self._dtype(name))  # noqa: E731
         self.dev: dict[str, DeviceTensor] = {
-            "latents": alloc(max_rows * latent_elems, np.float32),
-            "uncond_given": alloc(max_rows * latent_elems, np.float32),
-            "next_latents": alloc(max_rows * latent_elems, np.float32),
-            "uncond_out": alloc(max_rows * latent_elems, np.float32),
-            "guidance": alloc(max_rows, np.float32),
-            "uncond_index": alloc(max_rows, np.int64),
-            **{name: alloc(max_rows, np.float32) for name in STEP_SCALARS},
-            **{name: alloc(max_rows * self.row_elems[name], np.float32) for name in self.row_kv},
-            **{name: alloc(max_sets * self._set_elems(name), np.float32) for name in self.set_kv},
-            **{name: alloc(max_rows * self.row_elems[name], np.float32) for name in self.row_cond},
-            **{name: alloc(max_sets * math.prod(self.specs[name][1:]), np.float32) for name in self.set_cond},
+            "latents": alloc("latents", max_rows * latent_elems),
+            "uncond_given": alloc("uncond_given", max_rows * latent_elems),
+            "next_latents": alloc("next_latents", max_rows * latent_elems),
+            "uncond_out": alloc("uncond_out", max_rows * latent_elems),
+            "keep": alloc("keep", max_rows * hw),
+            "base": alloc("base", max_rows * latent_elems),
+            "add": alloc("add", max_rows * latent_elems),
+            "guidance": alloc("guidance", max_rows),
+            "uncond_index": alloc("uncond_index", max_rows),
+            **{name: alloc(name, max_rows) for name in STEP_SCALARS},
+            **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_kv},
+            **{name: alloc(name, max_sets * self._set_elems(name)) for name in self.set_kv},
+            **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
+            **{name: alloc(name, max_sets * math.prod(self.specs[name][1:])) for name in self.set_cond},
         }
         self.latent_elems = latent_elems
         self.map_elems = text_len * math.prod(self.map_hw)
         if maps_graph is not None:
-            self.dev["attn_maps"] = alloc(max_rows * self.map_elems, np.float32)
-        self.dev["self_ref"] = alloc(max_rows, np.int64)
+            self.dev["attn_maps"] = alloc("attn_maps", max_rows * self.map_elems)
+        self.dev["self_ref"] = alloc("self_ref", max_rows)
         self.dev["self_ref"].write(self.self_ref)  # every row its own reference until one keeps structure
         self.refs_written = False
 
     # --- shapes ------------------------------------------------------------------------------
+
+    def _dtype(self, name: str) -> np.dtype:
+        """The dtype of buffer ``name`` as the graph that reads (or writes) it takes it."""
+        if name in ("keep", "base", "add"):
+            return self.blend_graph.dtype(name)
+        if name == "attn_maps":
+            return self.maps_graph.dtype(name)
+        return self.graph.dtype(name)
 
     def _set_elems(self, name: str) -> int:
         return math.prod(self.text_len if d == "S" else d for d in self.specs[name])
 
     def _set_shape(self, name: str, sets: int) -> tuple[int, ...]:
         return tuple(sets * self.text_len if d == "S" else d for d in self.specs[name])
+
+    def bucket(self, n: int) -> int:
+        """The rows a call of ``n`` active rows runs at."""
+        if self.buckets is None:
+            return n
+        return next(b for b in self.buckets if b >= n)
+
+    def _remember(self, key: tuple, binding: Binding) -> Binding:
+        self.stats.bindings_made += 1
+        self.bindings[key] = binding
+        while len(self.bindings) > self.max_bindings:
+            _, old = self.bindings.popitem(last=False)
+            old.free()
+            self.stats.bindings_freed += 1
+        return binding
 
     def _binding(self, maps: bool, n: int, e: int, m: int) -> Binding:
         key = (maps, n, e, m)
@@ -218,13 +196,16 @@ class RowScheduler:
         if maps:
             graph = self.maps_graph
             outputs["attn_maps"] = self.dev["attn_maps"].view((n, self.text_len, *self.map_hw))
-        binding = graph.bind({name: views[name] for name in self.roles if name in views}, outputs)
-        self.stats.bindings_made += 1
-        self.bindings[key] = binding
-        while len(self.bindings) > self.max_bindings:
-            _, old = self.bindings.popitem(last=False)
-            old.free()
-            self.stats.bindings_freed += 1
+        return self._remember(key, graph.bind({name: views[name] for name in self.roles if name in views}, outputs))
+
+    def _blend_binding(self, n: int) -> Binding:
+        """The blend of ``n`` rows: one per row count (at most one per bucket), kept."""
+        binding = self.blend_bindings.get(n)
+        if binding is None:
+            latent = (n, *self.latent_shape)
+            inputs = {"next_latents": self.dev["next_latents"].view(latent), "keep": self.dev["keep"].view((n, 1, *self.latent_shape[1:])),
+                      "base": self.dev["base"].view(latent), "add": self.dev["add"].view(latent)}  # fmt: skip
+            binding = self.blend_bindings[n] = self.blend_graph.bind(inputs, {"latents": self.dev["latents"].view(latent)})
         return binding
 
     # --- admission ---------------------------------------------------------------------------
@@ -251,14 +232,17 @@ class RowScheduler:
         # Rows whose u is given go last: the graph takes them as the call's last E rows.
         given = lambda row: self.reuse_entry and row.entry_uncond is not None  # noqa: E731
         self.pending.sort(key=given)
-        new = [row for row in self.pending if row.uncond.digest not in self.sets]
+        needed = {r.uncond.digest for r in self.pending}
+        new = [key for key in needed if key not in self.sets]
         if new:
-            for key in [k for k, s in self.sets.items() if not s.users]:
+            # Sets nobody uses make room, but never one a joining row needs (it has no users yet).
+            for key in [k for k, s in self.sets.items() if not s.users and k not in needed]:
                 del self.sets[key]
-            for row in new:
+            for row in self.pending:
                 self.sets.setdefault(row.uncond.digest, _Set(row.uncond))
             self._write_sets()
         positions = {key: k for k, key in enumerate(self.sets)}
+        latent = self.latent_elems
         for row in self.pending:
             self.references += row.reference
             row.set_key = row.uncond.digest
@@ -273,9 +257,16 @@ class RowScheduler:
             self.dev["guidance"].write(self.one["guidance"], offset=r)
             self.uncond_index[r] = positions[row.set_key]
             self.dev["uncond_index"].write(self.uncond_index[r : r + 1], offset=r)
-            self.latents[r] = row.latent
+            self.dev["latents"].write(row.latent, offset=r * latent)
+            self._write_keep(row)
+            self.dev["add"].write(self.zero_latent, offset=r * latent)
         self.entry_rows = sum(1 for row in self.pending if given(row))
         self.pending.clear()
+
+    def _write_keep(self, row: Row) -> None:
+        keep = self.zero_keep if row.keep is None else row.keep.astype(np.float32)
+        self.dev["keep"].write(keep, offset=row.slot * self.row_elems["keep"])
+        row.keep_written = row.keep
 
     def _write_sets(self) -> None:
         """Lay the resident sets side by side on the token axis and re-index every row."""
@@ -303,7 +294,6 @@ class RowScheduler:
             moved = self.active[last]
             for name, elems in self.row_elems.items():
                 self.dev[name].move(r * elems, last * elems, elems)
-            self.latents[r] = self.latents[last]
             self.uncond_index[r] = self.uncond_index[last]
             self.active[r] = moved
             moved.slot = r
@@ -316,64 +306,102 @@ class RowScheduler:
 
     # --- the step ----------------------------------------------------------------------------
 
+    def _prepare_rows(self, n: int, b: int, m: int) -> None:
+        """Scalars of every row of the bucket, and valid indices in its padding rows."""
+        for r, row in enumerate(self.active):
+            for name in STEP_SCALARS:
+                self.scalars[name][r] = getattr(row.schedule, "timesteps" if name == "timestep" else name)[row.step]
+        for name in STEP_SCALARS:
+            self.scalars[name][n:b] = self.scalars[name][0]  # padding: some valid step, ignored
+            self.dev[name].write(self.scalars[name][:b])
+        if b > n and (self.uncond_index[n:b] >= m).any():
+            self.uncond_index[n:b] = 0
+            self.dev["uncond_index"].write(self.uncond_index[n:b], offset=n)
+        # each row's self-attention pattern: its reference's while it keeps structure, or its own
+        if self.references:
+            self.self_ref[:b] = np.arange(b)
+            for r, row in enumerate(self.active):
+                if row.ref is not None and row.step < row.structure_end and row.ref.slot >= 0:
+                    self.self_ref[r] = row.ref.slot
+            self.dev["self_ref"].write(self.self_ref[:b])
+            self.refs_written = True
+        elif self.refs_written:  # back to every row its own, in every slot (padding included)
+            self.self_ref[:] = np.arange(self.max_rows)
+            self.dev["self_ref"].write(self.self_ref)
+            self.refs_written = False
+
+    def _blend(self, b: int) -> None:
+        """latents <- the rows' next latents, with the base's where a mask keeps it, on the device."""
+        latent = self.latent_elems
+        for r, row in enumerate(self.active):
+            if row.keep is not row.keep_written:
+                self._write_keep(row)
+            if row.keep is not None and row.record is None:
+                self.dev["base"].write(row.base.latent(row.step + 1)[0], offset=r * latent)
+            if row.corrections is not None:
+                self.dev["add"].write(row.corrections.correction(row.step), offset=r * latent)
+        self._blend_binding(b).run()
+
     def step(self) -> list[Row]:
         """Advance every admitted row by one step; return the rows that finished (removed)."""
         self._place_pending()
         n = len(self.active)
         if n == 0:
             return []
-        # At least one unconditional row is computed: ONNX Runtime's MatMul cannot broadcast
-        # the negative prompts' K/V over an empty batch.
+        b, m = self.bucket(n), len(self.sets)
+        # The call's last E rows take their unconditional prediction as given: rows at their
+        # entry step (placed last) and the bucket's padding. At least one row computes it
+        # (ONNX Runtime's MatMul cannot broadcast the sets over an empty batch); with buckets
+        # E is a power of two too, so a bucket has few variants.
         e = min(self.entry_rows, n - 1)
-        for r, row in enumerate(self.active):
-            for name in STEP_SCALARS:
-                self.scalars[name][r] = getattr(row.schedule, "timesteps" if name == "timestep" else name)[row.step]
-        self.dev["latents"].write(self.latents[:n])
-        for name in STEP_SCALARS:
-            self.dev[name].write(self.scalars[name][:n])
-        for j, row in enumerate(self.active[n - e :]):
-            self.dev["uncond_given"].write(row.entry_uncond, offset=j * self.latent_elems)
-        maps = self.maps_graph is not None and any(row.auto is not None and row.auto.wants_maps for row in self.active)
-        if self.references:  # each row's self-attention pattern: its reference's, or its own
-            self.self_ref[:n] = np.arange(n)
-            for r, row in enumerate(self.active):
-                if row.ref is not None and row.step < row.structure_end and row.ref.slot >= 0:
-                    self.self_ref[r] = row.ref.slot
-            self.dev["self_ref"].write(self.self_ref[:n])
-            self.refs_written = True
-        elif self.refs_written:  # back to every row its own, in every slot
-            self.self_ref[:] = np.arange(self.max_rows)
-            self.dev["self_ref"].write(self.self_ref)
-            self.refs_written = False
-        binding = self._binding(maps, n, e, len(self.sets))
+        if self.buckets is None:
+            given = e
+        else:
+            given = _floor_pow2(min(e + b - n, b - 1))
+        first_given = b - given
+        self._prepare_rows(n, b, m)
+        for r in range(max(first_given, n - e), n):
+            self.dev["uncond_given"].write(self.active[r].entry_uncond, offset=(r - first_given) * self.latent_elems)
+        wants_maps = [row for row in self.active if row.auto is not None and row.auto.wants_maps]
+        maps = self.maps_graph is not None and bool(wants_maps)
+        binding = self._binding(maps, b, given, m)
         start = time.perf_counter()
         binding.run()
-        self.stats.last_seconds = time.perf_counter() - start
-        self.dev["next_latents"].read(self.latents[:n])
-        for r, row in enumerate(self.active):
-            if maps and row.auto is not None and row.auto.wants_maps:
-                step_map = np.empty((self.text_len, *self.map_hw), dtype=np.float32)
-                self.dev["attn_maps"].read(step_map, offset=r * self.map_elems)
+        if maps:  # the masks grow from this step's maps before the blend uses them
+            step_maps = [np.empty((self.text_len, *self.map_hw), dtype=np.float32) for _ in wants_maps]
+            for row, step_map in zip(wants_maps, step_maps):
+                self.dev["attn_maps"].read_async(step_map, offset=row.slot * self.map_elems)
+            self._synchronize()
+            for row, step_map in zip(wants_maps, step_maps):
                 row.auto.add(step_map)
                 row.keep = row.auto.keep
-            if row.corrections is not None:
-                np.add(self.latents[r], row.corrections.correction(row.step), out=self.latents[r])
+        self._blend(b)
+        # What comes back: each generation's latent and u of this step, each finishing row's latent.
+        latent = self.latent_elems
+        reads = 0
+        for r, row in enumerate(self.active):
             if row.record is not None:
-                self.dev["uncond_out"].read(row.record.uncond[row.step], offset=r * self.latent_elems)
-                row.record.latents[row.step + 1] = self.latents[r]
-            elif row.keep is not None:
-                np.copyto(self.latents[r], row.base.latent(row.step + 1)[0], where=row.keep)
+                self.dev["uncond_out"].read_async(row.record.uncond[row.step], offset=r * latent)
+                self.dev["latents"].read_async(row.record.latents[row.step + 1], offset=r * latent)
+                reads += 1
+            if row.step + 1 == row.end:
+                self.dev["latents"].read_async(row.latent, offset=r * latent)
+                reads += 1
+        if reads:
+            self._synchronize()
+        self.stats.last_seconds = time.perf_counter() - start
+        for row in self.active:
             row.step += 1
         self.entry_rows = 0
         self.stats.calls += 1
         self.stats.map_calls += maps
         self.stats.row_steps += n
-        self.stats.uncond_rows_skipped += e
+        self.stats.rows_computed += b
+        self.stats.uncond_rows_skipped += max(0, n - max(first_given, n - e))
         self.stats.last_rows = n
         references = self.references  # reference rows advanced by this call
         finished = [row for row in self.active if row.step == row.end]
         for row in finished:
-            row.latent[...] = self.latents[row.slot]
             self.remove(row)
         if not references:
             return finished
@@ -384,9 +412,14 @@ class RowScheduler:
             self.remove(row)
         return [row for row in finished if not row.reference]
 
+    def _synchronize(self) -> None:
+        self.graph.synchronize()
+        self.stats.syncs += 1
+
     def free(self) -> None:
-        for binding in self.bindings.values():
+        for binding in [*self.bindings.values(), *self.blend_bindings.values()]:
             binding.free()
         self.bindings.clear()
+        self.blend_bindings.clear()
         for tensor in self.dev.values():
             tensor.free()

@@ -91,7 +91,7 @@ def test_a_row_whose_encoding_fails_in_the_batcher_fails_alone(pipeline, base_st
         assert "deadline" in str(waiting[0].future.exception(timeout=30))
     finally:
         batcher.stop()
-    assert not batcher._thread.is_alive()  # stopped on request, not by an error
+    assert not batcher.alive  # stopped on request, not by an error
 
 
 # --- 2. the store trusts nothing it did not verify --------------------------------------------
@@ -369,11 +369,11 @@ def test_fuzzed_prompts_never_get_a_5xx_or_a_traceback(server, model_dir, onnx_d
 
 
 def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"drain_timeout_s": 1.0, "max_steps": 400},
+    proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"drain_timeout_s": 1.0, "max_steps": 900},
                          base={"prompt": "x", "steps": STEPS, "width": 32, "height": 32})  # fmt: skip
     bid = _gen(proc.url).json()["id"]
     with ThreadPoolExecutor(3) as pool:
-        long_run = pool.submit(_gen, proc.url, 7, steps=400)  # seconds of work
+        long_run = pool.submit(_gen, proc.url, 7, steps=900)  # ~4 s of work: past the drain
         stream_lines = []
 
         def stream() -> None:

@@ -1,0 +1,96 @@
+"""What the step loop schedules: a :class:`Row` (an edit's tail or a base's generation), what a
+generation row records, the scheduler's counters, and the row buckets of the GPU backends.
+The scheduler itself is in slots.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .automask import AutoMask
+from .scheduler_ddim import DDIMSchedule
+from .state import KV, BaseState
+
+STEP_SCALARS = ("timestep", "alpha_t", "alpha_prev")
+
+
+@dataclass
+class Recording:
+    """What a generation row keeps: x_0..x_T and the unconditional prediction of each step."""
+
+    latents: np.ndarray  # [T + 1, c, h, w]
+    uncond: np.ndarray  # [T, c, h, w]
+
+
+@dataclass(eq=False)
+class Row:
+    """One row of the step loop: an edit's tail or a base's generation."""
+
+    schedule: DDIMSchedule
+    step: int  # the step this row runs next (its entry step until it has run one)
+    latent: np.ndarray  # [c, h, w]: x at ``step`` on admission; x_T when it finishes
+    guidance: float
+    kv: Sequence[np.ndarray]  # the row's K/V, one per step-graph K/V input, batch axis dropped
+    uncond: KV  # its negative prompt's K/V (B = 1)
+    entry_uncond: Optional[np.ndarray] = None  # [c, h, w]: u at the entry step, when the base kept it
+    keep: Optional[np.ndarray] = None  # [1, h, w] bool: True where the base's latent is kept
+    base: Optional[BaseState] = None  # what ``keep`` blends in
+    record: Optional[Recording] = None  # a generation: keep every latent and u
+    auto: Optional[AutoMask] = None  # preserve: auto; its mask becomes ``keep`` as maps arrive
+    corrections: Optional[BaseState] = None  # an inverted image's base: its d_i after each step i
+    conds: dict = field(default_factory=dict)  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
+    stop: Optional[int] = None  # finish before the schedule's end (an inversion's one-step rows)
+    # Structure keeping: until ``structure_end`` the row's self-attention takes its pattern from
+    # ``ref``, a reference row of the same base at the same step (the base's own tail).
+    ref: Optional["Row"] = None
+    structure_end: int = 0
+    reference: bool = False  # a reference row: nobody's result; it leaves once no row uses it
+    owner: Any = None  # the caller's (the batcher's job)
+    slot: int = field(default=-1, init=False)
+    set_key: str = field(default="", init=False)
+    keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds
+
+    @property
+    def end(self) -> int:
+        return self.schedule.num_inference_steps if self.stop is None else self.stop
+
+
+@dataclass
+class _Set:
+    kv: KV
+    users: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    calls: int = 0
+    map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)
+    reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
+    row_steps: int = 0  # rows advanced by one step, summed over calls
+    uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse
+    rows_computed: int = 0  # rows the calls ran, padding of a bucket included
+    syncs: int = 0  # host waits on the backend (one per step at most, plus maps steps)
+    bindings_made: int = 0
+    bindings_freed: int = 0
+    set_writes: int = 0  # rewrites of the negative-prompt sets (new or dropped sets)
+    last_rows: int = 0
+    last_joined: int = 0  # rows placed into slots at the start of the last call
+    last_seconds: float = 0.0
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Row buckets for a profile's [lo, hi]: the powers of two between, and both ends."""
+    out = {lo, hi}
+    b = 1
+    while b < hi:
+        if b >= lo:
+            out.add(b)
+        b *= 2
+    return tuple(sorted(out))
+
+
+def _floor_pow2(x: int) -> int:
+    return 0 if x <= 0 else 1 << (x.bit_length() - 1)

@@ -1,0 +1,393 @@
+"""The GPU path held against a simulated CUDA / TensorRT / ONNX Runtime CUDA runtime.
+
+``tests/fakegpu.py`` enforces the documented rules (stream ordering, capture modes, context
+state and ownership, engine dtypes, ``user_compute_stream``) and computes every kernel with the
+real ONNX graph, so breaking a rule shows up as a refusal or a wrong latent. Each test is named
+after the rule it holds; the reference is ONNX Runtime's CPU provider on the same graphs (which
+the exactness tests hold against diffusers).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from edit_rt.runtime import backend, backend_ort, cuda, graph_set
+from edit_rt.runtime.config import Mask
+from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.profiles import EditBatchProfile
+
+from . import fakegpu
+from .conftest import TEST_BASE
+from .server_process import free_port
+
+PROFILE = EditBatchProfile(1, 4, 8, 16, 16, 4, 2, vae_max_batch=4)
+FP16_KV = {g: {**{f"{k}_{i}": "float16" for i in range(8) for k in ("cond_k", "cond_v", "uncond_k", "uncond_v")}}
+           for g in ("unet_step", "unet_step_maps")}  # fmt: skip
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The simulated GPU in place of cuda-python, tensorrt and onnxruntime's CUDA provider."""
+    cudart = fakegpu.FakeCudart()
+    trt = fakegpu.FakeTensorRT(cudart)
+    ort = fakegpu.FakeOrt(cudart)
+    cuda.use_cudart(cudart)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(backend, "ort", ort)
+    monkeypatch.setattr(backend_ort, "ort", ort)
+    monkeypatch.setattr(graph_set, "gpu_name", lambda: "Simulated GPU")
+    yield SimpleNamespace(cudart=cudart, trt=trt, ort=ort)
+    cuda.use_cudart(None)
+
+
+@pytest.fixture(scope="module")
+def trt_dirs(onnx_dir, tmp_path_factory):
+    """Simulated plans: fp32 as exported, and a strongly typed fp16 engine's K/V inputs."""
+    manifest = load_manifest(onnx_dir)
+    root = tmp_path_factory.mktemp("sim-engines")
+    fakegpu.write_trt_engines(manifest, root / "fp32" / "trt", PROFILE)
+    fakegpu.write_trt_engines(manifest, root / "fp16" / "trt", PROFILE, dtypes=FP16_KV)
+    return {"fp32": root / "fp32", "fp16": root / "fp16"}
+
+
+def _rows(g: float = TEST_BASE.guidance) -> list[TailRow]:
+    return [
+        TailRow("a blue square", 1.0, 4, g),
+        TailRow("a green circle", 0.5, 7, 3.0),
+        TailRow("a green circle", 1.5, 2, g),
+        TailRow("a yellow triangle", 1.0, 4, g, mask=Mask(0, 0, 16, 16)),
+        TailRow("a blue square", 1.0, 6, g, seed=11),
+    ]
+
+
+def _trt(onnx_dir, engines_dir, **kw) -> EditPipeline:
+    return EditPipeline(onnx_dir, backend="trt", engines_dir=engines_dir, batch_profile=(1, 4, 8), image_size=(32, 32),
+                        vae_max_batch=4, **kw)  # fmt: skip
+
+
+# --- the simulator's own rules (so a test below can trust it) ------------------------------------
+
+
+def test_simulator_a_host_read_before_the_stream_runs_sees_the_old_bytes(gpu):
+    stream = cuda.CudaStream()
+    tensor = cuda.CudaTensor(4, np.float32, stream)
+    tensor.write(np.arange(4, dtype=np.float32))
+    out = np.full(4, -1, dtype=np.float32)
+    tensor.read_async(out)
+    assert (out == -1).all()  # queued, not landed
+    stream.synchronize()
+    np.testing.assert_array_equal(out, np.arange(4))
+
+
+def test_simulator_refuses_a_global_capture_while_another_thread_allocates(gpu):
+    rt = gpu.cudart
+    stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)[1]
+    assert rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)[0] is rt.cudaError_t.cudaSuccess
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(err=rt.cudaMalloc(64)[0]))
+    thread.start()
+    thread.join()
+    assert result["err"] is rt.cudaError_t.cudaErrorStreamCaptureUnsupported
+    assert rt.cudaStreamEndCapture(stream)[0] is rt.cudaError_t.cudaErrorStreamCaptureInvalidated
+
+
+# --- CUDA: capture ---------------------------------------------------------------------------------
+
+
+def test_capture_is_thread_local_so_other_threads_may_allocate(gpu):
+    stream = cuda.CudaStream()
+    tensor = cuda.CudaTensor(4, np.float32, stream)
+    other = {}
+
+    def enqueue():
+        tensor.move(0, 0, 4)
+        worker = threading.Thread(target=lambda: other.update(t=cuda.CudaTensor(8, np.float32, stream)))
+        worker.start()
+        worker.join()
+
+    graph = cuda.CudaGraph(stream, enqueue)  # runs once, then captures a second run
+    graph.launch()
+    stream.synchronize()
+    assert other["t"].ptr and gpu.cudart.counts["captured"] == 1
+    graph.free()
+
+
+def test_a_failed_capture_reports_the_enqueue_error_not_the_capture_error(gpu):
+    stream = cuda.CudaStream()
+    calls = []
+
+    def enqueue():
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("the engine refused this launch")
+
+    with pytest.raises(ValueError, match="the engine refused this launch"):
+        cuda.CudaGraph(stream, enqueue)
+    assert all(s.capture is None for s in gpu.cudart.streams.values())  # the capture was ended
+
+
+def test_the_stream_is_non_blocking_and_host_copies_are_pinned(gpu):
+    stream = cuda.CudaStream()
+    assert gpu.cudart.streams[stream.handle].blocking is False
+    tensor = cuda.CudaTensor(16, np.float32, stream)
+    host = np.arange(16, dtype=np.float32)
+    tensor.write(host)
+    host[...] = 0  # reusing the host array at once must not change what lands
+    out = np.empty(16, dtype=np.float32)
+    tensor.read(out)
+    np.testing.assert_array_equal(out, np.arange(16))
+    assert gpu.cudart.counts.get("memcpy_pageable_to_device", 0) == 0
+    assert gpu.cudart.counts["memcpy_pinned_to_device"] >= 1 and gpu.cudart.counts["memcpy_device_to_pinned"] >= 1
+
+
+# --- TensorRT: contexts, buckets, dtypes, one stream -----------------------------------------------
+
+
+def test_a_graph_is_never_replayed_on_a_context_another_bucket_reshaped(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    """Tails of 1..8 rows, each bucket captured once: every replay finds its own context's
+    shapes and addresses (the simulator refuses any other), and the latents equal ort-cpu's."""
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        for n in (1, 3, 5, 2, 8, 3):
+            rows = [TailRow(f"edit {k}", 1.0, TEST_BASE.steps - 3, TEST_BASE.guidance) for k in range(n)]
+            np.testing.assert_allclose(pipe.run_tail(base_state, rows), pipeline.run_tail(base_state, rows), atol=1e-5)
+        scheduler = pipe.batchers[tuple(base_state.latents.shape[1:])].scheduler
+        assert gpu.cudart.counts["captured"] == len(scheduler.bindings) + len(scheduler.blend_bindings)
+        assert gpu.cudart.counts["cudaGraphLaunch"] > gpu.cudart.counts["captured"]  # replays happened
+
+
+def test_rows_run_at_padded_buckets_and_padding_changes_no_row(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        assert pipe.buckets == (1, 2, 4, 8)
+        ours = pipe.run_tail(base_state, _rows())  # 5 rows: the 8 bucket, 3 padding rows
+        stats = pipe.batchers[tuple(base_state.latents.shape[1:])].scheduler.stats
+        assert stats.rows_computed > stats.row_steps
+        np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+
+
+def test_every_context_uses_the_one_shared_device_memory_block(gpu, trt_dirs, onnx_dir, base_state):
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        pipe.run_tail(base_state, _rows())
+        blocks = {c.device_memory for c in gpu.trt.contexts}
+        assert len(gpu.trt.contexts) > 3 and len(blocks) == 1
+        assert all(c.strategy == "USER_MANAGED" for c in gpu.trt.contexts)
+
+
+def test_buffers_take_the_engine_dtypes(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    """An engine whose K/V inputs are fp16 gets fp16 slots: the same edit within fp16's error."""
+    with _trt(onnx_dir, trt_dirs["fp16"]) as pipe:
+        scheduler = pipe.batcher(base_state.latents.shape[1:]).scheduler
+        assert scheduler.dev["cond_k_0"].dtype == np.float16 and scheduler.dev["latents"].dtype == np.float32
+        ours = pipe.run_tail(base_state, _rows())
+    reference = pipeline.run_tail(base_state, _rows())
+    # fp16 K/V (10-bit mantissa) through up to 8 steps; wrong bytes would be O(1) off
+    np.testing.assert_allclose(ours, reference, atol=5e-2)
+    assert np.abs(ours - reference).max() > 0  # it did run in fp16
+
+
+def test_maps_steps_and_slot_writes_share_one_stream(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    """preserve: auto rows run the maps graph on the same stream the slots are written on."""
+    rows = [TailRow("a red square on a blue background", 1.0, 3, TEST_BASE.guidance, preserve="auto"),
+            TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]  # fmt: skip
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        ours = pipe.edit(base_state, rows, decode=False)
+        assert pipe.graphs["unet_step_maps"].device is pipe.graphs["unet_step"].device
+    reference = pipeline.edit(base_state, rows, decode=False)
+    for a, b in zip(ours, reference):
+        np.testing.assert_allclose(a.latent, b.latent, atol=1e-5)
+        assert (a.keep is None) == (b.keep is None) and (a.keep is None or (a.keep == b.keep).all())
+
+
+def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_state):
+    """A steady step sends only the per-row scalars and brings nothing back."""
+    rows = [TailRow(f"e{k}", 1.0, 2, TEST_BASE.guidance) for k in range(4)]
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        batcher = pipe.batcher(base_state.latents.shape[1:])
+        from edit_rt.runtime.batcher import Job, Request
+
+        request = Request("steady", decode=False)
+        jobs = [Job(request, i, base_state.base, row, state=base_state) for i, row in enumerate(rows)]
+        batcher.submit(request, jobs)
+        batcher.work_once()  # admission and the entry step
+        rt = gpu.cudart
+        before = dict(rt.counts)
+        syncs = batcher.scheduler.stats.syncs
+        batcher.work_once()  # a steady step: 4 rows in the 4 bucket
+        after = rt.counts
+        sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("memcpy")}
+        assert sent.get("memcpy_pinned_to_device", 0) == 3  # timestep, alpha_t, alpha_prev
+        assert sent.get("memcpy_device_to_pinned", 0) == 0 and batcher.scheduler.stats.syncs == syncs
+        while not all(j.future.done() for j in jobs):
+            batcher.work_once()
+        assert all(j.future.result().latent.shape == base_state.latents.shape[1:] for j in jobs)
+
+
+def test_vae_decodes_in_chunks_of_its_own_profile(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    latents = np.repeat(base_state.final_latent, 6, axis=0)  # 6 rows; the VAE profile takes 4
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        images = pipe.decode(latents)
+    np.testing.assert_allclose(images, pipeline.decode(latents), atol=1e-5)
+
+
+def test_exactness_holds_on_the_simulated_gpu(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    """Generation equals ort-cpu's (which equals diffusers'), an identity edit reproduces the
+    base, and a batch equals its rows run alone."""
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        state = pipe.generate_base(TEST_BASE)
+        np.testing.assert_allclose(state.latents, base_state.latents, atol=1e-5)
+        identity = pipe.run_tail(state, [TailRow(TEST_BASE.prompt, 0.0, s, TEST_BASE.guidance) for s in (2, 5)])
+        np.testing.assert_allclose(identity, np.repeat(state.final_latent, 2, axis=0), atol=1e-5)
+        batched = pipe.run_tail(state, _rows())
+        alone = np.concatenate([pipe.run_tail(state, [row]) for row in _rows()])
+        np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
+# --- ONNX Runtime's CUDA provider ------------------------------------------------------------------
+
+
+def test_ort_cuda_computes_on_the_runtime_stream(gpu, onnx_dir, pipeline, base_state):
+    """With cuda-python the slots are copied on the runtime's stream, which every session is
+    given as user_compute_stream: a session on its own stream would read unwritten slots."""
+    with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        streams = {s.stream.handle for s in gpu.ort.sessions}
+        assert streams == {pipe.graphs["unet_step"].device.stream.handle}
+        ours = pipe.run_tail(base_state, _rows())
+        images = pipe.decode(ours)
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+    np.testing.assert_allclose(images, pipeline.decode(ours), atol=1e-5)
+
+
+def test_ort_cuda_runs_without_cuda_python(gpu, onnx_dir, pipeline, base_state):
+    cuda.use_cudart(None)  # as with onnxruntime-gpu alone: cuda-python is not installed here
+    assert not backend.cuda_python_available()
+    with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        assert pipe.graphs["unet_step"].device.stream is None
+        ours = pipe.run_tail(base_state, _rows())
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+
+
+def test_only_backends_that_can_start_are_listed(gpu, monkeypatch):
+    report = backend.backend_report()
+    assert report["ort-cuda"][0] and report["trt"][0] and report["ort-cpu"][0]
+
+    def no_device(*args, **kwargs):
+        raise RuntimeError("CUDA failure 100: no CUDA-capable device is detected")
+
+    # onnxruntime-gpu installed (the provider is listed) on a machine without a usable GPU
+    monkeypatch.setattr(gpu.ort.OrtValue, "ortvalue_from_shape_and_type", staticmethod(no_device))
+    monkeypatch.setattr(gpu.cudart, "cudaGetDeviceCount", lambda: (fakegpu.cudaError_t.cudaErrorNoDevice, 0))
+    report = backend.backend_report()
+    assert "CUDAExecutionProvider" in gpu.ort.get_available_providers()
+    assert not report["ort-cuda"][0] and "cannot reach a CUDA device" in report["ort-cuda"][1]
+    assert not report["trt"][0] and "no usable NVIDIA GPU" in report["trt"][1]
+    assert set(backend.available_backends()) == {"ort-cpu"}
+
+
+def test_ort_tensorrt_takes_each_graphs_precision(monkeypatch, onnx_dir):
+    manifest = load_manifest(onnx_dir)
+    monkeypatch.setattr(graph_set, "select_backend", lambda requested, built: ("ort-tensorrt", "test"))
+    monkeypatch.setitem(manifest.data["family"], "vae_force_upcast", True)
+    graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp16").graphs
+    fp16 = {g: graph.provider_options["trt_fp16_enable"] for g, graph in graphs.items()}
+    assert fp16 == {"text_encoder": "True", "kv_proj": "True", "unet_step": "True", "unet_step_maps": "True",
+                    "latent_blend": "False", "vae_decoder": "False", "vae_encoder": "False"}  # fmt: skip
+    monkeypatch.setitem(manifest.data["family"], "upcast_attention", True)  # SD 2.x: no per-layer pinning in the EP
+    graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp32").graphs
+    assert {graph.provider_options["trt_fp16_enable"] for graph in graphs.values()} == {"False"}
+
+
+# --- one engine thread -------------------------------------------------------------------------------
+
+
+def _png(array: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, model_dir, tmp_path):
+    """A real server on loopback on the simulated trt backend, with concurrent generations,
+    uploads (inversion) and edits: every context is made and used on one thread (the simulator
+    refuses any other), and every kernel was launched from it."""
+    import uvicorn
+
+    from edit_rt.runtime.config import load_config
+    from edit_rt.runtime.server import create_app
+
+    build = tmp_path / "build"
+    (build / model_dir.name).mkdir(parents=True)
+    (build / model_dir.name / "onnx").symlink_to(onnx_dir)
+    (build / model_dir.name / "engines").symlink_to(trt_dirs["fp32"])
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir), "build_dir": str(build), "backend": "trt",
+        "base": {"prompt": "x", "steps": 6, "guidance": 7.5, "width": 32, "height": 32},
+        "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "vae_max_batch": 4},
+        "serve": {"port": port},
+    }))  # fmt: skip
+    cfg = load_config(config)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        rng = np.random.default_rng(0)
+        uploads = [_png(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(2)]
+
+        def generate(k):
+            r = httpx.post(url + "/v1/images/generations", json={"prompt": f"a red circle {k}", "seed": k}, timeout=120)
+            assert r.status_code == 200, r.text
+            bid = r.json()["id"]
+            r = httpx.post(url + "/v1/images/edits", json={"base_id": bid, "edits": [{"prompt": "a blue square"},
+                           {"prompt": "a green circle", "strength": 0.5}]}, timeout=120)  # fmt: skip
+            assert r.status_code == 200, r.text
+            return len(r.json()["data"])
+
+        def upload(k):
+            r = httpx.post(url + "/v1/images/edits", json={"image": uploads[k], "source_prompt": "a circle",
+                           "edits": [{"prompt": "a square"}]}, timeout=120)  # fmt: skip
+            assert r.status_code == 200, r.text
+            return len(r.json()["data"])
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(generate, k) for k in range(4)] + [pool.submit(upload, k) for k in range(2)]
+            assert [f.result() for f in futures] == [2, 2, 2, 2, 1, 1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    assert {c.owner_name for c in gpu.trt.contexts} == {"edit-rt-engine"}
+    assert gpu.cudart.kernel_threads == {"edit-rt-engine"}
+
+
+def test_the_prepared_gpu_check_passes_on_the_simulator(gpu):
+    """scripts/gpu_cuda_check.py (run by scripts/gpu_check.sh on a real GPU) on the simulator."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_cuda_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_cuda_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.run_checks()
+    assert report["passed"], report
