@@ -36,9 +36,9 @@ import onnxruntime as ort
 import torch
 
 from edit_rt.runtime.config import RunConfig
-from edit_rt.runtime.batcher import Job, Request
+from edit_rt.runtime.jobs import Job, Request
 from edit_rt.runtime.pipeline import EditPipeline
-from edit_rt.runtime.run import pipeline_of
+from edit_rt.runtime.assemble import pipeline_of
 from edit_rt.runtime.state import TailRow
 
 log = logging.getLogger(__name__)

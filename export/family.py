@@ -145,9 +145,3 @@ def quiet() -> None:
     diffusers.utils.logging.set_verbosity_error()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-def family_module(family: str):
-    from . import family_sd, family_sdxl
-
-    return {"sd": family_sd, "sdxl": family_sdxl}[family]

@@ -25,7 +25,8 @@ from edit_rt.runtime.errors import ModelError
 from edit_rt.runtime.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
 from . import family_sd
-from .family import family_module, family_of
+from .families import family_module
+from .family import family_of
 from .graphs import (
     KVProjGraph,
     LatentBlendGraph,

@@ -31,7 +31,8 @@ from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.manifest import Manifest, load_manifest
 from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
 
-from .family import family_module, family_of
+from .families import family_module
+from .family import family_of
 from .graphs import KVProjGraph, LatentBlendGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per

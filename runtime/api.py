@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .uploads import ImageInputError, decode_base64
+
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # OpenAI's own image model names: a client that sends one means "the served model".
 OPENAI_MODELS = frozenset({"dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5"})
@@ -241,3 +243,10 @@ def validation_error(errors: Sequence[dict]) -> ApiError:
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ApiError(400, message + more, param=param, code=first.get("type"))
+
+
+def decode_base64_or_400(data: str) -> bytes:
+    try:
+        return decode_base64(data, "image")
+    except ImageInputError as err:
+        raise ApiError(err.status, str(err), param="image", code="invalid_image") from None

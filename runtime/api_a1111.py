@@ -25,9 +25,8 @@ from fastapi import APIRouter, Request as HttpRequest
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api import ApiError, errors
+from .api import ApiError, decode_base64_or_400, errors
 from .pnginfo import base_id_of
-from .api_openai import decode_base64_or_400
 from .service import EditSpec, Service, b64
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has

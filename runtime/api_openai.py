@@ -27,11 +27,11 @@ from .api import (
     GenerationResponse,
     ModelCard,
     ModelList,
+    decode_base64_or_400,
     errors,
 )
 from .config import Mask
 from .service import EditSpec, Event, Service, b64
-from .uploads import ImageInputError, decode_base64
 
 COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
@@ -48,13 +48,6 @@ def reencode(png: bytes, output_format: str) -> bytes:
     out = io.BytesIO()
     Image.open(io.BytesIO(png)).convert("RGB").save(out, format=output_format.upper())
     return out.getvalue()
-
-
-def decode_base64_or_400(data: str) -> bytes:
-    try:
-        return decode_base64(data, "image")
-    except ImageInputError as err:
-        raise ApiError(err.status, str(err), param="image", code="invalid_image") from None
 
 
 def openai_routes(service: Service) -> APIRouter:

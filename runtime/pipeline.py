@@ -18,15 +18,17 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from .batcher import Batcher, Job, Request
+from .batcher import Batcher
 from .automask import AutoMask
 from .engine_thread import EngineThread
 from .config import Base, Mask, Preserve
 from .images import composite, feathered_rectangle, upsample_weight
+from .jobs import Job, Request
 from .errors import ArtifactError, ConfigError
 from .graph_set import GraphSet, graphs_from_artifacts
 from .manifest import Manifest, load_manifest, model_files
 from .profiles import EditBatchProfile
+from .resolve import RowResolver
 from .scheduler_ddim import DDIMConfig
 from .rows import pow2_buckets
 from .slots import RowScheduler
@@ -103,6 +105,7 @@ class EditPipeline:
                         if buckets == "pow2" or (buckets == "auto" and gpu) else None)  # fmt: skip
         # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
         self.engine = EngineThread()
+        self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
         self.reuse_entry = reuse_entry
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
@@ -276,7 +279,7 @@ class EditPipeline:
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
         latent_shape = tuple(latent_shape)
         if latent_shape not in self.batchers:
-            self.batchers[latent_shape] = Batcher(self, self.new_scheduler(latent_shape), engine=self.engine)
+            self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape), engine=self.engine)
         return self.batchers[latent_shape]
 
     def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress]) -> list:

@@ -22,14 +22,14 @@ from typing import Any, Callable, Iterator
 import onnxruntime
 
 from . import __version__
+from .assemble import pipeline_of, store_of
 from .config import Edit, RunConfig
-from .errors import ArtifactError, ConfigError
+from .errors import ConfigError
 from .images import contact_sheet, save_png
 from .pnginfo import base_fields, edit_fields, parameters_text
-from .pipeline import EditPipeline
 from .state import TailRow
 from .uploads import ImageInputError, Upload, image_from_bytes
-from .store import BaseStore, base_id
+from .store import base_id
 
 log = logging.getLogger(__name__)
 
@@ -86,39 +86,6 @@ def writable_or_refuse(folder: Path, field: str) -> None:
             pass
     except OSError as err:
         raise ConfigError(f"{field}: {folder} is not a writable folder ({err.strerror}); pick another") from None
-
-
-def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
-    s = cfg.store
-    return BaseStore(fingerprint, int(s.ram_mb * 2**20), s.disk_dir, int(s.disk_mb * 2**20),
-                     s.latents_precision, s.kv_precision)  # fmt: skip
-
-
-def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
-    return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
-
-
-def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
-    """The config's pipeline (not activated): its graphs, backend, profile and image size."""
-    e = cfg.engines
-    options = dict(
-        threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
-        image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
-        precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
-    )  # fmt: skip
-    pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
-    exported = pipe.manifest.data["model"].get("variant")
-    if exported != cfg.export.variant:  # the same folder, other weights files
-        raise ArtifactError(f"{cfg.onnx_dir} was exported from the {exported or 'default'} weights and export.variant "
-                            f"is {cfg.export.variant!r}; re-run `make export` (edit-rt export CONFIG)")  # fmt: skip
-    skips = pipe.family["clip_skips"]
-    if cfg.base.clip_skip >= skips:
-        raise ConfigError(f"base.clip_skip: {cfg.base.clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
-    if not any(c["source"] == "time_ids" for c in pipe.conds):
-        for name in ("original_width", "original_height"):
-            if getattr(cfg.base, name) is not None:
-                raise ConfigError(f"base.{name}: only SDXL models take size conditioning; remove it")
-    return pipe
 
 
 def tail_rows(cfg: RunConfig) -> list[TailRow]:

@@ -24,13 +24,14 @@ import numpy as np
 from fastapi import Request as HttpRequest
 
 from .api import ApiError
-from .batcher import Batcher, CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
+from .batcher import Batcher
+from .jobs import CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
 from .config import Base, Mask, RunConfig
 from .images import png_bytes
 from .metrics import Metrics
 from .pipeline import EditPipeline
 from .pnginfo import base_fields, edit_fields, parameters_text
-from .run import pipeline_of, store_of
+from .assemble import pipeline_of, store_of
 from .state import BaseState, TailRow
 from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
 from .uploads import ImageInputError, Upload, image_from_bytes

@@ -7,14 +7,15 @@ import time
 
 import numpy as np
 
-from edit_rt.runtime.batcher import Batcher, CancelledError, Job, Request
+from edit_rt.runtime.batcher import Batcher
+from edit_rt.runtime.jobs import CancelledError, Job, Request
 from edit_rt.runtime.pipeline import TailRow
 
 from .conftest import TEST_BASE
 
 
 def _batcher(pipeline, base_state, max_rows: int) -> Batcher:
-    return Batcher(pipeline, pipeline.new_scheduler(base_state.latents.shape[1:], max_rows), queue_limit=64).start()
+    return Batcher(pipeline.resolver, pipeline.new_scheduler(base_state.latents.shape[1:], max_rows), queue_limit=64).start()
 
 
 def _edit(request, i, state, prompt="a blue square", start=5, **kw) -> Job:

@@ -216,7 +216,7 @@ def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_
     rows = [TailRow(f"e{k}", 1.0, 2, TEST_BASE.guidance) for k in range(4)]
     with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
         batcher = pipe.batcher(base_state.latents.shape[1:])
-        from edit_rt.runtime.batcher import Job, Request
+        from edit_rt.runtime.jobs import Job, Request
 
         request = Request("steady", decode=False)
         jobs = [Job(request, i, base_state.base, row, state=base_state) for i, row in enumerate(rows)]

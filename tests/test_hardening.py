@@ -22,7 +22,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edit_rt.runtime.batcher import Batcher, Job, Request
+from edit_rt.runtime.batcher import Batcher
+from edit_rt.runtime.jobs import Job, Request
 from edit_rt.runtime.config import Base, config_from_dict
 from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.state import TailRow
@@ -76,7 +77,7 @@ def test_a_prompt_the_tokenizer_cannot_take_fails_alone(server):
 def test_a_row_whose_encoding_fails_in_the_batcher_fails_alone(pipeline, base_state):
     """Past the API's checks, a row the text encoder refuses resolves with its own error while
     the rows admitted with it finish."""
-    batcher = Batcher(pipeline, pipeline.new_scheduler(base_state.latents.shape[1:], 8)).start()
+    batcher = Batcher(pipeline.resolver, pipeline.new_scheduler(base_state.latents.shape[1:], 8)).start()
     try:
         request = Request("mixed")
         jobs = [Job(request, i, base_state.base, TailRow(p, 1.0, 6, TEST_BASE.guidance), state=base_state)

@@ -27,7 +27,8 @@ from edit_rt.export.kv_traffic import kv_traffic
 from edit_rt.export.parity import random_feeds
 from edit_rt.runtime import slots
 from edit_rt.runtime.backend_ort import OrtGraph
-from edit_rt.runtime.batcher import Batcher, Job, Request
+from edit_rt.runtime.batcher import Batcher
+from edit_rt.runtime.jobs import Job, Request
 from edit_rt.runtime.device import HostTensor
 from edit_rt.runtime.manifest import load_manifest
 from edit_rt.runtime.state import TailRow
@@ -100,7 +101,7 @@ def test_a_step_writes_latents_and_scalars_only_kv_once_per_row(pipeline, base_s
     shape = base_state.latents.shape[1:]
     graph = CountingGraph(pipeline.graphs["unet_step"])
     scheduler = pipeline.new_scheduler(shape, max_rows=8, graph=graph)
-    batcher = Batcher(pipeline, scheduler)
+    batcher = Batcher(pipeline.resolver, scheduler)
     latent = 4 * math.prod(shape)
     kv_row = sum(t[0].nbytes for t in base_state.cond_kv.tensors)
     set_bytes = base_state.uncond_kv.nbytes
@@ -164,7 +165,7 @@ def test_bindings_are_reused_bounded_and_freed(pipeline, base_state):
     graph = CountingGraph(pipeline.graphs["unet_step"])
     scheduler = pipeline.new_scheduler(base_state.latents.shape[1:], max_rows=8, graph=graph)
     scheduler.max_bindings = 6
-    batcher = Batcher(pipeline, scheduler)
+    batcher = Batcher(pipeline.resolver, scheduler)
     rng = np.random.default_rng(0)
     T = TEST_BASE.steps
     for k in range(100):
@@ -201,7 +202,7 @@ def test_every_binding_reads_the_same_resident_slots(pipeline, base_state):
             return graph.bind(inputs, outputs)
 
     scheduler = pipeline.new_scheduler(base_state.latents.shape[1:], max_rows=8, graph=Spy())
-    batcher = Batcher(pipeline, scheduler)
+    batcher = Batcher(pipeline.resolver, scheduler)
     for n in (1, 3, 5):
         request = Request(f"n{n}", decode=False)
         batcher.run(request, _edits(base_state, request, [f"e{j}" for j in range(n)], 6))
@@ -241,7 +242,7 @@ def test_more_negative_prompts_than_sets_wait_and_match_alone(pipeline, base_sta
               for neg, s in (("noise", 4), ("dark", 5))]  # fmt: skip
     scheduler = pipeline.new_scheduler(base_state.latents.shape[1:], max_rows=8)
     scheduler.max_sets = 2
-    batcher = Batcher(pipeline, scheduler)
+    batcher = Batcher(pipeline.resolver, scheduler)
     request = Request("sets", decode=False)
     jobs = [Job(request, i, s.base, TailRow("a green triangle", 1.0, 3, TEST_BASE.guidance), state=s)
             for i, s in enumerate([base_state, *others])]  # fmt: skip

@@ -1,0 +1,44 @@
+"""What a run config builds: its pipeline (graphs, backend, profile, size) and its store.
+
+Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the bench.
+"""
+
+from __future__ import annotations
+
+from .config import RunConfig
+from .errors import ArtifactError, ConfigError
+from .pipeline import EditPipeline
+from .store import BaseStore
+
+
+def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
+    s = cfg.store
+    return BaseStore(fingerprint, int(s.ram_mb * 2**20), s.disk_dir, int(s.disk_mb * 2**20),
+                     s.latents_precision, s.kv_precision)  # fmt: skip
+
+
+def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
+    return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
+
+
+def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
+    """The config's pipeline (not activated): its graphs, backend, profile and image size."""
+    e = cfg.engines
+    options = dict(
+        threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
+        image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
+        precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
+    )  # fmt: skip
+    pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+    exported = pipe.manifest.data["model"].get("variant")
+    if exported != cfg.export.variant:  # the same folder, other weights files
+        raise ArtifactError(f"{cfg.onnx_dir} was exported from the {exported or 'default'} weights and export.variant "
+                            f"is {cfg.export.variant!r}; re-run `make export` (edit-rt export CONFIG)")  # fmt: skip
+    skips = pipe.family["clip_skips"]
+    if cfg.base.clip_skip >= skips:
+        raise ConfigError(f"base.clip_skip: {cfg.base.clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
+    if not any(c["source"] == "time_ids" for c in pipe.conds):
+        for name in ("original_width", "original_height"):
+            if getattr(cfg.base, name) is not None:
+                raise ConfigError(f"base.{name}: only SDXL models take size conditioning; remove it")
+    return pipe

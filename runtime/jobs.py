@@ -1,0 +1,82 @@
+"""What the step loop's callers hand it and get back: a :class:`Request` of :class:`Job` rows,
+each resolving to a :class:`RowResult`, and the loop's own refusals. Data only: the loop
+(batcher.py), the resolver (resolve.py) and the pipeline all speak it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import Base
+from .errors import EditRtError
+from .rows import Recording, Row
+from .state import BaseState, TailRow
+
+
+class QueueFullError(EditRtError):
+    """The queue holds ``queue_limit`` rows already; retry later."""
+
+
+class ShuttingDownError(EditRtError):
+    """The batcher is stopping and takes no new work."""
+
+
+class CancelledError(EditRtError):
+    """The request was cancelled (client disconnected) or passed its deadline."""
+
+
+class RowError(EditRtError):
+    """This row could not be run (its input, not the server); the message says why."""
+
+
+@dataclass
+class RowResult:
+    latent: np.ndarray  # x_T, [c, h, w]
+    image: Optional[np.ndarray]  # [H, W, 3] in [0, 1] when the request asked for images
+    state: Optional[BaseState]  # a generation's recorded state
+    seconds: float
+    preserve: str = "none"  # what the row's preserve mode came to ("auto", or why none)
+    keep: Optional[np.ndarray] = None  # [1, h, w] bool: where the row kept the base's latent
+    record: Optional[Recording] = None  # what a recording row kept (inversion, its corrections)
+
+
+@dataclass
+class Job:
+    """One row: an edit of ``state``, or (``state`` None) the generation of base ``base``."""
+
+    request: "Request"
+    index: int
+    base: Base
+    row: TailRow
+    state: Optional[BaseState] = None
+    noise: Optional[np.ndarray] = None  # generation: x_0, [1, c, h, w]
+    future: Future = field(default_factory=Future)
+    started: float = 0.0
+    scheduled: Optional[Row] = None
+    preserve: str = "none"
+    # "": an edit (state) or a generation (noise); "invert": DDIM inversion of the image latent
+    # ``noise`` over steps row.start_step..T-1; "correct": one forward step of ``state`` from
+    # step row.start_step (pipeline.invert's two phases)
+    kind: str = ""
+
+
+@dataclass
+class Request:
+    """A group of rows submitted together; cancelling it drops all of them."""
+
+    id: str
+    deadline: float = float("inf")
+    on_progress: Optional[Callable[[int, int, int], None]] = None  # (index, step, of)
+    decode: bool = True  # images for the results (the server); latents only otherwise
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    pending: deque = field(default_factory=deque)
+
+    def expired(self) -> bool:
+        return self.cancelled.is_set() or time.monotonic() > self.deadline

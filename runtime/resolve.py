@@ -1,0 +1,194 @@
+"""Where an edit becomes rows: the resolver between the jobs callers submit and the step loop.
+
+:class:`RowResolver` is what the :class:`~edit_rt.runtime.batcher.Batcher` calls, and the only
+thing of the model it sees:
+
+- :meth:`RowResolver.rows`: each job's :class:`~edit_rt.runtime.rows.Row`: its prompt's K/V
+  (one batched encoding per kind; a prompt the text encoder refuses fails its own rows only),
+  mixed by strength with the base's (``K_base + s (K_edit - K_base)``), its entry latent (the
+  base's x_s, or re-noised for a seeded variation), mask, ``preserve: auto`` maps, structure
+  window, and what a generation or an inversion records;
+- :meth:`RowResolver.reference`: the reference row of a group that keeps its base's structure;
+- :meth:`RowResolver.results`: what finished rows give back (decoded and composited images,
+  a generation's base state).
+
+It works on a model object with the pipeline's text and image calls (:class:`Model`); it
+imports neither the pipeline nor the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from .errors import EditRtError
+from .jobs import Job, RowError, RowResult
+from .rows import Recording, Row
+from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
+from .state import KV, BaseState, TailRow
+
+log = logging.getLogger(__name__)
+
+
+class Model(Protocol):
+    """The pipeline's calls the resolver makes (pipeline.py's EditPipeline has them)."""
+
+    ddim_config: Any
+    pooled: list[str]
+    manifest: Any
+
+    def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False) -> KV: ...
+    def row_conds(self, base: Any, kv: KV) -> dict[str, np.ndarray]: ...
+    def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Any, str]: ...
+    def keep_mask(self, mask: Any, latent_shape: Sequence[int]) -> Optional[np.ndarray]: ...
+    def decode(self, latents: np.ndarray) -> np.ndarray: ...
+    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray: ...
+
+
+class RowResolver:
+    def __init__(self, model: Model):
+        self.model = model
+
+    # --- jobs -> rows ---------------------------------------------------------------------------
+
+    def rows(self, jobs: list[Job]) -> tuple[list[tuple[Job, Row]], list[tuple[Job, Exception]]]:
+        """Each job's row, or the error that refuses it (the job's input, not the server's)."""
+        kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}))
+        built, failed = [], []
+        for job in jobs:
+            try:
+                built.append((job, self._row(job, kv)))
+            except Exception as err:  # this row's input: fail it alone
+                log.info("row %s/%d refused: %s", job.request.id, job.index, err)
+                failed.append((job, err if isinstance(err, EditRtError) else RowError(f"{type(err).__name__}: {err}")))
+        return built, failed
+
+    def _encode(self, keys: list[tuple[str, int, bool]]) -> dict[tuple, KV | Exception]:
+        """K/V per (prompt, clip_skip, negative), one batched encoding per kind; a prompt that
+        fails is retried alone, so only its own rows fail."""
+        out: dict[tuple, KV | Exception] = {}
+        for kind in sorted({(skip, negative) for _, skip, negative in keys}):
+            prompts = [p for p, skip, negative in keys if (skip, negative) == kind]
+            try:
+                kv = self.model.kv_from_prompts(prompts, *kind)
+                out.update({(p, *kind): kv.row(k) for k, p in enumerate(prompts)})
+            except Exception:
+                for p in prompts:
+                    try:
+                        out[(p, *kind)] = self.model.kv_from_prompts([p], *kind)
+                    except Exception as err:  # the tokenizer or text encoder refused this text
+                        out[(p, *kind)] = err
+        return out
+
+    @staticmethod
+    def _needs(job: Job) -> list[tuple[str, int, bool]]:
+        """The encodings a job's row needs: its prompt (at its base's clip_skip) and, for a row
+        that starts a base, the negative prompt."""
+        keys = [(job.row.prompt, job.base.clip_skip, False)]
+        if job.state is None:
+            keys.append((job.base.negative_prompt, 0, True))
+        return keys
+
+    def _row(self, job: Job, kv: dict) -> Row:
+        """The scheduler row of ``job``: its K/V mix, entry latent, mask, what it records."""
+        for key in self._needs(job):
+            if isinstance(kv.get(key), Exception):
+                err = kv[key]
+                raise RowError(f"the prompt {key[0][:40]!r} cannot be encoded ({type(err).__name__}: {err})")
+        model, base = self.model, job.base
+        edit = kv[(job.row.prompt, base.clip_skip, False)]
+        negative = kv.get((base.negative_prompt, 0, True))
+        schedule = DDIMSchedule(model.ddim_config, base.steps)
+        shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
+        conds = model.row_conds(base, edit)
+        if job.kind == "invert":  # the source prompt's prediction alone, backwards, recording
+            inverse = InverseDDIMSchedule(schedule, job.row.start_step, base.steps)
+            K = inverse.num_inference_steps
+            record = Recording(np.empty((K + 1, *shape), dtype=np.float32), np.empty((K, *shape), dtype=np.float32))
+            record.latents[0] = job.noise[0]
+            return Row(inverse, 0, job.noise[0].copy(), 1.0, [t[0] for t in edit.tensors], negative,
+                       record=record, conds=conds, owner=job)  # fmt: skip
+        if job.kind == "correct":  # one forward step from the inverted latent, recording u
+            T, i = base.steps, job.row.start_step
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
+            return Row(schedule, i, job.state.latent(i)[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
+                       job.state.uncond_kv, record=record, stop=i + 1, conds=conds, owner=job)  # fmt: skip
+        if job.state is None:  # a base: its own prompt's K/V, from noise, recording
+            T = base.steps
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
+            record.latents[0] = job.noise[0]
+            return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
+                       record=record, conds=conds, owner=job)  # fmt: skip
+        state, tail = job.state, job.row
+        auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
+        mixed = mix_kv(state.cond_kv, edit, tail.strength)
+        structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
+        return Row(
+            schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
+            [t[0] for t in mixed.tensors], state.uncond_kv,
+            entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
+            keep=model.keep_mask(tail.mask, shape), base=state, auto=auto,
+            corrections=state if state.corrections is not None else None,
+            conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
+        )  # fmt: skip
+
+    def reference(self, row: Row) -> Row:
+        """The reference row of ``row``'s group: its base's own tail from the same step, with the
+        base's K/V and guidance, reset to the base's kept latent after every step (exact by
+        construction), for as long as the group keeps structure."""
+        state = row.base
+        return Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
+                   [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
+                   keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
+                   conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
+
+    # --- rows -> results ----------------------------------------------------------------------
+
+    def results(self, jobs: list[Job]) -> list[RowResult]:
+        """What each finished job gives back: its latent, its image (decoded, with the base's
+        pixels outside an edit's mask) when its request asked for images, a generation's state."""
+        decode = [job for job in jobs if job.request.decode]
+        image_of = {}
+        if decode:
+            images = self.model.decode(np.stack([job.scheduled.latent for job in decode]))
+            for job, image in zip(decode, images):
+                if job.state is not None:  # outside its mask an edit shows the base's own pixels
+                    image = self.model.with_base(image, job.state, job.row, job.scheduled.keep)
+                image_of[id(job)] = image
+        out = []
+        for job in jobs:
+            row = job.scheduled
+            state = None
+            if row.record is not None and not job.kind:
+                cond = KV([t[None] for t in row.kv], {name: row.conds[name][None] for name in self.model.pooled})
+                state = BaseState(job.base, self.model.manifest.fingerprint, 0, row.record.latents, cond, row.uncond,
+                                  row.record.uncond)  # fmt: skip
+            out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
+                                 job.preserve, row.keep, row.record))  # fmt: skip
+        return out
+
+
+def mix_kv(base: KV, edit: KV, strength: float) -> KV:
+    """``K_base + strength * (K_edit - K_base)`` per tensor (same for V, and for the family's
+    extras: SDXL's pooled embedding), one prompt (B = 1)."""
+
+    def mix(b: np.ndarray, e: np.ndarray) -> np.ndarray:
+        mixed = e[:1] - b[:1]
+        mixed *= strength
+        mixed += b[:1]
+        return mixed
+
+    return KV([mix(b, e) for b, e in zip(base.tensors, edit.tensors)], {k: mix(base.extras[k], v) for k, v in edit.extras.items()})
+
+
+def entry_latent(state: BaseState, row: TailRow, schedule: DDIMSchedule) -> np.ndarray:
+    """The base's own x_s, or (``row.seed``) x_s re-noised from the final latent for a variation."""
+    if row.seed is None:
+        return state.latent(row.start_step)[0].copy()
+    a = schedule.alpha_t[row.start_step]
+    noise = np.random.default_rng(row.seed).standard_normal(state.latents.shape[1:], dtype=np.float32)
+    return (np.sqrt(a) * state.final_latent[0] + np.sqrt(1 - a) * noise).astype(np.float32)
