@@ -133,21 +133,22 @@ class StepIO:
 
 
 def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None) -> StepIO:
-    """Roles: ``latents``, ``step_scalar`` (changes every step), ``row_scalar`` (fixed per row),
-    ``set_index`` (the row's negative-prompt set), ``entry_uncond`` (rows at their entry step),
-    ``row_ref`` (the row whose self-attention pattern it takes),
-    ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative prompts' K/V); outputs
-    ``next_latents``, ``uncond_out`` and (the maps variant) ``attn_maps``."""
+    """The step graph's inputs with their roles (runtime/step_signature.py reads them back):
+    ``latents``, ``step_scalar:<schedule attribute>`` (changes every step),
+    ``row_scalar:<row attribute>`` (fixed per row), ``set_index`` (the row's negative-prompt
+    set), ``entry_uncond`` (rows at their entry step), ``row_ref`` (the row whose self-attention
+    pattern it takes), ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative
+    prompts' K/V); outputs ``next_latents``, ``uncond_out`` and (the maps variant) ``attn_maps``."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
     # or set count of 1 gets frozen into the graph as a broadcast.
     n, e, sets = 3, 1, 2
     latent_axes = {0: "N", 2: "H", 3: "W"}
     inputs = [
         ("latents", "latents", torch.randn(n, c, h, w), latent_axes),
-        ("timestep", "step_scalar", torch.tensor([900.0, 500.0, 20.0]), {0: "N"}),
-        ("alpha_t", "step_scalar", torch.tensor([0.1, 0.5, 0.9]), {0: "N"}),
-        ("alpha_prev", "step_scalar", torch.tensor([0.2, 0.6, 0.95]), {0: "N"}),
-        ("guidance", "row_scalar", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
+        ("timestep", "step_scalar:timesteps", torch.tensor([900.0, 500.0, 20.0]), {0: "N"}),
+        ("alpha_t", "step_scalar:alpha_t", torch.tensor([0.1, 0.5, 0.9]), {0: "N"}),
+        ("alpha_prev", "step_scalar:alpha_prev", torch.tensor([0.2, 0.6, 0.95]), {0: "N"}),
+        ("guidance", "row_scalar:guidance", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
     ]

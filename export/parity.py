@@ -78,29 +78,30 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     schedule = DDIMSchedule(DDIMConfig.from_scheduler_config(manifest.scheduler_config), 20)
     picks = rng.integers(0, 20, size=n)
     vocab = manifest.data["model"].get("vocab_size", 49408)
+    # the step graphs' inputs by role (step_signature.py), the other graphs' by name
+    roles = manifest.roles(graph) if graph.startswith("unet_step") else {}
     for spec in manifest.graphs[graph].inputs:
         scale = manifest.vae_scale_factor
         dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "M": m, "H": hw, "W": hw,
                 "IH": hw * scale, "IW": hw * scale}  # fmt: skip
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
+        role = roles.get(spec.name, "")
         if spec.name in ("input_ids", "input_ids_2"):
             feeds[spec.name] = rng.integers(0, vocab, size=shape).astype(np.int64)
-        elif spec.name == "self_ref":  # any row's pattern, or its own
+        elif role == "row_ref":  # any row's pattern, or its own
             feeds[spec.name] = rng.integers(0, n, size=shape).astype(np.int64)
-        elif spec.name == "uncond_index":
+        elif role == "set_index":
             feeds[spec.name] = rng.integers(0, m, size=shape).astype(np.int64)
-        elif spec.name == "time_ids":  # SDXL's sizes and crop corner, in pixels
+        elif role == "row_cond:time_ids":  # SDXL's sizes and crop corner, in pixels
             feeds[spec.name] = rng.integers(0, 1024, size=shape).astype(np.float32)
-        elif spec.name == "timestep":
-            feeds[spec.name] = schedule.timesteps[picks].astype(np.float32)
-        elif spec.name in ("alpha_t", "alpha_prev"):
-            feeds[spec.name] = getattr(schedule, spec.name)[picks]
+        elif role.startswith("step_scalar:"):  # the schedule's value at a random step per row
+            feeds[spec.name] = np.asarray(getattr(schedule, role.split(":", 1)[1])[picks], dtype=np.float32)
+        elif role == "row_scalar:guidance":
+            feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         elif spec.name == "images":
             feeds[spec.name] = rng.random(shape).astype(np.float32)
         elif spec.name == "keep":  # latent_blend: 1 where the base's latent is kept
             feeds[spec.name] = (rng.random(shape) > 0.5).astype(np.float32)
-        elif spec.name == "guidance":
-            feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         else:
             feeds[spec.name] = rng.standard_normal(shape).astype(np.float32)
     return feeds

@@ -32,6 +32,7 @@ from .resolve import RowResolver
 from .scheduler_ddim import DDIMConfig
 from .rows import pow2_buckets
 from .slots import RowScheduler
+from .step_signature import StepSignature
 from .align import token_diff
 from .state import KV, BaseState, TailRow
 
@@ -77,6 +78,7 @@ class EditPipeline:
         if model_dir is not None:
             self.manifest.check_model(model_dir)
         self.family = self.manifest.family
+        self.signature = StepSignature.from_manifest(self.manifest)  # the step graph's inputs by role
         self.tokenizers = []
         for name in self.family["tokenizers"]:  # SDXL has two
             try:
@@ -218,10 +220,9 @@ class EditPipeline:
     def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None) -> RowScheduler:
         """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
         latents on ``graph`` (this pipeline's step graph)."""
-        step = self.manifest.graphs["unet_step"]
         f = self.map_factor
         return RowScheduler(
-            graph or self.graphs["unet_step"], self.manifest.step_roles, {t.name: t.shape for t in step.inputs},
+            graph or self.graphs["unet_step"], self.signature,
             tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
             maps_graph=self.graphs.get("unet_step_maps"), map_hw=(latent_shape[1] // f, latent_shape[2] // f),
             blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,

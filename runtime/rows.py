@@ -14,9 +14,6 @@ from .automask import AutoMask
 from .scheduler_ddim import DDIMSchedule
 from .state import KV, BaseState
 
-STEP_SCALARS = ("timestep", "alpha_t", "alpha_prev")
-
-
 @dataclass
 class Recording:
     """What a generation row keeps: x_0..x_T and the unconditional prediction of each step."""
@@ -52,6 +49,9 @@ class Row:
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
     keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds
+
+    def __post_init__(self) -> None:
+        self.guidance = max(self.guidance, 1.0)  # <= 1: no CFG (diffusers), the cond prediction alone
 
     @property
     def end(self) -> int:

@@ -37,13 +37,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from .backend import Binding, Graph
 from .device import DeviceTensor, TensorView
-from .rows import STEP_SCALARS, Row, SchedulerStats, _floor_pow2, _Set
+from .rows import Row, SchedulerStats, _floor_pow2, _Set
+from .step_signature import StepSignature
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ class RowScheduler:
     def __init__(
         self,
         graph: Graph,
-        roles: Mapping[str, str],
-        specs: Mapping[str, Sequence[Any]],
+        signature: StepSignature,
         latent_shape: tuple[int, int, int],
         max_rows: int,
         max_sets: int,
@@ -66,8 +66,8 @@ class RowScheduler:
         blend_graph: Graph = None,
         buckets: Optional[Sequence[int]] = None,
     ):
-        """``roles``/``specs`` come from the manifest's ``unet_step`` entry: each input's role and
-        its shape with symbolic dims (N rows, E entry rows, S negative-prompt tokens).
+        """``signature`` is the step graph's inputs by role (step_signature.py: read from the
+        manifest), with their shapes' symbolic dims (N rows, E entry rows, S negative-prompt tokens).
         ``maps_graph`` is the ``unet_step_maps`` variant (the same inputs, plus the ``attn_maps``
         output: [77, *map_hw] per row), run on a step where a row collects its mask;
         ``blend_graph`` is ``latent_blend`` (next latents, masks and corrections -> latents);
@@ -76,8 +76,8 @@ class RowScheduler:
         self.maps_graph = maps_graph
         self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
-        self.roles = dict(roles)
-        self.specs = {name: list(shape) for name, shape in specs.items()}
+        self.sig = sig = signature
+        self.specs = sig.shapes
         self.latent_shape = tuple(latent_shape)
         self.max_rows = max_rows
         self.max_sets = max_sets
@@ -98,36 +98,29 @@ class RowScheduler:
 
         latent_elems = math.prod(self.latent_shape)
         hw = math.prod(self.latent_shape[1:])
-        self.row_kv = [n for n, r in self.roles.items() if r == "row_kv"]
-        self.set_kv = [n for n, r in self.roles.items() if r == "set_kv"]
-        # the family's conditioning: input name -> its cond's name (roles "row_cond:<cond>", "set_cond:<cond>")
-        self.row_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("row_cond:")}
-        self.set_cond = {n: r.split(":", 1)[1] for n, r in self.roles.items() if r.startswith("set_cond:")}
+        self.row_kv, self.set_kv = list(sig.row_kv), list(sig.set_kv)
+        self.row_cond, self.set_cond = sig.row_cond, sig.set_cond  # input -> the family's cond
         # Per-row element counts of everything a slot holds (moved together on a leave).
-        self.row_elems: dict[str, int] = {"guidance": 1, "uncond_index": 1, "latents": latent_elems, "keep": hw,
-                                          "add": latent_elems}  # fmt: skip
+        self.row_elems: dict[str, int] = {sig.set_index: 1, sig.latents: latent_elems, "keep": hw, "add": latent_elems,
+                                          **{name: 1 for name in sig.row_scalars}}  # fmt: skip
         for name in [*self.row_kv, *self.row_cond]:
             self.row_elems[name] = math.prod(self.specs[name][1:])
         # The host's side: the per-step scalars and indices (all slots: padding rows read them).
-        self.scalars = {name: np.zeros(max_rows, dtype=self._dtype(name)) for name in STEP_SCALARS}
-        self.uncond_index = np.zeros(max_rows, dtype=self._dtype("uncond_index"))
-        self.self_ref = np.arange(max_rows, dtype=self._dtype("self_ref"))
-        self.one = {"guidance": np.zeros(1, dtype=self._dtype("guidance"))}
+        self.scalars = {name: np.zeros(max_rows, dtype=self._dtype(name)) for name in sig.step_scalars}
+        self.uncond_index = np.zeros(max_rows, dtype=self._dtype(sig.set_index))
+        self.self_ref = np.arange(max_rows, dtype=self._dtype(sig.row_ref))
+        self.one = {name: np.zeros(1, dtype=self._dtype(name)) for name in sig.row_scalars}
         self.zero_keep = np.zeros((1, *self.latent_shape[1:]), dtype=np.float32)
         self.zero_latent = np.zeros(self.latent_shape, dtype=np.float32)
-        # The backend's side, each buffer in the dtype the compiled graph takes.
+        # The backend's side, each buffer in the dtype the compiled graph takes; the latent_blend
+        # graph's own inputs (keep, base, add) beside the step's.
         alloc = lambda name, elems: graph.allocate(elems, self._dtype(name))  # noqa: E731
+        latent_buffers = (sig.latents, sig.entry_uncond, sig.next_latents, sig.uncond_out, "base", "add")
         self.dev: dict[str, DeviceTensor] = {
-            "latents": alloc("latents", max_rows * latent_elems),
-            "uncond_given": alloc("uncond_given", max_rows * latent_elems),
-            "next_latents": alloc("next_latents", max_rows * latent_elems),
-            "uncond_out": alloc("uncond_out", max_rows * latent_elems),
+            **{name: alloc(name, max_rows * latent_elems) for name in latent_buffers},
             "keep": alloc("keep", max_rows * hw),
-            "base": alloc("base", max_rows * latent_elems),
-            "add": alloc("add", max_rows * latent_elems),
-            "guidance": alloc("guidance", max_rows),
-            "uncond_index": alloc("uncond_index", max_rows),
-            **{name: alloc(name, max_rows) for name in STEP_SCALARS},
+            sig.set_index: alloc(sig.set_index, max_rows),
+            **{name: alloc(name, max_rows) for name in [*sig.step_scalars, *sig.row_scalars]},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_kv},
             **{name: alloc(name, max_sets * self._set_elems(name)) for name in self.set_kv},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
@@ -136,9 +129,9 @@ class RowScheduler:
         self.latent_elems = latent_elems
         self.map_elems = text_len * math.prod(self.map_hw)
         if maps_graph is not None:
-            self.dev["attn_maps"] = alloc("attn_maps", max_rows * self.map_elems)
-        self.dev["self_ref"] = alloc("self_ref", max_rows)
-        self.dev["self_ref"].write(self.self_ref)  # every row its own reference until one keeps structure
+            self.dev[sig.attn_maps] = alloc(sig.attn_maps, max_rows * self.map_elems)
+        self.dev[sig.row_ref] = alloc(sig.row_ref, max_rows)
+        self.dev[sig.row_ref].write(self.self_ref)  # every row its own reference until one keeps structure
         self.refs_written = False
 
     # --- shapes ------------------------------------------------------------------------------
@@ -147,7 +140,7 @@ class RowScheduler:
         """The dtype of buffer ``name`` as the graph that reads (or writes) it takes it."""
         if name in ("keep", "base", "add"):
             return self.blend_graph.dtype(name)
-        if name == "attn_maps":
+        if name == self.sig.attn_maps:
             return self.maps_graph.dtype(name)
         return self.graph.dtype(name)
 
@@ -178,34 +171,39 @@ class RowScheduler:
         if binding is not None:
             self.bindings.move_to_end(key)
             return binding
+        sig = self.sig
         latent = lambda rows: (rows, *self.latent_shape)  # noqa: E731
         views: dict[str, TensorView] = {
-            "latents": self.dev["latents"].view(latent(n)),
-            "uncond_given": self.dev["uncond_given"].view(latent(e)),
-            "guidance": self.dev["guidance"].view((n,)),
-            "uncond_index": self.dev["uncond_index"].view((n,)),
-            **{name: self.dev[name].view((n,)) for name in STEP_SCALARS},
+            sig.latents: self.dev[sig.latents].view(latent(n)),
+            sig.entry_uncond: self.dev[sig.entry_uncond].view(latent(e)),
+            sig.set_index: self.dev[sig.set_index].view((n,)),
+            sig.row_ref: self.dev[sig.row_ref].view((n,)),
+            **{name: self.dev[name].view((n,)) for name in [*sig.step_scalars, *sig.row_scalars]},
             **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_kv},
             **{name: self.dev[name].view(self._set_shape(name, m)) for name in self.set_kv},
             **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_cond},
             **{name: self.dev[name].view((m, *self.specs[name][1:])) for name in self.set_cond},
-            "self_ref": self.dev["self_ref"].view((n,)),
         }
-        outputs = {name: self.dev[name].view(latent(n)) for name in ("next_latents", "uncond_out")}
+        missing = set(sig.inputs) - set(views)
+        if missing:  # a role this loop does not fill: the manifest is newer than the runtime
+            raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")
+        outputs = {name: self.dev[name].view(latent(n)) for name in (sig.next_latents, sig.uncond_out)}
         graph = self.graph
         if maps:
             graph = self.maps_graph
-            outputs["attn_maps"] = self.dev["attn_maps"].view((n, self.text_len, *self.map_hw))
-        return self._remember(key, graph.bind({name: views[name] for name in self.roles if name in views}, outputs))
+            outputs[sig.attn_maps] = self.dev[sig.attn_maps].view((n, self.text_len, *self.map_hw))
+        return self._remember(key, graph.bind({name: views[name] for name in sig.inputs}, outputs))
 
     def _blend_binding(self, n: int) -> Binding:
         """The blend of ``n`` rows: one per row count (at most one per bucket), kept."""
         binding = self.blend_bindings.get(n)
         if binding is None:
             latent = (n, *self.latent_shape)
-            inputs = {"next_latents": self.dev["next_latents"].view(latent), "keep": self.dev["keep"].view((n, 1, *self.latent_shape[1:])),
+            # latent_blend's own inputs: the step's next latents, the masks, the bases, the corrections
+            inputs = {"next_latents": self.dev[self.sig.next_latents].view(latent),
+                      "keep": self.dev["keep"].view((n, 1, *self.latent_shape[1:])),
                       "base": self.dev["base"].view(latent), "add": self.dev["add"].view(latent)}  # fmt: skip
-            binding = self.blend_bindings[n] = self.blend_graph.bind(inputs, {"latents": self.dev["latents"].view(latent)})
+            binding = self.blend_bindings[n] = self.blend_graph.bind(inputs, {"latents": self.dev[self.sig.latents].view(latent)})
         return binding
 
     # --- admission ---------------------------------------------------------------------------
@@ -242,7 +240,7 @@ class RowScheduler:
                 self.sets.setdefault(row.uncond.digest, _Set(row.uncond))
             self._write_sets()
         positions = {key: k for k, key in enumerate(self.sets)}
-        latent = self.latent_elems
+        latent, sig = self.latent_elems, self.sig
         for row in self.pending:
             self.references += row.reference
             row.set_key = row.uncond.digest
@@ -253,11 +251,12 @@ class RowScheduler:
                 self.dev[name].write(kv, offset=r * self.row_elems[name])
             for name, cond in self.row_cond.items():
                 self.dev[name].write(row.conds[cond], offset=r * self.row_elems[name])
-            self.one["guidance"][0] = max(row.guidance, 1.0)  # <= 1: no CFG (diffusers), = cond alone
-            self.dev["guidance"].write(self.one["guidance"], offset=r)
+            for name, attr in sig.row_scalars.items():
+                self.one[name][0] = getattr(row, attr)
+                self.dev[name].write(self.one[name], offset=r)
             self.uncond_index[r] = positions[row.set_key]
-            self.dev["uncond_index"].write(self.uncond_index[r : r + 1], offset=r)
-            self.dev["latents"].write(row.latent, offset=r * latent)
+            self.dev[sig.set_index].write(self.uncond_index[r : r + 1], offset=r)
+            self.dev[sig.latents].write(row.latent, offset=r * latent)
             self._write_keep(row)
             self.dev["add"].write(self.zero_latent, offset=r * latent)
         self.entry_rows = sum(1 for row in self.pending if given(row))
@@ -279,7 +278,7 @@ class RowScheduler:
         for r, row in enumerate(self.active):
             self.uncond_index[r] = positions[row.set_key]
         if self.active:
-            self.dev["uncond_index"].write(self.uncond_index[: len(self.active)])
+            self.dev[self.sig.set_index].write(self.uncond_index[: len(self.active)])
         self.stats.set_writes += 1
 
     def remove(self, row: Row) -> None:
@@ -308,26 +307,27 @@ class RowScheduler:
 
     def _prepare_rows(self, n: int, b: int, m: int) -> None:
         """Scalars of every row of the bucket, and valid indices in its padding rows."""
-        for r, row in enumerate(self.active):
-            for name in STEP_SCALARS:
-                self.scalars[name][r] = getattr(row.schedule, "timesteps" if name == "timestep" else name)[row.step]
-        for name in STEP_SCALARS:
-            self.scalars[name][n:b] = self.scalars[name][0]  # padding: some valid step, ignored
-            self.dev[name].write(self.scalars[name][:b])
+        sig = self.sig
+        for name, attr in sig.step_scalars.items():  # the schedule's value at each row's step
+            values = self.scalars[name]
+            for r, row in enumerate(self.active):
+                values[r] = getattr(row.schedule, attr)[row.step]
+            values[n:b] = values[0]  # padding: some valid step, ignored
+            self.dev[name].write(values[:b])
         if b > n and (self.uncond_index[n:b] >= m).any():
             self.uncond_index[n:b] = 0
-            self.dev["uncond_index"].write(self.uncond_index[n:b], offset=n)
+            self.dev[sig.set_index].write(self.uncond_index[n:b], offset=n)
         # each row's self-attention pattern: its reference's while it keeps structure, or its own
         if self.references:
             self.self_ref[:b] = np.arange(b)
             for r, row in enumerate(self.active):
                 if row.ref is not None and row.step < row.structure_end and row.ref.slot >= 0:
                     self.self_ref[r] = row.ref.slot
-            self.dev["self_ref"].write(self.self_ref[:b])
+            self.dev[sig.row_ref].write(self.self_ref[:b])
             self.refs_written = True
         elif self.refs_written:  # back to every row its own, in every slot (padding included)
             self.self_ref[:] = np.arange(self.max_rows)
-            self.dev["self_ref"].write(self.self_ref)
+            self.dev[sig.row_ref].write(self.self_ref)
             self.refs_written = False
 
     def _blend(self, b: int) -> None:
@@ -360,8 +360,9 @@ class RowScheduler:
             given = _floor_pow2(min(e + b - n, b - 1))
         first_given = b - given
         self._prepare_rows(n, b, m)
+        sig = self.sig
         for r in range(max(first_given, n - e), n):
-            self.dev["uncond_given"].write(self.active[r].entry_uncond, offset=(r - first_given) * self.latent_elems)
+            self.dev[sig.entry_uncond].write(self.active[r].entry_uncond, offset=(r - first_given) * self.latent_elems)
         wants_maps = [row for row in self.active if row.auto is not None and row.auto.wants_maps]
         maps = self.maps_graph is not None and bool(wants_maps)
         binding = self._binding(maps, b, given, m)
@@ -370,7 +371,7 @@ class RowScheduler:
         if maps:  # the masks grow from this step's maps before the blend uses them
             step_maps = [np.empty((self.text_len, *self.map_hw), dtype=np.float32) for _ in wants_maps]
             for row, step_map in zip(wants_maps, step_maps):
-                self.dev["attn_maps"].read_async(step_map, offset=row.slot * self.map_elems)
+                self.dev[sig.attn_maps].read_async(step_map, offset=row.slot * self.map_elems)
             self._synchronize()
             for row, step_map in zip(wants_maps, step_maps):
                 row.auto.add(step_map)
@@ -381,11 +382,11 @@ class RowScheduler:
         reads = 0
         for r, row in enumerate(self.active):
             if row.record is not None:
-                self.dev["uncond_out"].read_async(row.record.uncond[row.step], offset=r * latent)
-                self.dev["latents"].read_async(row.record.latents[row.step + 1], offset=r * latent)
+                self.dev[sig.uncond_out].read_async(row.record.uncond[row.step], offset=r * latent)
+                self.dev[sig.latents].read_async(row.record.latents[row.step + 1], offset=r * latent)
                 reads += 1
             if row.step + 1 == row.end:
-                self.dev["latents"].read_async(row.latent, offset=r * latent)
+                self.dev[sig.latents].read_async(row.latent, offset=r * latent)
                 reads += 1
         if reads:
             self._synchronize()

@@ -24,6 +24,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from edit_rt.export.graphs import UNetStepGraph, cross_attention_layers
+from edit_rt.export.onnx_export import step_io
 
 SD15 = dict(
     sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
@@ -43,16 +44,25 @@ def tail_edits_per_s(step: UNetStepGraph, layers, n: int, k: int, device: str, d
     c, h = 4, step.unet.config.sample_size
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
-    inputs = [
-        rand(n, c, h, h), torch.full((n,), 500.0, device=device, dtype=dtype),
-        torch.full((n,), 0.3, device=device, dtype=dtype), torch.full((n,), 0.35, device=device, dtype=dtype),
-        torch.full((n,), 7.5, device=device, dtype=dtype), torch.zeros(n, dtype=torch.int64, device=device),
-        rand(0, c, h, h), torch.arange(n, device=device),  # self_ref: every row its own pattern
-    ]  # fmt: skip
-    for layer in layers:
-        d = layer.inner_dim // layer.heads
-        inputs += [rand(n, layer.heads, d, 77), rand(n, layer.heads, 77, d), rand(layer.heads, d, 77), rand(layer.heads, 77, d)]
-    latents = inputs[0]
+    # the step's inputs from the export adapter (names, roles, axes): one negative-prompt set,
+    # no row at its entry step, every row its own self-attention pattern
+    sizes = {"N": n, "E": 0, "S": 77, "M": 1, "H": h, "W": h}
+    fixed = {"step_scalar:timesteps": 500.0, "step_scalar:alpha_t": 0.3, "step_scalar:alpha_prev": 0.35,
+             "row_scalar:guidance": 7.5}  # fmt: skip
+    inputs, latents = [], None
+    for name, role, example, axes in step_io(layers, c, h, h).inputs:
+        shape = [sizes[axes[k]] if k in axes else d for k, d in enumerate(example.shape)]
+        if role in fixed:
+            value = torch.full(shape, fixed[role], device=device, dtype=dtype)
+        elif role == "set_index":
+            value = torch.zeros(shape, dtype=torch.int64, device=device)
+        elif role == "row_ref":
+            value = torch.arange(n, device=device)
+        else:
+            value = rand(*shape)
+        if role == "latents":
+            latents = value
+        inputs.append(value)
     with torch.no_grad():
         run = lambda: step(*inputs)  # noqa: E731
         if graphs and device == "cuda":

@@ -62,5 +62,6 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     roles = manifest.step_roles
     assert list(roles) == step_inputs + ["next_latents", "uncond_out"]
     assert [roles[n] for n in step_inputs[:9]] == [
-        "latents", "step_scalar", "step_scalar", "step_scalar", "row_scalar", "set_index", "entry_uncond", "row_ref", "row_kv"]
+        "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_scalar:alpha_prev", "row_scalar:guidance",
+        "set_index", "entry_uncond", "row_ref", "row_kv"]
     assert manifest.data["opset"] == 17 and manifest.data["tools"]["torch"] == torch.__version__

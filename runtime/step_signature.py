@@ -1,0 +1,75 @@
+"""The step graph's inputs and outputs by role, read from the manifest: the one place the runtime
+learns what ``unet_step`` takes.
+
+The export adapter (``export/onnx_export.py``'s ``step_io``) names every input and gives it a
+role; the manifest records them; :class:`StepSignature` reads them back. The slots, bindings,
+parity and the bench take names from it, so a new per-row input is a change in the export
+adapter (a name and a role) and nowhere in the step loop. Roles:
+
+- ``latents``, ``entry_uncond`` (rows at their entry step: their unconditional prediction),
+  ``set_index`` (the row's negative-prompt set), ``row_ref`` (the row whose self-attention
+  pattern it takes);
+- ``step_scalar:<attr>``: a per-row value that changes every step, the schedule's ``attr``
+  at the row's step (``timesteps``, ``alpha_t``, ``alpha_prev``);
+- ``row_scalar:<attr>``: a per-row value fixed for the row, the row's ``attr`` (``guidance``);
+- ``row_kv`` / ``set_kv``: the rows' and the negative prompts' K/V, in layer order;
+- ``row_cond:<cond>`` / ``set_cond:<cond>``: the family's conditioning (SDXL's pooled
+  embedding, size ids);
+- outputs ``next_latents``, ``uncond_out`` and, in the maps variant, ``attn_maps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import ArtifactError
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    roles: dict[str, str]  # every input and output of unet_step: its role
+    shapes: dict[str, list]  # each input's shape, with symbolic dims (N, E, S, M, H, W)
+    latents: str
+    entry_uncond: str
+    set_index: str
+    row_ref: str
+    step_scalars: dict[str, str]  # input -> the schedule's attribute
+    row_scalars: dict[str, str]  # input -> the row's attribute
+    row_kv: tuple[str, ...]
+    set_kv: tuple[str, ...]
+    row_cond: dict[str, str]  # input -> the family's cond
+    set_cond: dict[str, str]
+    next_latents: str
+    uncond_out: str
+    attn_maps: Optional[str]  # the maps variant's output
+
+    @classmethod
+    def from_manifest(cls, manifest: Any) -> "StepSignature":
+        roles = dict(manifest.roles("unet_step"))
+        maps = manifest.roles("unet_step_maps")
+
+        def one(role: str, table: dict = roles) -> str:
+            names = [n for n, r in table.items() if r == role]
+            if len(names) != 1:
+                raise ArtifactError(f"{manifest.root}/manifest.json: unet_step has {len(names)} inputs of role "
+                                    f"{role!r}, not one; re-run `make export`")  # fmt: skip
+            return names[0]
+
+        def tagged(kind: str) -> dict[str, str]:
+            return {n: r.split(":", 1)[1] for n, r in roles.items() if r.startswith(kind + ":")}
+
+        attn = [n for n, r in maps.items() if r == "attn_maps"]
+        return cls(
+            roles=roles, shapes={t.name: list(t.shape) for t in manifest.graphs["unet_step"].inputs},
+            latents=one("latents"), entry_uncond=one("entry_uncond"), set_index=one("set_index"), row_ref=one("row_ref"),
+            step_scalars=tagged("step_scalar"), row_scalars=tagged("row_scalar"),
+            row_kv=tuple(n for n, r in roles.items() if r == "row_kv"),
+            set_kv=tuple(n for n, r in roles.items() if r == "set_kv"),
+            row_cond=tagged("row_cond"), set_cond=tagged("set_cond"),
+            next_latents=one("next_latents"), uncond_out=one("uncond_out"), attn_maps=attn[0] if attn else None,
+        )  # fmt: skip
+
+    @property
+    def inputs(self) -> list[str]:
+        return list(self.shapes)
