@@ -291,7 +291,8 @@ def _print_summary(report: dict, output_dir: Path) -> None:
     out.print(table)
     s, rows = report["seconds"], report["unet_rows"]
     out.print(
-        f"UNet rows: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}) vs "
+        f"UNet rows run: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}; "
+        f"{rows['half_rows_skipped']} unconditional halves taken from the base) vs "
         f"{rows['regenerating_every_edit']} regenerating every edit ({rows['saving']:.0%} fewer)"
     )
     out.print(f"base {report['base_id']}: {report['base_source']}")

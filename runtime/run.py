@@ -119,6 +119,8 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     try:
         store = store_of(cfg, pipe.manifest.fingerprint)
         bid = base_id(pipe.manifest.fingerprint, base)
+        stats = pipe.batcher(pipe.latent_shape(base)).scheduler.stats  # what the step loop ran
+        counted = [dataclasses.replace(stats)]
         with timer.stage("base_generation"):
             tier = store.tier(bid)
             state = store.get(bid) if tier else None
@@ -132,9 +134,11 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
                 state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
                 store.put(state)
                 base_source = "generated"
+        counted.append(dataclasses.replace(stats))
         with timer.stage("edit_tail"):
             row_steps = sum(T - r.start_step for r in rows)
             results = pipe.edit(state, rows, progress=progress(row_steps, "edit tail"), decode=False)
+        counted.append(dataclasses.replace(stats))
         with timer.stage("decode"):
             # masked and preserve: auto edits show the base's own pixels outside their masks
             edits = pipe.render(state, rows, results) if rows else []
@@ -161,11 +165,13 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
                                  "preserve": results[k].preserve})  # fmt: skip
         contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
 
-    tail_rows_evaluated = sum(T - r.start_step for r in rows)
-    # a stored base costs no UNet call; an inversion is T - window_start rows backwards (guidance
-    # 1) and as many one-step rows forward (its corrections)
-    window = T - cfg.cache.window_start
-    base_rows = {"generated": T, "inverted": 2 * window}.get(base_source, 0)
+    # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
+    # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,
+    # and entry-step reuse skips the unconditional half of a row at its entry step.
+    before, based, done = counted
+    base_rows = based.row_steps - before.row_steps
+    tail_rows_run = done.row_steps - based.row_steps
+    total = base_rows + tail_rows_run
     n = len(rows)
     report = {
         "edit_rt_version": __version__,
@@ -184,10 +190,13 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         # Each row is one unet_step row: two UNet evaluations (unconditional + conditional).
         "unet_rows": {
             "base": base_rows,
-            "edit_tails": tail_rows_evaluated,
-            "total": base_rows + tail_rows_evaluated,
+            "edit_tails": tail_rows_run,
+            "total": total,
+            "reference_rows": done.reference_steps - based.reference_steps,
+            "half_rows_skipped": done.uncond_rows_skipped - before.uncond_rows_skipped,
+            "padding_rows": (done.rows_computed - before.rows_computed) - total,
             "regenerating_every_edit": T * (n + 1),
-            "saving": round(1 - (base_rows + tail_rows_evaluated) / (T * (n + 1)), 4),
+            "saving": round(1 - total / (T * (n + 1)), 4),
         },
         "base_state_bytes": state.nbytes,
         "base_id": bid,

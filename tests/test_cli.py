@@ -55,8 +55,9 @@ def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
     assert report["files"] == ["base.png"] + [f"edit_{k:02d}.png" for k in range(5)] + ["grid.png"]
-    assert report["unet_rows"] == {"base": 8, "edit_tails": 4 + 4 + 6 + 5 + 3, "total": 30,
-                                   "regenerating_every_edit": 48, "saving": 0.375}  # fmt: skip
+    rows = report["unet_rows"]
+    assert rows["base"] == 8 and rows["total"] == rows["base"] + rows["edit_tails"]  # a generation: one row a step
+    assert rows["regenerating_every_edit"] == 8 * 6 and rows["padding_rows"] == 0
     assert set(report["seconds"]) == {"load", "base_generation", "edit_tail", "decode", "write"}
     params = Image.open(out / "edit_01.png").text["parameters"]
     lines = params.split("\n")
@@ -67,6 +68,40 @@ def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
     assert Image.open(out / "base.png").size == (32, 32)
     assert Image.open(out / "grid.png").size[0] >= 4 * 128
     assert "regenerating every edit" in result.stdout
+
+
+def test_report_counts_the_rows_the_step_graph_ran(tmp_path, model_dir, onnx_dir, monkeypatch):
+    """report.json's UNet rows against a count taken at the step graph itself: every call's
+    rows (its latents' batch) and the rows whose unconditional half it was given."""
+    from edit_rt.runtime import run as run_module
+    from edit_rt.runtime.config import config_from_dict
+
+    calls: list[tuple[int, int]] = []
+    real = run_module.pipeline_of
+
+    def spied(cfg, **overrides):
+        pipe = real(cfg, **overrides)
+        step = pipe.graphs["unet_step"]
+        bind = step.bind
+
+        def counting_bind(inputs, outputs):
+            binding = bind(inputs, outputs)
+            n, e = inputs["latents"].shape[0], inputs["uncond_given"].shape[0]
+            run = binding.run
+            binding.run = lambda: (calls.append((n, e)), run())[1]
+            return binding
+
+        step.bind = counting_bind
+        return pipe
+
+    monkeypatch.setattr(run_module, "pipeline_of", spied)
+    cfg = _config(tmp_path, model_dir, onnx_dir)
+    cfg["edits"] = [*EDITS, {"prompt": "a cat", "structure": 0.5}]  # a reference row rides along
+    report = run_module.run_config(config_from_dict(cfg, tmp_path / "config.yaml"))
+    rows = report["unet_rows"]
+    assert rows["total"] == sum(n for n, _ in calls)
+    assert rows["half_rows_skipped"] == sum(e for _, e in calls) > 0
+    assert rows["reference_rows"] > 0 and rows["edit_tails"] > sum(8 - s for s in (4, 4, 2, 3, 5))
 
 
 def test_second_run_takes_the_base_from_the_disk_store(tmp_path, model_dir, onnx_dir):
