@@ -121,12 +121,14 @@ def run_bench(
     ks = {f: max(1, round(f * T)) for f in fractions}
 
     def diffusers_full(n: int) -> None:
-        pipe(prompts[:n], negative_prompt=[base.negative_prompt] * n, num_inference_steps=T,
+        negative = None if base.negative_prompt is None else [base.negative_prompt] * n
+        pipe(prompts[:n], negative_prompt=negative, num_inference_steps=T,
              guidance_scale=base.guidance, height=base.height, width=base.width,
              latents=torch.from_numpy(np.repeat(noise, n, 0)), output_type="np")  # fmt: skip
 
     def diffusers_img2img(n: int, f: float) -> None:
-        img2img(prompts[:n], image=[base_image] * n, strength=f, negative_prompt=[base.negative_prompt] * n,
+        negative = None if base.negative_prompt is None else [base.negative_prompt] * n
+        img2img(prompts[:n], image=[base_image] * n, strength=f, negative_prompt=negative,
                 num_inference_steps=T, guidance_scale=base.guidance, output_type="np",
                 generator=torch.Generator().manual_seed(0))  # fmt: skip
 

@@ -99,7 +99,8 @@ def p2p_tail(unet, text_encoder, tokenizer, scheduler_config: dict, state, edit_
     from edit_rt.runtime.scheduler_ddim import DDIMConfig
 
     base = state.base
-    prompts = [base.negative_prompt, base.negative_prompt, base.prompt, edit_prompt]
+    negative = base.negative_prompt or ""  # the SD family: no negative prompt is the empty one
+    prompts = [negative, negative, base.prompt, edit_prompt]
     ids = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
     special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
     diff = token_diff(ids[2].tolist(), ids[3].tolist(), special)

@@ -26,7 +26,7 @@ class GenerationRequest(BaseModel):
     model_config = STRICT
 
     prompt: str = Field(min_length=1, description="The base prompt.")
-    negative_prompt: str = Field("", description="Shared by the base and all its edits.")
+    negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. Shared by the base and all its edits.")
     n: int = Field(1, ge=1, le=8, description="Bases to generate, from consecutive seeds (seed, seed + 1, ...).")
     model: Optional[str] = Field(None, description="The served model's name, or one of OpenAI's (meaning the served one).")
     size: Optional[str] = Field(None, pattern=r"^(\d{1,5}x\d{1,5}|auto)$", description="WxH in pixels; the server's size by default.")
@@ -52,7 +52,7 @@ class BaseUpload(BaseModel):
 
     image: str = Field(min_length=1, description="The image, base64 (PNG, JPEG, WebP); resized to the served size.")
     source_prompt: str = Field("", description="What the image shows: the inversion's prompt (and the base's).")
-    negative_prompt: str = ""
+    negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded.")
     steps: Optional[int] = Field(None, ge=1)
     cfg_scale: Optional[float] = Field(None, ge=0, le=50)
     clip_skip: Optional[int] = Field(None, ge=0, le=8)
@@ -91,7 +91,7 @@ class EditsRequest(BaseModel):
     base_id: Optional[str] = Field(None, min_length=1, max_length=64, description="A stored base (or send image).")
     image: Optional[str] = Field(None, min_length=1, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
     source_prompt: str = Field("", description="With image: what the image shows (the inversion's prompt).")
-    negative_prompt: str = Field("", description="With image: the new base's negative prompt.")
+    negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. With image: the new base's.")
     edits: list[EditItem] = Field(min_length=1)
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.completed, done.")
 

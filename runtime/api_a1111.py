@@ -35,7 +35,7 @@ LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
 class Txt2Img(BaseModel):
     model_config = LAX
     prompt: str = Field(min_length=1)
-    negative_prompt: str = ""
+    negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
     seed: int = -1
     steps: Optional[int] = Field(None, ge=1)
     cfg_scale: Optional[float] = Field(None, ge=0, le=50)
@@ -61,7 +61,7 @@ class Img2Img(BaseModel):
     model_config = LAX
     init_images: list[str] = Field(min_length=1)
     prompt: str = Field(min_length=1)
-    negative_prompt: str = ""
+    negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
     denoising_strength: float = Field(0.4, gt=0, le=1)
     cfg_scale: Optional[float] = Field(None, ge=0, le=50)
     seed: int = -1
@@ -101,7 +101,7 @@ def a1111_routes(service: Service) -> APIRouter:
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
                                 body.clip_skip())  # fmt: skip
         made = [await service.generate(replace(first, seed=first.seed + k), http) for k in range(body.batch_size * body.n_iter)]
-        info = {"prompt": first.prompt, "negative_prompt": first.negative_prompt, "seed": first.seed,
+        info = {"prompt": first.prompt, "negative_prompt": first.negative_prompt or "", "seed": first.seed,
                 "all_seeds": [g.base.seed for g in made], "steps": first.steps, "cfg_scale": first.guidance,
                 "width": first.width, "height": first.height, "sampler_name": "DDIM",
                 "sd_model_name": service.model_name, "base_id": made[0].id, "base_ids": [g.id for g in made],

@@ -102,7 +102,9 @@ class Base:
     """The generation every edit starts from."""
 
     prompt: Str
-    negative_prompt: Str = ""
+    # As diffusers means it: omitted (null) is the family's default (SDXL: zeros where its
+    # model_index says force_zeros_for_empty_prompt), "" is the empty prompt, encoded.
+    negative_prompt: Optional[Str] = None
     seed: Int = 0
     # Stable Diffusion's usual DDIM budget; the tiny test model uses fewer.
     steps: Int = 50

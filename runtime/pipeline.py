@@ -146,13 +146,14 @@ class EditPipeline:
         tokenizer = tokenizer or self.tokenizer
         return np.array([e.ids for e in tokenizer.encode_batch(list(prompts))], dtype=np.int64)
 
-    def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False) -> KV:
+    def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False) -> KV:
         """Every cross-attention layer's K/V for each prompt, and the family's extras (SDXL's
         pooled embedding), batched (max_batch prompts a call).
 
         ``clip_skip`` picks the text encoder's layer (0: the family's default). ``negative``
-        prompts keep the default layer, and an empty one is zeros where the family says so
-        (SDXL's ``force_zeros_for_empty_prompt``), as diffusers forms them.
+        prompts keep the default layer; a negative prompt of None (none given) is zeros where
+        the family says so (SDXL's ``force_zeros_for_empty_prompt``) and the empty prompt
+        elsewhere, while ``""`` is always the empty prompt encoded, as diffusers forms them.
         """
         skips = self.family.get("clip_skips", 1)
         if not 0 <= clip_skip < skips:
@@ -160,14 +161,15 @@ class EditPipeline:
         layer = 0 if negative and not self.family.get("negative_clip_skip") else clip_skip
         parts = []
         for lo in range(0, len(prompts), self.max_batch):
-            chunk = list(prompts[lo : lo + self.max_batch])
+            given = list(prompts[lo : lo + self.max_batch])
+            chunk = ["" if p is None else p for p in given]
             names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]  # one per tokenizer
             feeds = {name: self.input_ids(chunk, t) for name, t in zip(names, self.tokenizers)}
             outputs = self.graphs["text_encoder"].infer(feeds)
             hidden = np.ascontiguousarray(outputs[0][:, layer])
             pooled = outputs[1] if len(outputs) > 1 else None
             if negative and self.family.get("zero_empty_negative"):
-                empty = np.array([p == "" for p in chunk])
+                empty = np.array([p is None for p in given])
                 hidden[empty] = 0.0
                 if pooled is not None:
                     pooled[empty] = 0.0

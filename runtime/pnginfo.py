@@ -27,10 +27,10 @@ def quote(value: object) -> str:
     return json.dumps(text, ensure_ascii=False).replace(",", "\\u002c").replace(":", "\\u003a")
 
 
-def parameters_text(prompt: str, negative_prompt: str, fields: Mapping[str, object]) -> str:
+def parameters_text(prompt: str, negative_prompt: Optional[str], fields: Mapping[str, object]) -> str:
     """The A1111 ``parameters`` string: prompt, negative prompt line, ``Key: value, ...``."""
     line = ", ".join(f"{key}: {quote(value)}" for key, value in fields.items())
-    return f"{prompt}\nNegative prompt: {negative_prompt}\n{line}"
+    return f"{prompt}\nNegative prompt: {negative_prompt or ''}\n{line}"
 
 
 def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str, object]:

@@ -185,7 +185,7 @@ class EditWorker:
     async def generate(self, base: Base, route: Optional[dict] = None) -> Generated:
         return await refusing(self.service.generate(base))
 
-    async def invert(self, upload: Upload, prompt: str, negative_prompt: str, steps: Optional[int],
+    async def invert(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
                      guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
         return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
 
@@ -311,7 +311,7 @@ class RayService(Service):
         bid = base_id(self.fingerprint, base)
         return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}), http)
 
-    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: str = "", steps: Optional[int] = None,
+    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         if prompt:
             self.check_prompt(prompt, "source_prompt")

@@ -57,7 +57,8 @@ class RowResolver:
 
     def rows(self, jobs: list[Job]) -> tuple[list[tuple[Job, Row]], list[tuple[Job, Exception]]]:
         """Each job's row, or the error that refuses it (the job's input, not the server's)."""
-        kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}))
+        # a negative prompt of None (the family's default) sorts apart from every text
+        kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}, key=lambda k: (k[0] is not None, k[0] or "", *k[1:])))
         built, failed = [], []
         for job in jobs:
             try:
@@ -67,7 +68,7 @@ class RowResolver:
                 failed.append((job, err if isinstance(err, EditRtError) else RowError(f"{type(err).__name__}: {err}")))
         return built, failed
 
-    def _encode(self, keys: list[tuple[str, int, bool]]) -> dict[tuple, KV | Exception]:
+    def _encode(self, keys: list[tuple[Optional[str], int, bool]]) -> dict[tuple, KV | Exception]:
         """K/V per (prompt, clip_skip, negative), one batched encoding per kind; a prompt that
         fails is retried alone, so only its own rows fail."""
         out: dict[tuple, KV | Exception] = {}
@@ -85,7 +86,7 @@ class RowResolver:
         return out
 
     @staticmethod
-    def _needs(job: Job) -> list[tuple[str, int, bool]]:
+    def _needs(job: Job) -> list[tuple[Optional[str], int, bool]]:
         """The encodings a job's row needs: its prompt (at its base's clip_skip) and, for a row
         that starts a base, the negative prompt."""
         keys = [(job.row.prompt, job.base.clip_skip, False)]

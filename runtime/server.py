@@ -61,7 +61,7 @@ def _route(request: HttpRequest) -> str:
 def page_html(service: Service) -> str:
     """The editing page, with the served config's defaults filled in (as JSON, never as HTML)."""
     cfg = service.cfg
-    defaults = {"negative_prompt": cfg.base.negative_prompt, "strength": cfg.cache.default_strength,
+    defaults = {"negative_prompt": cfg.base.negative_prompt or "", "strength": cfg.cache.default_strength,
                 "tail_fraction": cfg.cache.default_tail_fraction, "steps": cfg.base.steps,
                 "preserve": cfg.preserve.mode, "structure": cfg.preserve.structure, "width": cfg.base.width, "height": cfg.base.height}  # fmt: skip
     # "</" cannot close the script element from inside a JSON string this way

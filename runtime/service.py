@@ -220,14 +220,15 @@ class Service:
         if len(prompt) > limit:
             raise ApiError(400, f"{param}: longer than {limit} characters", param=param, code="too_long")
 
-    def base_of(self, prompt: str, negative_prompt: str = "", size: Optional[str] = None, steps: Optional[int] = None,
+    def base_of(self, prompt: str, negative_prompt: Optional[str] = None, size: Optional[str] = None, steps: Optional[int] = None,
                 guidance: Optional[float] = None, seed: int = -1, clip_skip: Optional[int] = None,
                 sizes: Optional[dict[str, Optional[int]]] = None) -> Base:  # fmt: skip
         """A base from request fields (the server's defaults for what they leave out). ``sizes``:
         SDXL's size conditioning (original_width/height, crop_top/left), where the model takes it."""
         default, serve = self.cfg.base, self.cfg.serve
         self.check_prompt(prompt, "prompt")
-        self.check_prompt(negative_prompt, "negative_prompt")
+        if negative_prompt is not None:  # None: the family's default (SDXL: zeros)
+            self.check_prompt(negative_prompt, "negative_prompt")
         served = f"{default.width}x{default.height}"
         if (size or served) != served:
             raise ApiError(400, f"size: this server's engines serve {served} only", param="size", code="unsupported_size")
@@ -426,7 +427,7 @@ class Service:
         except ImageInputError as err:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 
-    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: str = "", steps: Optional[int] = None,
+    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         """A base from an uploaded image (its inversion; kept in the store like a generation).
 
@@ -475,7 +476,7 @@ class Service:
         out, bases = [], []
         for k, f in enumerate(files):
             upload = self.upload(await f.read(), "image" if len(files) == 1 else f"image[{k}]")
-            made = await self.invert(upload, text.get("source_prompt", ""), text.get("negative_prompt", ""),
+            made = await self.invert(upload, text.get("source_prompt", ""), text.get("negative_prompt"),
                                      number("steps", int), number("cfg_scale", float))  # fmt: skip
             bases.append(made.id)
             seed = number("seed", int)

@@ -49,9 +49,11 @@ def _token_axis(i: int) -> int:
     return -1 if i % 2 == 0 else -2
 
 
-def _uncond_id(fingerprint: str, negative_prompt: str, precision: str) -> str:
+def _uncond_id(fingerprint: str, negative_prompt: Optional[str], precision: str) -> str:
     # The stored precision is part of what a file holds: an int8 copy is another set of values.
-    return "u" + hashlib.sha256(f"{fingerprint}\0{negative_prompt}\0{precision}".encode()).hexdigest()[:23]
+    # JSON tells the family's default (null) from any text, "None" included.
+    key = f"{fingerprint}\0{json.dumps(negative_prompt)}\0{precision}"
+    return "u" + hashlib.sha256(key.encode()).hexdigest()[:23]
 
 
 @dataclass

@@ -78,7 +78,7 @@ def diffusers_sdxl(sdxl_dir):
 
 def _sdxl_reference(pipe, base: Base, latents: np.ndarray, **embeds) -> np.ndarray:
     """diffusers' image for ``base`` from ``latents`` (its prompts, or the embeddings given)."""
-    prompts = {} if embeds else {"prompt": base.prompt, "negative_prompt": base.negative_prompt or None}
+    prompts = {} if embeds else {"prompt": base.prompt, "negative_prompt": base.negative_prompt}
     return pipe(
         **prompts, **embeds, num_inference_steps=base.steps, guidance_scale=base.guidance, height=base.height,
         width=base.width, eta=0.0, latents=torch.from_numpy(latents), output_type="np",
@@ -112,8 +112,10 @@ def test_sdxl_manifest_lists_the_step_inputs(sdxl_onnx, sdxl_dir):
 
 @pytest.mark.parametrize(
     "change",
-    [{}, {"negative_prompt": "", "guidance": 5.0}, {"clip_skip": 1, "original_width": 64, "crop_top": 4}],
-    ids=["negative", "empty-negative-is-zeros", "clip-skip-and-sizes"],
+    [{}, {"negative_prompt": None, "guidance": 5.0}, {"negative_prompt": "", "guidance": 5.0},
+     {"clip_skip": 1, "original_width": 64, "crop_top": 4}],
+    # diffusers: no negative prompt (None) is zeros under force_zeros_for_empty_prompt, "" is encoded
+    ids=["negative", "no-negative-is-zeros", "empty-negative-is-encoded", "clip-skip-and-sizes"],
 )
 def test_sdxl_generation_equals_diffusers(sdxl, diffusers_sdxl, change):
     base = dataclasses.replace(TEST_BASE, **change)
