@@ -5,7 +5,7 @@ step but the last, the base prompt's K/V of every cross-attention layer and the 
 per-prompt extras (SDXL: the pooled text embedding); the negative prompt's K/V are a file of
 their own, shared by every base with that negative prompt. ``tests/test_families.py`` checks the
 formula against the tensors of a real stored SDXL base; ``python -m edit_rt.export.base_bytes``
-prints the README's table for SD 1.5, SD 2.1 and SDXL at their native sizes.
+prints docs/families.md's table for SD 1.5, SD 2.1 and SDXL at their native sizes.
 """
 
 from __future__ import annotations

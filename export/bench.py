@@ -39,7 +39,7 @@ from edit_rt.runtime.config import RunConfig
 from edit_rt.runtime.jobs import Job, Request
 from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.assemble import pipeline_of
-from edit_rt.runtime.state import TailRow
+from edit_rt.runtime.edit import TailRow
 
 log = logging.getLogger(__name__)
 

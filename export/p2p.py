@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
 from edit_rt.runtime.align import token_diff
-from edit_rt.runtime.scheduler_ddim import DDIMSchedule
 
 from .graphs import attention_map_layers, cross_attention_layers
 
@@ -96,7 +95,7 @@ def token_mapper(source: list[int], target: list[int]) -> torch.Tensor:
 def p2p_tail(unet, text_encoder, tokenizer, scheduler_config: dict, state, edit_prompt: str, start_step: int,
              cross_replace: float = 0.8, self_replace: float = 0.4, threshold: float = 0.3) -> np.ndarray:
     """The target branch's final latent [c, h, w] for ``edit_prompt`` from ``state``'s x_s."""
-    from edit_rt.runtime.scheduler_ddim import DDIMConfig
+    from diffusers import DDIMScheduler
 
     base = state.base
     negative = base.negative_prompt or ""  # the SD family: no negative prompt is the empty one
@@ -114,7 +113,9 @@ def p2p_tail(unet, text_encoder, tokenizer, scheduler_config: dict, state, edit_
         processors[name] = P2PProcessor(p2p, module, module.endswith("attn2"))
     original = dict(unet.attn_processors)
     unet.set_attn_processor(processors)
-    schedule = DDIMSchedule(DDIMConfig.from_scheduler_config(scheduler_config), base.steps)
+    # diffusers' own DDIM (eta 0): the baseline shares none of edit-rt's step code
+    schedule = DDIMScheduler.from_config(scheduler_config)
+    schedule.set_timesteps(base.steps)
     latents = torch.from_numpy(np.repeat(state.latent(start_step), 2, 0).copy())  # [src, tgt]
     tail = base.steps - start_step
     acc = None
@@ -125,11 +126,12 @@ def p2p_tail(unet, text_encoder, tokenizer, scheduler_config: dict, state, edit_
                 p2p.replace_cross = k < cross_replace * tail
                 p2p.replace_self = k < self_replace * tail
                 p2p.maps = []
-                t = torch.full((4,), float(schedule.timesteps[i]))
+                step_t = schedule.timesteps[i]
+                t = torch.full((4,), float(step_t))
                 out = unet(torch.cat([latents, latents]), t, encoder_hidden_states=text).sample
                 uncond, cond = out.chunk(2)
                 guided = uncond + base.guidance * (cond - uncond)
-                latents = torch.from_numpy(np.stack([schedule.step(guided[b].numpy(), i, latents[b].numpy()) for b in range(2)]))
+                latents = schedule.step(guided, step_t, latents, eta=0.0).prev_sample
                 # local blend (P2P's LocalBlend): maps of the changed words, both branches
                 maps = torch.stack(p2p.maps).mean(0).sum(0)  # [tokens]
                 hw = latents.shape[-1] // factor

@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .edit import Edit
+from .schema import ClipSkip, Guidance, SizeCond, Steps, field_type, refusal
 from .uploads import ImageInputError, decode_base64
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -30,14 +32,14 @@ class GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=8, description="Bases to generate, from consecutive seeds (seed, seed + 1, ...).")
     model: Optional[str] = Field(None, description="The served model's name, or one of OpenAI's (meaning the served one).")
     size: Optional[str] = Field(None, pattern=r"^(\d{1,5}x\d{1,5}|auto)$", description="WxH in pixels; the server's size by default.")
-    steps: Optional[int] = Field(None, ge=1, description="DDIM steps; the server's default if omitted.")
-    cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Classifier-free guidance; <= 1 turns it off.")
+    steps: Optional[Steps] = Field(None, description="DDIM steps; the server's default if omitted.")
+    cfg_scale: Optional[Guidance] = Field(None, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
-    clip_skip: Optional[int] = Field(None, ge=0, le=8, description="Text-encoder layers to skip from the end (diffusers' clip_skip).")
-    original_width: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the size conditioning's original width.")
-    original_height: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the size conditioning's original height.")
-    crop_top: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the crop conditioning's top.")
-    crop_left: Optional[int] = Field(None, ge=0, le=16384, description="SDXL: the crop conditioning's left.")
+    clip_skip: Optional[ClipSkip] = Field(None, description="Text-encoder layers to skip from the end (diffusers' clip_skip).")
+    original_width: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original width.")
+    original_height: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original height.")
+    crop_top: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's top.")
+    crop_left: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's left.")
     response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json only: this server hosts no files.")
     output_format: Literal["png", "jpeg", "webp"] = Field("png", description="png carries the generation parameters.")
     quality: Optional[str] = Field(None, description="Accepted and ignored.")
@@ -53,36 +55,9 @@ class BaseUpload(BaseModel):
     image: str = Field(min_length=1, description="The image, base64 (PNG, JPEG, WebP); resized to the served size.")
     source_prompt: str = Field("", description="What the image shows: the inversion's prompt (and the base's).")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded.")
-    steps: Optional[int] = Field(None, ge=1)
-    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
-    clip_skip: Optional[int] = Field(None, ge=0, le=8)
-
-
-class MaskRect(BaseModel):
-    model_config = STRICT
-
-    x: int = Field(ge=0)
-    y: int = Field(ge=0)
-    width: int = Field(gt=0)
-    height: int = Field(gt=0)
-
-
-class EditItem(BaseModel):
-    model_config = STRICT
-
-    prompt: str = Field(min_length=1, description="The edit's target prompt.")
-    strength: Optional[float] = Field(None, ge=0, le=2, description="K/V = base + strength x (edit - base); the server's default if omitted.")
-    tail_steps: Optional[int] = Field(None, ge=1, description="Steps to re-run; the server's default tail if omitted.")
-    mask: Optional[MaskRect] = Field(None, description="Pixels inside may change; outside stays the base, exactly.")
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="A variation: re-noise with this seed.")
-    cfg_scale: Optional[float] = Field(None, ge=0, le=50, description="Guidance for this edit; the base's if omitted.")
-    preserve: Optional[Literal["auto", "none"]] = Field(
-        None, description="auto: only where the changed words attend may the image change; the server's default if omitted."
-    )
-    structure: Optional[float] = Field(
-        None, ge=0, le=1, description="The first fraction of the tail that keeps the base's layout (its self-attention); "
-        "the server's default if omitted."
-    )
+    steps: Optional[Steps] = None
+    cfg_scale: Optional[Guidance] = None
+    clip_skip: Optional[ClipSkip] = None
 
 
 class EditsRequest(BaseModel):
@@ -92,7 +67,7 @@ class EditsRequest(BaseModel):
     image: Optional[str] = Field(None, min_length=1, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
     source_prompt: str = Field("", description="With image: what the image shows (the inversion's prompt).")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. With image: the new base's.")
-    edits: list[EditItem] = Field(min_length=1)
+    edits: list[Edit] = Field(min_length=1, description="The edits: the same schema as a config's edits (edit.py).")
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.completed, done.")
 
 
@@ -230,17 +205,24 @@ def json_path(loc: Sequence[Any]) -> Optional[str]:
     return path or None
 
 
-def validation_error(errors: Sequence[dict]) -> ApiError:
+def validation_error(errors: Sequence[dict], owner: Any = None) -> ApiError:
+    """A 400 from pydantic's errors, worded as the config words them (schema.refusal);
+    ``owner`` is the model the locations are in, for a field's declared range."""
     first = errors[0]
     param = json_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return ApiError(400, "the body is not valid JSON", code="json_invalid")
     if first.get("type") == "missing":
         message = f"{param}: required field missing"
-    elif first.get("type") == "extra_forbidden":
+    elif first.get("type") in ("extra_forbidden", "unexpected_keyword_argument"):
         message = f"{param}: unknown field"
     else:
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        loc = tuple(first.get("loc", ()))
+        located = {**first, "loc": loc[1:] if loc[:1] == ("body",) else loc}
+        if owner is None:  # a request body: the model whose fields the location is in
+            owner = next((m for m in (EditsRequest, GenerationRequest, BaseUpload) if field_type(m, located["loc"])), None)
+        text = refusal(located, owner)
+        message = f"{param}: {text}" if param else str(text)
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ApiError(400, message + more, param=param, code=first.get("type"))
 

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .api import ApiError, decode_base64_or_400, errors
 from .pnginfo import base_id_of
-from .service import EditSpec, Service, b64
+from .edit import Edit
+from .service import Service, b64
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
 
@@ -126,7 +127,7 @@ def a1111_routes(service: Service) -> APIRouter:
             bids.append(bid)
         out = []
         for k, bid in enumerate(bids):
-            spec = EditSpec(body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength)
+            spec = Edit(prompt=body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength)
             out += await service.edit_base(bid, [spec], http, f"init_images[{k}]")
         info = {"prompt": body.prompt, "denoising_strength": body.denoising_strength, "base_ids": bids,
                 "tail_steps": [e.tail_steps for e in out],

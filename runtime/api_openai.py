@@ -30,8 +30,7 @@ from .api import (
     decode_base64_or_400,
     errors,
 )
-from .config import Mask
-from .service import EditSpec, Event, Service, b64
+from .service import Event, Service, b64
 
 COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
@@ -113,8 +112,7 @@ def openai_routes(service: Service) -> APIRouter:
             upload = service.upload(decode_base64_or_400(body.image), "image")
             made = await service.invert(upload, body.source_prompt, body.negative_prompt)
             body = body.model_copy(update={"base_id": made.id})
-        specs = [EditSpec(e.prompt, e.strength, e.tail_steps, Mask(e.mask.x, e.mask.y, e.mask.width, e.mask.height) if e.mask else None,
-                          e.seed, e.cfg_scale, e.preserve, structure=e.structure) for e in body.edits]  # fmt: skip
+        specs = body.edits  # already the one edit schema (edit.py)
         if not body.stream:
             done = await service.edit_base(body.base_id, specs, http)
             return {"created": int(time.time()), "base_id": body.base_id,

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__
-from .config import load_config
+from .config import load_config, revalidated
 from .errors import EditRtError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
@@ -254,8 +254,7 @@ def serve(
     cfg = load_config(config)
     if host is not None or port is not None:
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
-        s.validate("--host/--port")
-        cfg = dataclasses.replace(cfg, serve=s)
+        cfg = dataclasses.replace(cfg, serve=revalidated(s, "--host/--port"))
     console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
     if ray:
         try:

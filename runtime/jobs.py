@@ -14,10 +14,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .config import Base
+from .edit import Base
 from .errors import EditRtError
 from .rows import Recording, Row
-from .state import BaseState, TailRow
+from .edit import TailRow
+from .state import BaseState
 
 
 class QueueFullError(EditRtError):

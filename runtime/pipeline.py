@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from .batcher import Batcher
 from .automask import AutoMask
 from .engine_thread import EngineThread
-from .config import Base, Mask, Preserve
+from .edit import Base, Mask, Preserve, TailRow
 from .images import composite, feathered_rectangle, upsample_weight
 from .jobs import Job, Request
 from .errors import ArtifactError, ConfigError
@@ -34,7 +34,7 @@ from .rows import pow2_buckets
 from .slots import RowScheduler
 from .step_signature import StepSignature
 from .align import token_diff
-from .state import KV, BaseState, TailRow
+from .state import KV, BaseState
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 

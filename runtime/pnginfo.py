@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Mapping, Optional
 
-from .config import Base, Mask
-from .state import TailRow
+from .edit import Base, Mask
+from .edit import TailRow
 
 
 def quote(value: object) -> str:

@@ -44,12 +44,13 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .api import ApiError
-from .config import Base, RunConfig
+from .config import RunConfig
+from .edit import Base, Edit
 from .errors import ConfigError
 from .manifest import load_manifest
 from .metrics import merged
 from .server import create_app
-from .service import EditSpec, Event, Generated, Service, is_base_id, until_done
+from .service import Event, Generated, Service, is_base_id, until_done
 from .store import base_id
 from .uploads import Upload
 
@@ -189,7 +190,7 @@ class EditWorker:
                      guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
         return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
 
-    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id",
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id",
                           route: Optional[dict] = None) -> AsyncIterator[Event]:  # fmt: skip
         try:
             async for event in self.service.edit_events(bid, specs, param):
@@ -320,7 +321,7 @@ class RayService(Service):
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
                                                                   clip_skip, route=route))  # fmt: skip
 
-    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id") -> AsyncIterator[Event]:
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id") -> AsyncIterator[Event]:
         for attempt in range(2):
             stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, route={"base": bid})
             started = finished = False
@@ -343,7 +344,7 @@ class RayService(Service):
                 if not finished:
                     stream.cancel()  # the client left, or a row failed: the worker drops its rows
 
-    async def edit_base(self, bid: str, specs: list[EditSpec], http=None, param: str = "base_id"):
+    async def edit_base(self, bid: str, specs: list[Edit], http=None, param: str = "base_id"):
         """As the local one; a replica lost midway is tried once more (nothing was sent yet)."""
         try:
             return await super().edit_base(bid, specs, http, param)

@@ -29,7 +29,8 @@ from .errors import EditRtError
 from .jobs import Job, RowError, RowResult
 from .rows import Recording, Row
 from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
-from .state import KV, BaseState, TailRow
+from .edit import TailRow
+from .state import KV, BaseState
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import onnxruntime
 
 from . import __version__
 from .assemble import pipeline_of, store_of
-from .config import Edit, RunConfig
+from .config import RunConfig
+from .edit import Edit, TailRow
 from .errors import ConfigError
 from .images import contact_sheet, save_png
 from .pnginfo import base_fields, edit_fields, parameters_text
-from .state import TailRow
 from .uploads import ImageInputError, Upload, image_from_bytes
 from .store import base_id
 
@@ -89,19 +89,8 @@ def writable_or_refuse(folder: Path, field: str) -> None:
 
 
 def tail_rows(cfg: RunConfig) -> list[TailRow]:
-    return [
-        TailRow(
-            prompt=e.prompt,
-            strength=cfg.strength_of(e.strength),
-            start_step=cfg.start_step_of(e, f"edits[{i}]"),
-            guidance=cfg.base.guidance if e.guidance is None else e.guidance,
-            mask=e.mask,
-            seed=e.seed,
-            preserve=cfg.preserve_of(e.preserve),
-            structure=cfg.structure_of(e.structure),
-        )
-        for i, e in enumerate(cfg.edits)
-    ]
+    """The config's edits as the rows they run (edit.resolve_edit, as the server resolves them)."""
+    return [cfg.tail_row(e, f"edits[{i}]") for i, e in enumerate(cfg.edits)]
 
 
 def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 Song et al., "Denoising Diffusion Implicit Models" (https://arxiv.org/abs/2010.02502), eq. 12
 with sigma_t = 0. The update itself is fused into the ``unet_step`` graph; this file decides,
 for every step, the timestep t and the two cumulative alphas that graph takes as per-row
-inputs, exactly as diffusers' ``DDIMScheduler.set_timesteps()`` and ``step()`` do (the tests
-check it against diffusers). ``step()`` is kept here in numpy as the written-out reference of
-what the graph computes.
+inputs, exactly as diffusers' ``DDIMScheduler.set_timesteps()`` does (tests/test_scheduler.py
+checks them against it; the fused update is held against diffusers' pipelines themselves,
+tests/test_pipeline.py and test_families.py).
 """
 
 from __future__ import annotations
@@ -109,24 +109,6 @@ class DDIMSchedule:
             ratio = cfg.num_train_timesteps / n
             return np.round(np.arange(cfg.num_train_timesteps, 0, -ratio)).astype(np.int64) - 1
         raise ModelError(f"scheduler_config.json: timestep_spacing {cfg.timestep_spacing!r} is not supported")
-
-    def step(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
-        """Reference DDIM update x_i -> x_{i+1} (eta = 0); the graph fuses the same equations."""
-        a_t, a_prev = self.alpha_t[i], self.alpha_prev[i]
-        b_t = 1 - a_t
-        # 1. predicted x_0 and epsilon (eq. 12's "predicted x_0"), per parameterisation
-        if self.config.prediction_type == "epsilon":
-            x0, eps = (sample - b_t**0.5 * model_output) / a_t**0.5, model_output
-        elif self.config.prediction_type == "v_prediction":
-            x0 = a_t**0.5 * sample - b_t**0.5 * model_output
-            eps = a_t**0.5 * model_output + b_t**0.5 * sample
-        else:
-            x0 = model_output
-            eps = (sample - a_t**0.5 * x0) / b_t**0.5
-        if self.config.clip_sample:
-            x0 = np.clip(x0, -self.config.clip_sample_range, self.config.clip_sample_range)
-        # 2. eq. 12 with sigma_t = 0: x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps
-        return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
 
 
 class InverseDDIMSchedule:

@@ -23,16 +23,19 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 import numpy as np
 from fastapi import Request as HttpRequest
 
-from .api import ApiError
+from pydantic import ValidationError
+
+from .api import ApiError, validation_error
 from .batcher import Batcher
 from .jobs import CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
-from .config import Base, Mask, RunConfig
+from .config import RunConfig
+from .edit import Base, Edit, EditError, TailRow, resolve_edit
 from .images import png_bytes
 from .metrics import Metrics
 from .pipeline import EditPipeline
 from .pnginfo import base_fields, edit_fields, parameters_text
 from .assemble import pipeline_of, store_of
-from .state import BaseState, TailRow
+from .state import BaseState
 from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
 from .uploads import ImageInputError, Upload, image_from_bytes
 
@@ -124,22 +127,6 @@ class Edited:
     def info(self) -> dict:
         return {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
                 "preserve": self.preserve}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EditSpec:
-    """One edit as a request gives it; ``Service.row_of`` checks it against its base."""
-
-    prompt: str
-    strength: Optional[float] = None
-    tail_steps: Optional[int] = None
-    mask: Optional[Mask] = None
-    seed: Optional[int] = None
-    guidance: Optional[float] = None
-    preserve: Optional[str] = None
-    # A1111's denoising_strength: the tail as a fraction of the base's steps (within its window)
-    tail_fraction: Optional[float] = None
-    structure: Optional[float] = None  # structure keeping's fraction of the tail
 
 
 # An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress" and
@@ -254,26 +241,14 @@ class Service:
         return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
                        clip_skip=clip_skip, image=None, **given)  # fmt: skip
 
-    def row_of(self, i: int, state: BaseState, spec: EditSpec) -> TailRow:
-        """Edit ``i`` of a request as a row of ``state``'s tail: the config's defaults filled in,
-        its tail and mask checked against the base."""
-        cfg, b = self.cfg, state.base
-        self.check_prompt(spec.prompt, f"edits[{i}].prompt")
-        T, lo = b.steps, state.window_start
-        if spec.tail_fraction is not None:
-            tail = min(max(1, round(spec.tail_fraction * T)), T - lo)
-        else:
-            tail = spec.tail_steps or max(1, round(cfg.cache.default_tail_fraction * T))
-        if not 1 <= tail <= T - lo:
-            raise ApiError(400, f"edits[{i}].tail_steps: {tail} is outside [1, {T - lo}] for this base ({T} steps)",
-                           param=f"edits[{i}].tail_steps", code="out_of_range")  # fmt: skip
-        mask = spec.mask
-        if mask is not None and (mask.x + mask.width > b.width or mask.y + mask.height > b.height):
-            raise ApiError(400, f"edits[{i}].mask: the rectangle leaves the {b.width}x{b.height} image",
-                           param=f"edits[{i}].mask", code="out_of_range")  # fmt: skip
-        guidance = b.guidance if spec.guidance is None else spec.guidance
-        return TailRow(spec.prompt, cfg.strength_of(spec.strength), T - tail, guidance, mask, spec.seed,
-                       cfg.preserve_of(spec.preserve), cfg.structure_of(spec.structure))  # fmt: skip
+    def row_of(self, i: int, state: BaseState, edit: Edit) -> TailRow:
+        """Edit ``i`` of a request as a row of ``state``'s tail (edit.resolve_edit: the config's
+        defaults filled in, its tail and mask checked against the base)."""
+        self.check_prompt(edit.prompt, f"edits[{i}].prompt")
+        try:
+            return resolve_edit(edit, state.base, state.window_start, self.cfg.edit_defaults(), f"edits[{i}]")
+        except EditError as err:
+            raise ApiError(400, str(err), param=err.field, code="out_of_range") from None
 
     # --- work ---------------------------------------------------------------------------------
 
@@ -335,7 +310,7 @@ class Service:
         request = self._new_request()
         return request, [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
 
-    async def edit_events(self, bid: str, specs: list[EditSpec], param: str = "base_id") -> AsyncIterator[Event]:
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id") -> AsyncIterator[Event]:
         """Edits of the stored base ``bid`` as one batched tail (with whatever else runs), as
         events. Everything a request can be refused for (an unknown base, a bad edit, a full
         queue) is raised before the first event; the base stays pinned until the last."""
@@ -375,7 +350,7 @@ class Service:
                 request.cancelled.set()  # a client that left: its rows go at the next step
             self.store.unpin(bid)
 
-    async def edit_base(self, bid: str, specs: list[EditSpec], http: Optional[HttpRequest] = None,
+    async def edit_base(self, bid: str, specs: list[Edit], http: Optional[HttpRequest] = None,
                         param: str = "base_id") -> list[Edited]:  # fmt: skip
         """``edit_events`` collected: the edits in order, or the first row's error."""
         out = []
@@ -480,9 +455,12 @@ class Service:
                                      number("steps", int), number("cfg_scale", float))  # fmt: skip
             bases.append(made.id)
             seed = number("seed", int)
-            specs = [EditSpec(prompt, number("strength", float), number("tail_steps", int), None,
-                              seed + j if seed is not None and n > 1 else seed, number("cfg_scale", float),
-                              text.get("preserve")) for j in range(n)]  # fmt: skip
+            try:  # the form's fields as the one edit schema, refused in its words
+                specs = [Edit(prompt=prompt, strength=number("strength", float), tail_steps=number("tail_steps", int),
+                              seed=seed + j if seed is not None and n > 1 else seed, guidance=number("cfg_scale", float),
+                              preserve=text.get("preserve")) for j in range(n)]  # fmt: skip
+            except ValidationError as err:
+                raise validation_error(err.errors(), Edit) from None
             out += await self.edit_base(made.id, specs, http)
         return {"created": int(time.time()), "base_id": bases[0], "base_ids": bases,
                 "data": [{"index": i, "b64_json": b64(e.png), "info": e.info()} for i, e in enumerate(out)]}

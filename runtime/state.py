@@ -1,4 +1,4 @@
-"""What a base keeps and what an edit asks for: the types the store, the loop and the server share.
+"""What a base keeps: the types the store, the loop and the server share (an edit is edit.py's).
 
 Step i of a T-step DDIM chain maps latent x_i to x_{i+1} (x_0 is the noise, x_T the final
 latent). A base keeps x_i for every i of its cache window, the unconditional prediction u_i the
@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config import Base, Mask
+from .edit import Base
 
 
 @dataclass
@@ -89,19 +89,3 @@ class BaseState:
     def nbytes(self) -> int:
         extra = sum(a.nbytes for a in (self.uncond_out, self.corrections) if a is not None)
         return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes + extra
-
-
-@dataclass
-class TailRow:
-    """One edit, resolved: the K/V mix, where it enters and how it is guided."""
-
-    prompt: str
-    strength: float
-    start_step: int
-    guidance: float
-    mask: Optional[Mask] = None
-    seed: Optional[int] = None
-    preserve: str = "none"  # "auto": a mask from the changed words' attention (automask.py)
-    # Structure keeping: the first fraction of the tail takes its self-attention pattern from
-    # the base's own tail (a reference row in the same call); 0: off.
-    structure: float = 0.0

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .config import Base
+from .edit import Base
 from .errors import ArtifactError
 from .state import KV, BaseState
 from .store_codec import StoragePrecision, decode, encode, to_bytes

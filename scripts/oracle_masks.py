@@ -7,8 +7,8 @@ quality` scores them (same 50 bases, same edits, the default tail).
 Colour edits may change the shape's latent cells (``d0``) or those grown by one cell
 (``d1``); background edits keep the cells that touch the shape (``any``) or only those inside
 it (``all``). Each edit runs alone, masked through the runtime's own mask path (latents kept
-outside, pixels composited), at strengths 1 and 1.5. Prints one line per setting (README,
-"Edit quality").
+outside, pixels composited), at strengths 1 and 1.5. Prints one line per setting
+(docs/quality.md).
 """
 
 from __future__ import annotations

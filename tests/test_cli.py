@@ -121,7 +121,7 @@ def test_second_run_takes_the_base_from_the_disk_store(tmp_path, model_dir, onnx
 
 def test_run_images_equal_the_pipeline(tmp_path, model_dir, onnx_dir, pipeline):
     """The CLI's PNGs are the pipeline's images (rounded to 8 bits), base included."""
-    from edit_rt.runtime.config import Base
+    from edit_rt.runtime.edit import Base
 
     cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:1])
     assert _run(tmp_path, cfg).returncode == 0

@@ -18,11 +18,10 @@ import pytest
 import yaml
 
 from edit_rt.export.engines import build_engines
-from edit_rt.runtime.backend import available_backends, select_backend
 from edit_rt.runtime.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.config import Mask
+from edit_rt.runtime.edit import Mask
 from edit_rt.runtime.engines import load_engines
-from edit_rt.runtime.errors import ArtifactError, ConfigError
+from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.graph_set import cpu_name, engine_tools
 from edit_rt.runtime.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
@@ -145,24 +144,37 @@ def test_profile_shapes_and_ort_tensorrt_options(onnx_dir):
     }
 
 
-def test_polygraphy_profile_from_config(onnx_dir):
+def test_every_shape_the_loop_binds_lies_inside_the_polygraphy_profile(onnx_dir, base_state):
+    """The profile `make engines` builds from the config, as Polygraphy holds it, against the
+    shapes the step loop really binds: tails of 1..8 rows (padded to the GPU's buckets), rows
+    at their entry step, up to max_sets negative prompts."""
+    import dataclasses
+
     from polygraphy.backend.trt import Profile
+
+    from edit_rt.runtime.jobs import Job, Request
 
     manifest = load_manifest(onnx_dir)
     profile = Profile()
-    for name, (lo, opt, hi) in PROFILE.shapes(manifest.graphs["unet_step"].inputs).items():
+    for name, (lo, opt, hi) in PROFILE.shapes(manifest.graphs["unet_step"].inputs, "unet_step").items():
         profile.add(name, min=lo, opt=opt, max=hi)
-    assert tuple(profile["latents"].max) == (8, 4, 16, 16)
-    assert len(profile) == len(manifest.graphs["unet_step"].inputs)
-
-
-def test_auto_backend_says_which_and_why():
-    backend, why = select_backend("auto", built=set())
-    assert backend in available_backends() and why
-    if TRT_MISSING:
-        assert backend != "trt"
-        with pytest.raises(ConfigError, match="trt is not available on this machine"):
-            select_backend("trt", built=set())
+    bound = []
+    with EditPipeline(onnx_dir, batch_profile=(1, 4, 8), buckets="pow2") as pipe:
+        step = pipe.graphs["unet_step"]
+        original = step.bind
+        step.bind = lambda inputs, outputs: (bound.append({n: v.shape for n, v in inputs.items()}), original(inputs, outputs))[1]
+        others = [pipe.generate_base(dataclasses.replace(TEST_BASE, negative_prompt=neg)) for neg in ("a", "b", "c")]
+        states = [base_state, *others]
+        for n in range(1, 9):
+            request = Request(f"n{n}", decode=False)
+            jobs = [Job(request, k, states[k % 4].base, TailRow(f"edit {k}", 1.0, 7 - k % 3, 7.5), state=states[k % 4])
+                    for k in range(n)]  # fmt: skip
+            pipe.batcher(base_state.latents.shape[1:]).run(request, jobs)
+    assert len(bound) > 8
+    for shapes in bound:
+        for name, shape in shapes.items():
+            lo, hi = tuple(profile[name].min), tuple(profile[name].max)
+            assert all(a <= d <= b for a, d, b in zip(lo, shape, hi)), (name, shape, lo, hi)
 
 
 def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):

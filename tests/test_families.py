@@ -28,7 +28,7 @@ import yaml
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
-from edit_rt.runtime.config import Base, Mask
+from edit_rt.runtime.edit import Base, Mask
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow

@@ -25,7 +25,8 @@ import yaml
 from PIL import Image
 
 from edit_rt.runtime import backend, backend_ort, cuda, graph_set
-from edit_rt.runtime.config import Mask
+from edit_rt.runtime.edit import Mask
+from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.profiles import EditBatchProfile
@@ -294,6 +295,15 @@ def test_only_backends_that_can_start_are_listed(gpu, monkeypatch):
     assert not report["ort-cuda"][0] and "cannot reach a CUDA device" in report["ort-cuda"][1]
     assert not report["trt"][0] and "no usable NVIDIA GPU" in report["trt"][1]
     assert set(backend.available_backends()) == {"ort-cpu"}
+
+
+def test_auto_takes_the_fastest_backend_that_starts_and_has_engines(gpu):
+    assert backend.select_backend("auto", built={"trt"})[0] == "trt"
+    # no trt engines built: the fastest one that needs none (ort-tensorrt is not in this onnxruntime)
+    chosen, why = backend.select_backend("auto", built=set())
+    assert chosen == "ort-cuda" and "not available here: ort-tensorrt" in why
+    with pytest.raises(ConfigError, match="ort-tensorrt is not available on this machine"):
+        backend.select_backend("ort-tensorrt", built=set())
 
 
 def test_ort_tensorrt_takes_each_graphs_precision(monkeypatch, onnx_dir):

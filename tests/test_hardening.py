@@ -24,9 +24,10 @@ from hypothesis import strategies as st
 
 from edit_rt.runtime.batcher import Batcher
 from edit_rt.runtime.jobs import Job, Request
-from edit_rt.runtime.config import Base, config_from_dict
+from edit_rt.runtime.config import config_from_dict
+from edit_rt.runtime.edit import Base
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.state import TailRow
+from edit_rt.runtime.edit import TailRow
 from edit_rt.runtime.store import BaseStore, DamagedBaseError, base_id
 
 from .conftest import TEST_BASE

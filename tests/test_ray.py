@@ -25,7 +25,8 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 from ray import serve  # noqa: E402
 
 from edit_rt.runtime import ray_serve  # noqa: E402
-from edit_rt.runtime.config import Base, load_config  # noqa: E402
+from edit_rt.runtime.config import load_config  # noqa: E402
+from edit_rt.runtime.edit import Base  # noqa: E402
 
 from .server_process import free_port  # noqa: E402
 from .test_clients import (  # noqa: E402,F401  the client libraries' core cases, through Ray

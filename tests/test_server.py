@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from edit_rt.runtime.config import Base, Mask
+from edit_rt.runtime.edit import Base, Mask
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import TailRow
 
@@ -124,7 +124,7 @@ def test_base_metadata_and_delete(server):
 @pytest.mark.parametrize(
     "path,body,status,param",
     [
-        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}, {"prompt": "y", "strength": 3}]}, 400, "edits[1].strength"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}, {"prompt": "y", "strength": 5}]}, 400, "edits[1].strength"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "colour": 1}]}, 400, "edits[0].colour"),
         ("/v1/images/edits", {"base_id": "b", "edits": []}, 400, "edits"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "structure": 1.5}]}, 400, "edits[0].structure"),
@@ -153,6 +153,48 @@ def test_out_of_range_tail_and_mask_name_the_edit(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "edits[1].tail_steps"
     r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "mask": {"x": 30, "y": 0, "width": 8, "height": 8}}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "edits[0].mask"
+
+
+# One edit schema at both doors: (edit, the field a refusal names or None, words both doors use)
+BOTH_DOORS = [
+    ({"prompt": "x", "strength": -1.5}, None, ""),  # "less of it": a negative strength is an edit everywhere
+    ({"prompt": "x", "cfg_scale": 3.0}, None, ""),
+    ({"prompt": "x", "guidance": 3.0, "tail_steps": 6}, None, ""),
+    ({"prompt": "x", "strength": 5}, "edits[0].strength", "must lie in [-4, 4]"),
+    ({"prompt": "x", "tail_steps": 0}, "edits[0].tail_steps", "outside the cache window"),
+    ({"prompt": "x", "tail_steps": 7}, "edits[0].tail_steps", "tail_steps in [1, 6]"),
+    ({"prompt": "x", "start_step": 2, "tail_steps": 2}, "edits[0]", "not both"),
+    ({"prompt": "x", "mask": {"x": 30, "y": 0, "width": 8, "height": 8}}, "edits[0].mask", "leaves the 32x32 image"),
+    ({"prompt": "x", "mask": {"x": 0, "y": 0, "width": 0, "height": 8}}, "edits[0].mask.width", "must be > 0"),
+    ({"prompt": "x", "structure": 1.5}, "edits[0].structure", "must lie in [0, 1]"),
+    ({"prompt": "x", "preserve": "maybe"}, "edits[0].preserve", "must be one of 'auto' | 'none'"),
+    ({"prompt": "   "}, "edits[0].prompt", "must not be empty"),
+    ({"prompt": "x", "strenght": 1.0}, "edits[0].strenght", "unknown"),
+]
+
+
+@pytest.mark.parametrize("edit,field,words", BOTH_DOORS)
+def test_config_and_api_accept_and_refuse_the_same_edits(server, model_dir, onnx_dir, tmp_path, edit, field, words):
+    from edit_rt.runtime.config import config_from_dict
+    from edit_rt.runtime.errors import ConfigError
+
+    config = {"model": str(model_dir), "build_dir": str(onnx_dir.parent.parent),
+              "base": {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 1, "steps": STEPS, "width": 32,
+                       "height": 32}, "edits": [edit]}  # fmt: skip
+    try:
+        config_from_dict(config, tmp_path / "config.yaml")
+        config_refusal = None
+    except ConfigError as err:
+        config_refusal = str(err)
+    gen = _generate(server.url, seed=1)
+    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [edit]}, timeout=120)
+    if field is None:
+        assert config_refusal is None and r.status_code == 200, (config_refusal, r.text)
+        return
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and words in error["message"], error
+    assert config_refusal is not None and f"{field}: " in config_refusal and words in config_refusal, config_refusal
 
 
 def test_bad_json_and_oversized_body(server):

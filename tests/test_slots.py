@@ -31,7 +31,7 @@ from edit_rt.runtime.batcher import Batcher
 from edit_rt.runtime.jobs import Job, Request
 from edit_rt.runtime.device import HostTensor
 from edit_rt.runtime.manifest import load_manifest
-from edit_rt.runtime.state import TailRow
+from edit_rt.runtime.edit import TailRow
 
 from .conftest import TEST_BASE
 

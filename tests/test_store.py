@@ -22,7 +22,10 @@ def fake_state(seed: int, negative: str = "", steps: int = 10, fingerprint: str 
     """A state with the real shapes of a small model and random contents, cheap to make."""
     rng = np.random.default_rng(seed)
     base = dataclasses.replace(TEST_BASE, seed=seed, negative_prompt=negative, steps=steps)
-    kv = lambda r: KV([r.standard_normal((1, 77, c)).astype(np.float32) for c in (32, 32, 64, 64)])  # noqa: E731
+    # K/V in the step graph's layout (manifest kv_layout "heads-major"): K [1, heads, head_dim, 77],
+    # V [1, heads, 77, head_dim]; int8 storage scales them per token (store._token_axis)
+    shapes = [(1, 2, 16, 77), (1, 2, 77, 16), (1, 4, 16, 77), (1, 4, 77, 16)]
+    kv = lambda r: KV([r.standard_normal(shape).astype(np.float32) for shape in shapes])  # noqa: E731
     latents = rng.standard_normal((steps + 1, 4, 16, 16)).astype(np.float32)
     # The unconditional K/V depend on the negative prompt alone, as the real ones do.
     uncond = kv(np.random.default_rng(sum(negative.encode())))
@@ -222,7 +225,7 @@ def test_edit_from_a_disk_restored_base_equals_the_in_memory_one(tmp_path, pipel
 
 @pytest.mark.parametrize(
     "latents,kv,max_abs,mean_abs",
-    # Bounds ~4x what was measured on the tiny test model (README, "The base-state store").
+    # Bounds ~4x what was measured on the tiny test model (docs/store.md).
     [("fp16", "fp16", 1e-3, 1.2e-4), ("int8", "int8", 2.5e-2, 3.5e-3), ("fp32", "int8", 2.5e-4, 3e-5)],
 )
 def test_storage_precision_error_on_an_edited_image(pipeline, base_state, latents, kv, max_abs, mean_abs):

@@ -1,0 +1,229 @@
+"""The edit model, one schema for every door, and the one resolver from an edit to a tail row.
+
+- :class:`Base`, :class:`Mask`, :class:`Edit`, :class:`Preserve`: dataclasses with their bounds
+  declared once (schema.py) and validated by pydantic where a value comes in: the YAML config
+  (config.py) and the HTTP API's bodies (api.py) alike, so an edit the config accepts the API
+  accepts, and the same value is refused with the same words at both doors. ``Edit`` validates
+  on construction too (its checks span fields); the others are plain dataclasses inside.
+- :func:`resolve_edit`: an :class:`Edit` of a base, with the run's defaults filled in and its
+  tail and mask checked against the base, as the :class:`TailRow` the step loop runs. Config
+  (run.py) and server (service.py) call it; it does no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator, with_config
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from .schema import (
+    ClipSkip,
+    Fraction,
+    Guidance,
+    Int,
+    PreserveMode,
+    Seed,
+    SizeCond,
+    Steps,
+    Str,
+    Strength,
+    between,
+    Float,
+)
+
+STRICT = ConfigDict(extra="forbid")
+
+
+class EditError(ValueError):
+    """An edit that does not fit its base: ``field`` is its path (``edits[2].tail_steps``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Mask:
+    """A rectangle in image pixels; inside it the edit may change the image, outside it may not."""
+
+    x: between(Int, 0)
+    y: between(Int, 0)
+    width: between(Int, 0, lo_open=True)
+    height: between(Int, 0, lo_open=True)
+
+
+@pydantic_dataclass(frozen=True, config=STRICT)
+class Edit:
+    """One edit of a base (see ARCHITECTURE.md, "Edits"); every field but the prompt optional."""
+
+    prompt: Str
+    # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
+    # further, < 0 away ("less red"). A slider over strengths costs no extra text encoding.
+    # None: cache.default_strength.
+    strength: Optional[Strength] = None
+    # Where the row re-enters the base chain: start_step = steps - tail_steps. Give one of them
+    # (or, as AUTOMATIC1111's denoising_strength, tail_fraction); none means the default tail.
+    # (Their range is the base's cache window: resolve_edit checks them against it.)
+    start_step: Optional[Int] = None
+    tail_steps: Optional[Int] = None
+    tail_fraction: Optional[between(Float, 0.0, 1.0, lo_open=True)] = None
+    # Classifier-free guidance for this row; None means the base's. (The API's cfg_scale.)
+    guidance: Optional[Guidance] = Field(None, validation_alias=AliasChoices("guidance", "cfg_scale"))
+    mask: Optional[Mask] = None
+    # None: a deterministic edit from the base's own latent. A seed re-noises the entry latent
+    # (from the base's final latent, with this seed's noise) for a variation.
+    seed: Optional[Seed] = None
+    # "auto": only where the changed words attend may the image change (see `preserve:`);
+    # "none": the plain tail. None: `preserve.mode`.
+    preserve: Optional[PreserveMode] = None
+    # The first fraction of the tail that takes its layout from the base (structure keeping).
+    # None: `preserve.structure`.
+    structure: Optional[Fraction] = None
+    # Shown in the grid and the report (edit-rt run); defaults to a summary of the fields.
+    label: Optional[Str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError("must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _one_tail(self) -> "Edit":
+        if sum(v is not None for v in (self.start_step, self.tail_steps, self.tail_fraction)) > 1:
+            raise ValueError("give start_step or tail_steps (or tail_fraction), not both")
+        return self
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Base:
+    """The generation every edit starts from."""
+
+    prompt: Str
+    # As diffusers means it: omitted (null) is the family's default (SDXL: zeros where its
+    # model_index says force_zeros_for_empty_prompt), "" is the empty prompt, encoded.
+    negative_prompt: Optional[Str] = None
+    seed: Seed = 0
+    # Stable Diffusion's usual DDIM budget; the tiny test model uses fewer.
+    steps: Steps = 50
+    # Classifier-free guidance; <= 1 turns it off (the conditional prediction alone), as in diffusers.
+    guidance: Guidance = 7.5
+    width: between(Int, 1, 4096) = 512
+    height: between(Int, 1, 4096) = 512
+    # CLIP layers to skip from the end (diffusers' clip_skip; 0: none). The negative prompt
+    # keeps the default layer, as in diffusers.
+    clip_skip: ClipSkip = 0
+    # SDXL's size conditioning (its time_ids): the original size (default: width x height) and
+    # the crop's top-left corner.
+    original_width: Optional[SizeCond] = None
+    original_height: Optional[SizeCond] = None
+    crop_top: SizeCond = 0
+    crop_left: SizeCond = 0
+    # An image to edit instead of a generation: it is inverted (pipeline.invert) with `prompt`
+    # as its description. In a config, a path (relative to the config); in a stored base's key,
+    # "sha256:<hex>" of the pixels it was inverted from.
+    image: Optional[Str] = None
+
+    def time_ids(self) -> list[float]:
+        """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""
+        return [float(self.original_height or self.height), float(self.original_width or self.width),
+                float(self.crop_top), float(self.crop_left), float(self.height), float(self.width)]  # fmt: skip
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Preserve:
+    """Automatic local edits (``preserve: auto``): the knobs of the mask from attention maps.
+
+    Chosen by `make quality` on the shapes model (docs/quality.md): there ``auto`` kept
+    no more than the plain tail (its maps do not mark the edited region well enough), so the
+    default mode is ``none`` and the knobs are the best-measured ``auto`` setting.
+    """
+
+    # The mode of an edit that names none. "auto" keeps, exactly, what the edit's changed
+    # words do not attend to; "none" lets the whole image follow the edit prompt.
+    mode: PreserveMode = "none"
+    # Of the summed map normalised to [0, 1]: at or above it the image may change.
+    threshold: between(Float, 0.0, 1.0, lo_open=True, hi_open=True) = 0.3
+    # Map pixels the region grows by (prompt-to-prompt's max-pool): covers an outline's blur.
+    dilate: between(Int, 0, 8) = 1
+    # "contrast": the changed words' region, or, when they attend away from the prompt's other
+    # words (a background recoloured), everything but those words' region; "words": the
+    # changed words' region alone (prompt-to-prompt's local blend).
+    region: Literal["contrast", "words"] = "contrast"
+    # Tail steps whose maps are summed; later steps keep the mask (and run the plain graph).
+    steps: between(Int, 1, 50) = 4
+    # Decoded images are composited with the base image outside the mask; the edge blends
+    # over this many pixels inside it, so nothing outside the mask changes at all.
+    feather_px: between(Int, 0, 16) = 2
+    # Structure keeping: for this first fraction of an edit's tail, its self-attention takes
+    # the pattern of the base's own tail (a reference row per base and entry step in the same
+    # call: plug-and-play's injection), so the layout stays the base's; 0 turns it off.
+    structure: Fraction = 0.0
+
+
+@dataclass(frozen=True)
+class EditDefaults:
+    """What an edit that leaves a field out gets (the config's ``cache:`` and ``preserve:``)."""
+
+    strength: float = 1.0
+    tail_fraction: float = 0.4
+    preserve: str = "none"
+    structure: float = 0.0
+
+
+@dataclass
+class TailRow:
+    """One edit, resolved: the K/V mix, where it enters and how it is guided."""
+
+    prompt: str
+    strength: float
+    start_step: int
+    guidance: float
+    mask: Optional[Mask] = None
+    seed: Optional[int] = None
+    preserve: str = "none"  # "auto": a mask from the changed words' attention (automask.py)
+    # Structure keeping: the first fraction of the tail takes its self-attention pattern from
+    # the base's own tail (a reference row in the same call); 0: off.
+    structure: float = 0.0
+
+
+def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaults, where: str = "edit") -> TailRow:
+    """``edit`` of ``base`` as the row the step loop runs: defaults filled in, its entry step
+    inside the cache window [window_start, steps - 1], its mask inside the image. Raises
+    :class:`EditError` naming the field and the fix."""
+    steps, lo = base.steps, window_start
+    if edit.start_step is not None:
+        start, name = edit.start_step, "start_step"
+    elif edit.tail_steps is not None:
+        start, name = steps - edit.tail_steps, "tail_steps"
+    elif edit.tail_fraction is not None:  # AUTOMATIC1111's denoising_strength: clipped to the window
+        start, name = steps - min(max(1, round(edit.tail_fraction * steps)), steps - lo), "tail_fraction"
+    else:
+        start, name = steps - max(1, round(defaults.tail_fraction * steps)), ""
+    if not lo <= start <= steps - 1:
+        given = f"{name}={getattr(edit, name)}" if name else "the default tail"
+        raise EditError(f"{where}.{name or 'start_step'}",
+                        f"{given} enters at step {start}, outside the cache window [{lo}, {steps - 1}] (base.steps="
+                        f"{steps}, cache.window_start={lo}); use a start_step in that range or a tail_steps in "
+                        f"[1, {steps - lo}]")  # fmt: skip
+    m = edit.mask
+    if m is not None and (m.x + m.width > base.width or m.y + m.height > base.height):
+        raise EditError(f"{where}.mask", f"the rectangle ({m.x},{m.y},{m.width}x{m.height}) leaves the "
+                                         f"{base.width}x{base.height} image; shrink it")  # fmt: skip
+    return TailRow(
+        edit.prompt,
+        defaults.strength if edit.strength is None else edit.strength,
+        start,
+        base.guidance if edit.guidance is None else edit.guidance,
+        m,
+        edit.seed,
+        defaults.preserve if edit.preserve is None else edit.preserve,
+        defaults.structure if edit.structure is None else edit.structure,
+    )

@@ -1,0 +1,131 @@
+"""Strict, bounded field types, declared once for the YAML config and the HTTP API alike, and
+the one wording of their refusals.
+
+Strict: a value of the wrong type is refused, never coerced ("10" is no integer, true is no 1),
+and no float may be inf or nan. Bounded: each range is declared on the type (pydantic's
+``Field(ge=, le=)``), so config and API accept and refuse the same values, and
+:func:`refusal` words a violation as "must lie in [lo, hi], got v" from the declaration itself.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import AllowInfNan, Field, Strict
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+
+
+def between(kind: Any, lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
+            hi_open: bool = False) -> Any:  # fmt: skip
+    """``kind`` (Int or Float) bounded to [lo, hi] (an open end with ``lo_open``/``hi_open``)."""
+    bounds: dict[str, float] = {}
+    if lo is not None:
+        bounds["gt" if lo_open else "ge"] = lo
+    if hi is not None:
+        bounds["lt" if hi_open else "le"] = hi
+    return Annotated[kind, Field(**bounds)]
+
+
+# The ranges users meet in more than one place.
+Strength = between(Float, -4.0, 4.0)  # K/V = base + s (edit - base): < 0 moves away from the edit
+Guidance = between(Float, 0.0, 50.0)  # classifier-free guidance; <= 1 turns it off
+Steps = between(Int, 1, 1000)  # DDIM steps of a 1000-step training schedule
+Fraction = between(Float, 0.0, 1.0)
+Seed = between(Int, 0, 2**63 - 1)
+ClipSkip = between(Int, 0, 8)
+SizeCond = between(Int, 0, 16384)  # SDXL's size and crop conditioning, in pixels
+PreserveMode = Literal["auto", "none"]
+
+_TYPES = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "finite_number": "must be a finite number",
+    "path_type": "must be a path string",
+    "list_type": "must be a list",
+    "dataclass_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "dict_type": "must be a mapping",
+    "int_from_float": "must be an integer",
+}
+_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def bounds_of(tp: Any) -> dict[str, float]:
+    """The ge/gt/le/lt declared on a field's type (through Optional and Annotated)."""
+    out: dict[str, float] = {}
+    if typing.get_origin(tp) is Annotated:
+        for meta in tp.__metadata__:
+            for item in [meta, *getattr(meta, "metadata", [])]:
+                for key in ("ge", "gt", "le", "lt"):
+                    if getattr(item, key, None) is not None:
+                        out[key] = getattr(item, key)
+    for arg in typing.get_args(tp):
+        if arg is not type(None) and not isinstance(arg, (str, int, float)):
+            out = {**bounds_of(arg), **out}
+    return out
+
+
+def range_text(bounds: dict[str, float]) -> str:
+    """"must lie in [0, 1)", "must be >= 1", ... for a field's declared bounds."""
+    fmt = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lo = ("[", bounds["ge"]) if "ge" in bounds else ("(", bounds["gt"]) if "gt" in bounds else None
+    hi = ("]", bounds["le"]) if "le" in bounds else (")", bounds["lt"]) if "lt" in bounds else None
+    if lo and hi:
+        return f"must lie in {lo[0]}{fmt(lo[1])}, {fmt(hi[1])}{hi[0]}"
+    if lo:
+        return f"must be {'>=' if lo[0] == '[' else '>'} {fmt(lo[1])}"
+    return f"must be {'<=' if hi[0] == ']' else '<'} {fmt(hi[1])}"
+
+
+def field_type(owner: Any, loc: tuple) -> Any:
+    """The declared type at ``loc`` (keys and list indices) inside ``owner``, or None."""
+    tp: Any = owner
+    for part in loc:
+        if isinstance(part, int):
+            args = [a for a in typing.get_args(_unwrap(tp)) if a is not type(None)]
+            tp = args[0] if args else None
+            continue
+        inner = _unwrap(tp)
+        try:
+            hints = typing.get_type_hints(inner, include_extras=True)
+        except TypeError:
+            return None
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _unwrap(tp: Any) -> Any:
+    """Through Annotated and Optional to the class (or list) inside."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        else:
+            return tp
+
+
+def refusal(error: dict, owner: Any) -> str:
+    """One pydantic error as "<what is wrong>, got <value>" (without the field's path)."""
+    kind = error["type"]
+    got = f", got {error.get('input')!r}" if "input" in error else ""
+    if kind in _BOUNDS:
+        bounds = bounds_of(field_type(owner, tuple(error.get("loc", ())))) or dict(error.get("ctx", {}))
+        return range_text(bounds) + got
+    if kind == "literal_error":
+        choices = str(error.get("ctx", {}).get("expected", "")).replace(" or ", " | ")
+        return f"must be one of {choices}" + got
+    if kind in ("value_error", "assertion_error"):
+        return str(error.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind == "string_too_short":
+        return "must not be empty"
+    return _TYPES.get(kind, str(error.get("msg", ""))) + got
