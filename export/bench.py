@@ -35,11 +35,11 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from edit_rt.runtime.config import RunConfig
-from edit_rt.runtime.jobs import Job, Request
+from edit_rt.runtime.model.config import RunConfig
+from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.assemble import pipeline_of
-from edit_rt.runtime.edit import TailRow
+from edit_rt.runtime.model.edit import TailRow
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def _server_in_process(cfg: RunConfig) -> Iterator[str]:
     import httpx
     import uvicorn
 
-    from edit_rt.runtime.server import create_app
+    from edit_rt.runtime.web.server import create_app
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -329,7 +329,7 @@ def _bucket_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: i
     """Tails of row counts that are not powers of two, run at the pow2 buckets the GPU backends
     use (padded rows computed and ignored) and at exact counts, interleaved: rows computed
     against rows asked, and seconds. On the CPU a padded row costs a real row's time."""
-    from edit_rt.runtime.rows import pow2_buckets
+    from edit_rt.runtime.loop.rows import pow2_buckets
 
     scheduler = rt.batcher(state.latents.shape[1:]).scheduler
     base, T = state.base, state.base.steps

@@ -8,7 +8,7 @@
   optimization profile over the edit-batch axis (the VAE's own, ``vae_max_batch`` rows), and a
   timing cache shared by all builds.
 
-Each backend folder gets an ``engines.json`` (see edit_rt.runtime.engines).
+Each backend folder gets an ``engines.json`` (see edit_rt.runtime.engine.engines).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Callable, Optional
 
 import onnxruntime as ort
 
-from edit_rt.runtime.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.engines import GRAPHS, EngineSet, graph_precision, upcasts, write_engines_json
+from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, graph_precision, upcasts, write_engines_json
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
-from edit_rt.runtime.manifest import Manifest, load_manifest
-from edit_rt.runtime.profiles import EditBatchProfile
+from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_tools
+from edit_rt.runtime.engine.manifest import Manifest, load_manifest
+from edit_rt.runtime.engine.profiles import EditBatchProfile
 
 log = logging.getLogger(__name__)
 

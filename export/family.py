@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edit_rt.runtime.errors import ModelError
-from edit_rt.runtime.manifest import model_files
+from edit_rt.runtime.engine.manifest import model_files
 
 SUPPORTED = "StableDiffusionPipeline (SD 1.x, 2.x) and StableDiffusionXLPipeline (SDXL)"
 # What the pipelines users most often try are, for the one-line refusal.

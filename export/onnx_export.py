@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from edit_rt.runtime.errors import ModelError
-from edit_rt.runtime.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
+from edit_rt.runtime.engine.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
 from . import family_sd
 from .families import family_module

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
-from edit_rt.runtime.align import token_diff
+from edit_rt.runtime.model.align import token_diff
 
 from .graphs import attention_map_layers, cross_attention_layers
 

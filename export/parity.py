@@ -24,12 +24,12 @@ from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator
 from polygraphy.logger import G_LOGGER
 
-from edit_rt.runtime.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.config import RunConfig
-from edit_rt.runtime.engines import GRAPHS, EngineSet, load_engines
-from edit_rt.runtime.graph_set import cpu_name, engine_device, engine_tools
-from edit_rt.runtime.manifest import Manifest, load_manifest
-from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
+from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.model.config import RunConfig
+from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, load_engines
+from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_tools
+from edit_rt.runtime.engine.manifest import Manifest, load_manifest
+from edit_rt.runtime.model.scheduler_ddim import DDIMConfig, DDIMSchedule
 
 from .families import family_module
 from .family import family_of

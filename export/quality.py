@@ -32,11 +32,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from edit_rt.runtime.config import RunConfig
-from edit_rt.runtime.edit import Base
+from edit_rt.runtime.model.config import RunConfig
+from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline
-from edit_rt.runtime.edit import TailRow
+from edit_rt.runtime.model.edit import TailRow
 
 from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read, render
 

@@ -5,10 +5,10 @@ Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the be
 
 from __future__ import annotations
 
-from .config import RunConfig
+from .model.config import RunConfig
 from .errors import ArtifactError, ConfigError
 from .pipeline import EditPipeline
-from .store import BaseStore
+from .storage.store import BaseStore
 
 
 def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__
-from .config import load_config, revalidated
+from .model.config import load_config, revalidated
 from .errors import EditRtError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
@@ -106,8 +106,8 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
 @app.command()
 def engines(config: Path = typer.Argument(..., help="Run config: model, base size, engines profile.")) -> None:
     """Build the engines this machine can run: ONNX Runtime CPU always, TensorRT where present."""
-    from .manifest import load_manifest
-    from .profiles import EditBatchProfile
+    from .engine.manifest import load_manifest
+    from .engine.profiles import EditBatchProfile
 
     cfg = load_config(config)
     builder = _export_module("engines")
@@ -115,8 +115,8 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     e = cfg.engines
     profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
                                e.max_uncond_sets, scale, e.vae_max_batch)  # fmt: skip
-    from .backend_trt import trt_unavailable_reason
-    from .engines import GRAPHS
+    from .engine.backend_trt import trt_unavailable_reason
+    from .engine.engines import GRAPHS
 
     reason = trt_unavailable_reason()
     with _progress() as bars:
@@ -258,12 +258,12 @@ def serve(
     console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
     if ray:
         try:
-            from .ray_serve import serve_forever as serve_on_ray
+            from .scale.ray_serve import serve_forever as serve_on_ray
         except ImportError as err:
             raise EditRtError(f"--ray needs Ray Serve ({err.name} is missing): pip install -e '.[ray]'") from None
         serve_on_ray(cfg, say=console.print)
         return
-    from .server import serve as serve_forever
+    from .web.server import serve as serve_forever
 
     serve_forever(cfg)
 

@@ -1,7 +1,7 @@
 """The edit pipeline: the compiled graphs, text -> K/V, base generation and batched edit tails.
 
-Generation and tails are rows of one :class:`~edit_rt.runtime.slots.RowScheduler` (one per
-latent size), driven by its :class:`~edit_rt.runtime.batcher.Batcher`: ``generate_base`` and
+Generation and tails are rows of one :class:`~edit_rt.runtime.loop.slots.RowScheduler` (one per
+latent size), driven by its :class:`~edit_rt.runtime.loop.batcher.Batcher`: ``generate_base`` and
 ``run_tail`` submit one request and drive the loop until it is done; ``edit-rt serve`` runs the
 same batcher on a worker thread. There is no other step loop.
 """
@@ -18,23 +18,23 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from .batcher import Batcher
-from .automask import AutoMask
-from .engine_thread import EngineThread
-from .edit import Base, Mask, Preserve, TailRow
+from .loop.batcher import Batcher
+from .model.automask import AutoMask
+from .engine.engine_thread import EngineThread
+from .model.edit import Base, Mask, Preserve, TailRow
 from .images import composite, feathered_rectangle, upsample_weight
-from .jobs import Job, Request
+from .loop.jobs import Job, Request
 from .errors import ArtifactError, ConfigError
-from .graph_set import GraphSet, graphs_from_artifacts
-from .manifest import Manifest, load_manifest, model_files
-from .profiles import EditBatchProfile
-from .resolve import RowResolver
-from .scheduler_ddim import DDIMConfig
-from .rows import pow2_buckets
-from .slots import RowScheduler
-from .step_signature import StepSignature
-from .align import token_diff
-from .state import KV, BaseState
+from .engine.graph_set import GraphSet, graphs_from_artifacts
+from .engine.manifest import Manifest, load_manifest, model_files
+from .engine.profiles import EditBatchProfile
+from .loop.resolve import RowResolver
+from .model.scheduler_ddim import DDIMConfig
+from .loop.rows import pow2_buckets
+from .loop.slots import RowScheduler
+from .engine.step_signature import StepSignature
+from .model.align import token_diff
+from .model.state import KV, BaseState
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Mapping, Optional
 
-from .edit import Base, Mask
-from .edit import TailRow
+from .model.edit import Base, Mask
+from .model.edit import TailRow
 
 
 def quote(value: object) -> str:

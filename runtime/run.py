@@ -23,13 +23,13 @@ import onnxruntime
 
 from . import __version__
 from .assemble import pipeline_of, store_of
-from .config import RunConfig
-from .edit import Edit, TailRow
+from .model.config import RunConfig
+from .model.edit import Edit, TailRow
 from .errors import ConfigError
 from .images import contact_sheet, save_png
 from .pnginfo import base_fields, edit_fields, parameters_text
 from .uploads import ImageInputError, Upload, image_from_bytes
-from .store import base_id
+from .storage.store import base_id
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ if "$PYTHON" -c "import cuda.bindings.runtime" 2>/dev/null || "$PYTHON" -c "from
 else
   echo '{"skipped": "cuda-python is not installed"}' > "$OUT/cuda.json"
 fi
-timeout 60 "$PYTHON" -c "import json; from edit_rt.runtime.backend import backend_report; print(json.dumps(backend_report()))" > "$OUT/backends.json" 2> "$OUT/backends.log" || echo '{}' > "$OUT/backends.json"
+timeout 60 "$PYTHON" -c "import json; from edit_rt.runtime.engine.backend import backend_report; print(json.dumps(backend_report()))" > "$OUT/backends.json" 2> "$OUT/backends.log" || echo '{}' > "$OUT/backends.json"
 "$PYTHON" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path

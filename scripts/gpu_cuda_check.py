@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from edit_rt.runtime import cuda
+from edit_rt.runtime.engine import cuda
 
 
 def run_checks() -> dict:

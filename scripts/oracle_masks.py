@@ -22,7 +22,7 @@ import numpy as np
 
 from edit_rt.export.quality import EDIT_KINDS, Tally, _read, edit_of, foreground
 from edit_rt.export.shapes import prompt, random_scene
-from edit_rt.runtime.config import load_config
+from edit_rt.runtime.model.config import load_config
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edit_rt.runtime.edit import Base
+from edit_rt.runtime.model.edit import Base
 
 # 32x32 images = 16x16 latents with the tiny model's two-block VAE: big enough for two UNet
 # resolutions, small enough that a 10-step generation takes well under a second.

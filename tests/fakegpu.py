@@ -620,7 +620,7 @@ def write_trt_engines(manifest, out: Path, profile, dtypes: Optional[dict[str, d
                       device: str = "Simulated GPU", version: str = "10.13.0.sim") -> Path:  # fmt: skip
     """A ``trt`` engines folder of simulated plans for ``manifest``'s graphs, with the
     engines.json `make engines` writes (same profile, per graph ``dtypes`` overrides)."""
-    from edit_rt.runtime.engines import GRAPHS, EngineSet, write_engines_json
+    from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, write_engines_json
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from edit_rt.runtime.batcher import Batcher
-from edit_rt.runtime.jobs import CancelledError, Job, Request
+from edit_rt.runtime.loop.batcher import Batcher
+from edit_rt.runtime.loop.jobs import CancelledError, Job, Request
 from edit_rt.runtime.pipeline import TailRow
 
 from .conftest import TEST_BASE

@@ -10,7 +10,7 @@ import json
 import math
 
 from edit_rt.export.bench import run_bench
-from edit_rt.runtime.config import config_from_dict
+from edit_rt.runtime.model.config import config_from_dict
 
 
 def _finite(value) -> bool:

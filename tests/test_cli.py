@@ -74,7 +74,7 @@ def test_report_counts_the_rows_the_step_graph_ran(tmp_path, model_dir, onnx_dir
     """report.json's UNet rows against a count taken at the step graph itself: every call's
     rows (its latents' batch) and the rows whose unconditional half it was given."""
     from edit_rt.runtime import run as run_module
-    from edit_rt.runtime.config import config_from_dict
+    from edit_rt.runtime.model.config import config_from_dict
 
     calls: list[tuple[int, int]] = []
     real = run_module.pipeline_of
@@ -121,7 +121,7 @@ def test_second_run_takes_the_base_from_the_disk_store(tmp_path, model_dir, onnx
 
 def test_run_images_equal_the_pipeline(tmp_path, model_dir, onnx_dir, pipeline):
     """The CLI's PNGs are the pipeline's images (rounded to 8 bits), base included."""
-    from edit_rt.runtime.edit import Base
+    from edit_rt.runtime.model.edit import Base
 
     cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:1])
     assert _run(tmp_path, cfg).returncode == 0
@@ -136,7 +136,7 @@ def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     code = (
-        "import sys; from edit_rt.runtime.config import load_config; from edit_rt.runtime.run import run_config;"
+        "import sys; from edit_rt.runtime.model.config import load_config; from edit_rt.runtime.run import run_config;"
         f"run_config(load_config({str(path)!r}));"
         "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'polygraphy') if m in sys.modules];"
         "assert not bad, bad"
@@ -174,7 +174,7 @@ def test_bad_config_is_refused_with_field_and_fix(tmp_path, model_dir, onnx_dir,
 
 
 def test_edits_without_strength_take_the_configured_default(tmp_path, model_dir, onnx_dir):
-    from edit_rt.runtime.config import config_from_dict
+    from edit_rt.runtime.model.config import config_from_dict
     from edit_rt.runtime.run import tail_rows
 
     edits = [{"prompt": "x"}, {"prompt": "x", "strength": 0.5}]

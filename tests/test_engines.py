@@ -18,14 +18,14 @@ import pytest
 import yaml
 
 from edit_rt.export.engines import build_engines
-from edit_rt.runtime.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.edit import Mask
-from edit_rt.runtime.engines import load_engines
+from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
+from edit_rt.runtime.model.edit import Mask
+from edit_rt.runtime.engine.engines import load_engines
 from edit_rt.runtime.errors import ArtifactError
-from edit_rt.runtime.graph_set import cpu_name, engine_tools
-from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.engine.graph_set import cpu_name, engine_tools
+from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
-from edit_rt.runtime.profiles import EditBatchProfile, ort_trt_profile_options
+from edit_rt.runtime.engine.profiles import EditBatchProfile, ort_trt_profile_options
 
 from .conftest import TEST_BASE
 
@@ -152,7 +152,7 @@ def test_every_shape_the_loop_binds_lies_inside_the_polygraphy_profile(onnx_dir,
 
     from polygraphy.backend.trt import Profile
 
-    from edit_rt.runtime.jobs import Job, Request
+    from edit_rt.runtime.loop.jobs import Job, Request
 
     manifest = load_manifest(onnx_dir)
     profile = Profile()

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import yaml
 
 from edit_rt.export.onnx_export import export_onnx
-from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.engine.manifest import load_manifest
 
 from edit_rt.export.parity import random_feeds
 

@@ -28,9 +28,9 @@ import yaml
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
-from edit_rt.runtime.edit import Base, Mask
+from edit_rt.runtime.model.edit import Base, Mask
 from edit_rt.runtime.images import to_uint8
-from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 from .conftest import TEST_BASE
@@ -184,7 +184,7 @@ def test_sdxl_store_bytes_and_round_trip(sdxl, sdxl_state, sdxl_dir, tmp_path):
     from safetensors import safe_open
 
     from edit_rt.export.base_bytes import base_bytes, kv_widths
-    from edit_rt.runtime.store import BaseStore
+    from edit_rt.runtime.storage.store import BaseStore
 
     for precision in ("fp32", "int8"):
         folder = tmp_path / precision
@@ -315,7 +315,7 @@ def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir,
 
 
 def test_engine_precision_keeps_sdxl_vae_fp32(sdxl_onnx, onnx_dir):
-    from edit_rt.runtime.engines import graph_precision, upcasts
+    from edit_rt.runtime.engine.engines import graph_precision, upcasts
 
     sdxl_manifest, sd_manifest = load_manifest(sdxl_onnx), load_manifest(onnx_dir)
     # latent_blend only selects fp32 latents: fp32 everywhere

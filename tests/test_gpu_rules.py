@@ -24,12 +24,12 @@ import pytest
 import yaml
 from PIL import Image
 
-from edit_rt.runtime import backend, backend_ort, cuda, graph_set
-from edit_rt.runtime.edit import Mask
+from edit_rt.runtime.engine import backend, backend_ort, cuda, graph_set
+from edit_rt.runtime.model.edit import Mask
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
-from edit_rt.runtime.profiles import EditBatchProfile
+from edit_rt.runtime.engine.profiles import EditBatchProfile
 
 from . import fakegpu
 from .conftest import TEST_BASE
@@ -217,7 +217,7 @@ def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_
     rows = [TailRow(f"e{k}", 1.0, 2, TEST_BASE.guidance) for k in range(4)]
     with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
         batcher = pipe.batcher(base_state.latents.shape[1:])
-        from edit_rt.runtime.jobs import Job, Request
+        from edit_rt.runtime.loop.jobs import Job, Request
 
         request = Request("steady", decode=False)
         jobs = [Job(request, i, base_state.base, row, state=base_state) for i, row in enumerate(rows)]
@@ -334,8 +334,8 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
     refuses any other), and every kernel was launched from it."""
     import uvicorn
 
-    from edit_rt.runtime.config import load_config
-    from edit_rt.runtime.server import create_app
+    from edit_rt.runtime.model.config import load_config
+    from edit_rt.runtime.web.server import create_app
 
     build = tmp_path / "build"
     (build / model_dir.name).mkdir(parents=True)

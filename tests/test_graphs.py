@@ -17,7 +17,7 @@ import torch
 from polygraphy.comparator import Comparator, CompareFunc
 
 from edit_rt.export.parity import ort_runner, random_feeds, torch_runner
-from edit_rt.runtime.manifest import load_manifest
+from edit_rt.runtime.engine.manifest import load_manifest
 
 ATOL, RTOL = 1e-4, 1e-3
 

@@ -22,13 +22,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edit_rt.runtime.batcher import Batcher
-from edit_rt.runtime.jobs import Job, Request
-from edit_rt.runtime.config import config_from_dict
-from edit_rt.runtime.edit import Base
+from edit_rt.runtime.loop.batcher import Batcher
+from edit_rt.runtime.loop.jobs import Job, Request
+from edit_rt.runtime.model.config import config_from_dict
+from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.edit import TailRow
-from edit_rt.runtime.store import BaseStore, DamagedBaseError, base_id
+from edit_rt.runtime.model.edit import TailRow
+from edit_rt.runtime.storage.store import BaseStore, DamagedBaseError, base_id
 
 from .conftest import TEST_BASE
 from .server_process import ServerProcess, free_port
@@ -338,7 +338,7 @@ def test_weights_changed_with_the_same_size_and_mtime_are_caught(tmp_path, model
     build = tmp_path / "build" / model_dir.name / "onnx"
     shutil.copytree(onnx_dir, build)
     # the copy's manifest must trust the copy's stats first: refresh them the way export would
-    from edit_rt.runtime.manifest import model_fingerprint
+    from edit_rt.runtime.engine.manifest import model_fingerprint
 
     manifest = json.loads((build / "manifest.json").read_text())
     manifest["model"]["fingerprint"], manifest["model"]["file_stats"] = model_fingerprint(changed)

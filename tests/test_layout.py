@@ -18,32 +18,39 @@ from pathlib import Path
 
 import pytest
 
-from edit_rt.runtime.manifest import load_manifest
-from edit_rt.runtime.step_signature import StepSignature
+from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.engine.step_signature import StepSignature
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _module_of(path: Path) -> str:
+    """runtime/loop/slots.py -> edit_rt.runtime.loop.slots (the package mapping of pyproject)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["edit_rt", *parts])
+
+
 def _imports(folder: str) -> dict[str, set[str]]:
-    """module -> the sibling modules it imports (relative or edit_rt.<folder>.x), at any depth."""
-    package = f"edit_rt.{folder}"
-    modules = {p.stem for p in (ROOT / folder).glob("*.py")}
+    """module -> the modules of ``folder`` it imports (absolute or relative), at any depth."""
+    files = {_module_of(p): p for p in (ROOT / folder).rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for path in (ROOT / folder).glob("*.py"):
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
                 base = node.module or ""
-                if node.level == 1:
-                    names = [base] if base else [a.name for a in node.names]
-                elif base.startswith(package + "."):
-                    names = [base[len(package) + 1 :]]
-                elif base == package:
-                    names = [a.name for a in node.names]
-                else:
-                    continue
-                found |= {n.split(".")[0] for n in names if n.split(".")[0] in modules}
-        graph[path.stem] = found - {path.stem}
+            for candidate in [base, *(f"{base}.{a.name}" for a in node.names)]:
+                if candidate in files and candidate != name:
+                    found.add(candidate)
+        graph[name] = found
     return graph
 
 
@@ -84,9 +91,10 @@ def test_the_circle_check_finds_a_circle():
 
 def test_runtime_imports_no_torch_world_and_no_cli():
     # cli is the top (it may import anything); ray_serve needs Ray, which takes seconds to import
-    modules = sorted(p.stem for p in (ROOT / "runtime").glob("*.py") if p.stem not in ("__init__", "cli", "ray_serve"))
+    modules = sorted(m for m in map(_module_of, (ROOT / "runtime").rglob("*.py"))
+                     if not m.endswith((".cli", ".ray_serve")))  # fmt: skip
     code = ("import sys, importlib\n"
-            f"for m in {modules!r}:\n    importlib.import_module('edit_rt.runtime.' + m)\n"
+            f"for m in {modules!r}:\n    importlib.import_module(m)\n"
             "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'edit_rt.runtime.cli', 'edit_rt.export') if m in sys.modules]\n"
             "print(','.join(bad))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -98,9 +106,9 @@ def test_runtime_imports_no_torch_world_and_no_cli():
 # VAE and latent_blend graphs have inputs of those names too
 STEP_NAMES = {"timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", "uncond_given", "self_ref",
               "uncond_out", "attn_maps"}  # fmt: skip
-LOOP_FILES = ["runtime/slots.py", "runtime/rows.py", "runtime/batcher.py", "runtime/resolve.py", "runtime/backend.py",
-              "runtime/backend_ort.py", "runtime/backend_trt.py", "runtime/pipeline.py", "export/parity.py",
-              "scripts/gpu_bench.py"]  # fmt: skip
+LOOP_FILES = ["runtime/loop/slots.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
+              "runtime/engine/backend.py", "runtime/engine/backend_ort.py", "runtime/engine/backend_trt.py",
+              "runtime/pipeline.py", "export/parity.py", "scripts/gpu_bench.py"]  # fmt: skip
 
 
 def test_the_loop_never_spells_a_step_input_name():

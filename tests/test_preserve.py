@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from edit_rt.export.graphs import attention_map_layers, cross_attention_layers
-from edit_rt.runtime.align import token_diff
-from edit_rt.runtime.config import config_from_dict
-from edit_rt.runtime.edit import Mask, Preserve
+from edit_rt.runtime.model.align import token_diff
+from edit_rt.runtime.model.config import config_from_dict
+from edit_rt.runtime.model.edit import Mask, Preserve
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.manifest import load_manifest
-from edit_rt.runtime.edit import TailRow
+from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.model.edit import TailRow
 
 from .conftest import TEST_BASE
 

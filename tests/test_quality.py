@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edit_rt.export.quality import EDIT_KINDS, edit_of, edited, prompt_following, run_quality
 from edit_rt.export.shapes import Scene, prompt
-from edit_rt.runtime.config import config_from_dict
+from edit_rt.runtime.model.config import config_from_dict
 
 import numpy as np
 

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 
 from ray import serve  # noqa: E402
 
-from edit_rt.runtime import ray_serve  # noqa: E402
-from edit_rt.runtime.config import load_config  # noqa: E402
-from edit_rt.runtime.edit import Base  # noqa: E402
+from edit_rt.runtime.scale import ray_serve  # noqa: E402
+from edit_rt.runtime.model.config import load_config  # noqa: E402
+from edit_rt.runtime.model.edit import Base  # noqa: E402
 
 from .server_process import free_port  # noqa: E402
 from .test_clients import (  # noqa: E402,F401  the client libraries' core cases, through Ray
@@ -140,7 +140,7 @@ def test_32_clients_over_8_bases_get_their_own_images_from_their_bases_owner(ser
 
 
 def test_two_replicas_writing_the_same_base_leave_one_valid_file(server):
-    from edit_rt.runtime.store import BaseStore
+    from edit_rt.runtime.storage.store import BaseStore
 
     handle = serve.get_deployment_handle(ray_serve.WORKER, app_name=ray_serve.APP_NAME)
     base = Base(prompt="the same base twice", negative_prompt="blurry", seed=99, steps=STEPS, guidance=7.5, width=32, height=32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from diffusers import DDIMScheduler
 
-from edit_rt.runtime.scheduler_ddim import DDIMConfig, DDIMSchedule
+from edit_rt.runtime.model.scheduler_ddim import DDIMConfig, DDIMSchedule
 
 SD15 = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
             set_alpha_to_one=False, steps_offset=1)  # fmt: skip

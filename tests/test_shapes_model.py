@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from edit_rt.export.shapes import COLOURS, Scene, prompt, random_scene, read
-from edit_rt.runtime.edit import Base
+from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 

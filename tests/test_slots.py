@@ -25,13 +25,13 @@ import pytest
 
 from edit_rt.export.kv_traffic import kv_traffic
 from edit_rt.export.parity import random_feeds
-from edit_rt.runtime import slots
-from edit_rt.runtime.backend_ort import OrtGraph
-from edit_rt.runtime.batcher import Batcher
-from edit_rt.runtime.jobs import Job, Request
-from edit_rt.runtime.device import HostTensor
-from edit_rt.runtime.manifest import load_manifest
-from edit_rt.runtime.edit import TailRow
+from edit_rt.runtime.loop import slots
+from edit_rt.runtime.engine.backend_ort import OrtGraph
+from edit_rt.runtime.loop.batcher import Batcher
+from edit_rt.runtime.loop.jobs import Job, Request
+from edit_rt.runtime.engine.device import HostTensor
+from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.model.edit import TailRow
 
 from .conftest import TEST_BASE
 
@@ -137,7 +137,7 @@ def test_no_array_is_allocated_per_step(pipeline):
     batcher.submit(request, jobs)
     for _ in range(3):  # admission, the entry step, the first steady step: bindings made
         batcher.work_once()
-    ours = [tracemalloc.Filter(True, str(Path(slots.__file__).parent / "*"))]
+    ours = [tracemalloc.Filter(True, str(Path(slots.__file__).parents[1] / "*"))]  # all of runtime/
     numpy_arrays = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
     tracemalloc.start()
     try:

@@ -11,7 +11,7 @@ import pytest
 
 from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.pipeline import KV, BaseState, TailRow
-from edit_rt.runtime.store import BaseStore, StoreFullError, UnknownBaseError, base_id
+from edit_rt.runtime.storage.store import BaseStore, StoreFullError, UnknownBaseError, base_id
 
 from .conftest import TEST_BASE
 

@@ -11,13 +11,15 @@ for random). Types are strict: nothing is coerced. Every error is
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+import base64
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .edit import Edit
-from .schema import ClipSkip, Guidance, SizeCond, Steps, field_type, refusal
-from .uploads import ImageInputError, decode_base64
+from ..model.edit import Edit
+from ..model.schema import ClipSkip, Guidance, SizeCond, Steps
+from ..serving.errors import ApiError
+from ..uploads import ImageInputError, decode_base64
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # OpenAI's own image model names: a client that sends one means "the served model".
@@ -177,54 +179,8 @@ _STATUS = {
 }
 
 
-class ApiError(Exception):
-    """An error the API reports in its one shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):  # fmt: skip
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __reduce__(self):  # pickled whole (Ray Serve carries it from a replica to the ingress)
-        return ApiError, (self.status, self.message, self.type, self.param, self.code, self.headers)
-
-
-def json_path(loc: Sequence[Any]) -> Optional[str]:
-    """('body', 'edits', 3, 'strength') -> 'edits[3].strength'."""
-    path = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path or None
-
-
-def validation_error(errors: Sequence[dict], owner: Any = None) -> ApiError:
-    """A 400 from pydantic's errors, worded as the config words them (schema.refusal);
-    ``owner`` is the model the locations are in, for a field's declared range."""
-    first = errors[0]
-    param = json_path(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return ApiError(400, "the body is not valid JSON", code="json_invalid")
-    if first.get("type") == "missing":
-        message = f"{param}: required field missing"
-    elif first.get("type") in ("extra_forbidden", "unexpected_keyword_argument"):
-        message = f"{param}: unknown field"
-    else:
-        loc = tuple(first.get("loc", ()))
-        located = {**first, "loc": loc[1:] if loc[:1] == ("body",) else loc}
-        if owner is None:  # a request body: the model whose fields the location is in
-            owner = next((m for m in (EditsRequest, GenerationRequest, BaseUpload) if field_type(m, located["loc"])), None)
-        text = refusal(located, owner)
-        message = f"{param}: {text}" if param else str(text)
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return ApiError(400, message + more, param=param, code=first.get("type"))
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def decode_base64_or_400(data: str) -> bytes:

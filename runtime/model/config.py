@@ -21,9 +21,8 @@ import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
-from .errors import ConfigError
-from .schema import Bool, Float, Int, Str, Strength, between, refusal
-from .store_codec import StoragePrecision
+from ..errors import ConfigError
+from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 
 STRICT = ConfigDict(extra="forbid")
 

@@ -40,6 +40,7 @@ Seed = between(Int, 0, 2**63 - 1)
 ClipSkip = between(Int, 0, 8)
 SizeCond = between(Int, 0, 16384)  # SDXL's size and crop conditioning, in pixels
 PreserveMode = Literal["auto", "none"]
+StoragePrecision = Literal["fp32", "fp16", "int8"]  # how the store keeps latents and K/V
 
 _TYPES = {
     "int_type": "must be an integer",

@@ -9,101 +9,32 @@ the same code (and the same errors).
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import secrets
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Optional
 
-import numpy as np
-from fastapi import Request as HttpRequest
+from starlette.requests import Request as HttpRequest
 
-from pydantic import ValidationError
-
-from .api import ApiError, validation_error
-from .batcher import Batcher
-from .jobs import CancelledError, Job, QueueFullError, Request, RowError, ShuttingDownError
-from .config import RunConfig
-from .edit import Base, Edit, EditError, TailRow, resolve_edit
-from .images import png_bytes
-from .metrics import Metrics
-from .pipeline import EditPipeline
-from .pnginfo import base_fields, edit_fields, parameters_text
-from .assemble import pipeline_of, store_of
-from .state import BaseState
-from .store import BaseStore, DamagedBaseError, StoreFullError, UnknownBaseError, base_id
-from .uploads import ImageInputError, Upload, image_from_bytes
+from ..assemble import pipeline_of, store_of
+from ..images import png_bytes
+from ..loop.batcher import Batcher
+from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownError
+from ..metrics import Metrics
+from ..model.config import RunConfig
+from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
+from ..model.state import BaseState
+from ..pipeline import EditPipeline
+from ..pnginfo import base_fields, edit_fields, parameters_text
+from ..storage.store import BaseStore, StoreFullError, base_id
+from ..uploads import ImageInputError, Upload, image_from_bytes
+from .errors import ApiError, base_errors, check_base_id, is_base_id, queue_errors, row_error, until_done
 
 log = logging.getLogger(__name__)
-
-
-def echo(value: str, limit: int = 64) -> str:
-    """A client's string, bounded, for an error message."""
-    return repr(value if len(value) <= limit else value[:limit] + "...")
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def row_error(err: BaseException) -> ApiError:
-    """The API error of a row that failed: its input (400), a shutdown or cancel (503)."""
-    if isinstance(err, RowError):
-        return ApiError(400, str(err), code="row_refused")
-    if isinstance(err, (CancelledError, ShuttingDownError)):
-        code = "shutting_down" if isinstance(err, ShuttingDownError) else "cancelled"
-        return ApiError(503, str(err), "server_error", code=code, headers={"Retry-After": "5"})
-    log.error("row failed: %s", err)
-    return ApiError(500, "internal error; see the server log", "server_error")
-
-
-def is_base_id(bid: str) -> bool:
-    return len(bid) == 24 and all(c in "0123456789abcdef" for c in bid)
-
-
-def check_base_id(bid: str, param: str = "base_id") -> str:
-    if not is_base_id(bid):
-        raise UnknownBaseError(f"unknown base id {echo(bid)}")
-    return bid
-
-
-@contextmanager
-def base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
-    """A store error about one base as the API's: unknown 404, damaged 409, in use 409."""
-    try:
-        yield
-    except UnknownBaseError:
-        raise ApiError(404, f"{param}: no base {echo(bid)} (never generated, deleted or evicted; generate it again)",
-                       "not_found_error", param=param, code="unknown_base") from None  # fmt: skip
-    except DamagedBaseError as err:
-        raise ApiError(409, f"{param}: {err}", param=param, code="base_damaged") from None
-    except StoreFullError as err:
-        raise ApiError(409, str(err), param=param, code="base_in_use") from None
-
-
-async def until_done(waitables: list, http: Optional[HttpRequest], leave: Callable[[], None]) -> None:
-    """Wait for ``waitables``; if the client of ``http`` disconnects first, ``leave()`` (cancel
-    the work) and answer 499."""
-    while (await asyncio.wait(waitables, timeout=0.25))[1]:
-        if http is not None and await http.is_disconnected():
-            leave()
-            raise ApiError(499, "client disconnected", code="client_closed")
-
-
-@contextmanager
-def queue_errors() -> Iterator[None]:
-    """The batcher's refusals of new work as the API's: queue full 429, shutting down 503."""
-    try:
-        yield
-    except QueueFullError as err:
-        raise ApiError(429, f"{err}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "2"}) from None
-    except ShuttingDownError as err:
-        raise ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
 
 
 @dataclass
@@ -427,57 +358,6 @@ class Service:
         fields["Inverted from"] = upload.key
         png = png_bytes(image, parameters_text(base.prompt, base.negative_prompt, fields))
         return Generated(bid, base, png, time.perf_counter() - start, self.store.tier(bid))
-
-    async def edit_upload(self, http: HttpRequest) -> dict:
-        """OpenAI's ``images.edit`` form: each uploaded image is inverted into a base (or found
-        again), then edited with ``prompt``; ``base_ids`` name the bases for further edits."""
-        form = await http.form()
-        files = [v for k, v in form.multi_items() if k in ("image", "image[]") and hasattr(v, "read")]
-        if not files:
-            raise ApiError(400, "image: required (a file field named image, as OpenAI's images.edit sends it)",
-                           param="image", code="missing")  # fmt: skip
-        text = {k: v for k, v in form.multi_items() if isinstance(v, str)}
-        prompt = text.get("prompt", "")
-        if not prompt:
-            raise ApiError(400, "prompt: required field missing", param="prompt", code="missing")
-        number = lambda name, kind: _form_number(text, name, kind)  # noqa: E731
-        n = number("n", int) or 1
-        if not 1 <= n <= 8:
-            raise ApiError(400, "n: must lie in [1, 8]", param="n", code="out_of_range")
-        if text.get("response_format", "b64_json") != "b64_json":
-            raise ApiError(400, "response_format: this server hosts no files; use b64_json (the default)",
-                           param="response_format", code="unsupported_value")  # fmt: skip
-        self.check_edit_count(n * len(files))
-        out, bases = [], []
-        for k, f in enumerate(files):
-            upload = self.upload(await f.read(), "image" if len(files) == 1 else f"image[{k}]")
-            made = await self.invert(upload, text.get("source_prompt", ""), text.get("negative_prompt"),
-                                     number("steps", int), number("cfg_scale", float))  # fmt: skip
-            bases.append(made.id)
-            seed = number("seed", int)
-            try:  # the form's fields as the one edit schema, refused in its words
-                specs = [Edit(prompt=prompt, strength=number("strength", float), tail_steps=number("tail_steps", int),
-                              seed=seed + j if seed is not None and n > 1 else seed, guidance=number("cfg_scale", float),
-                              preserve=text.get("preserve")) for j in range(n)]  # fmt: skip
-            except ValidationError as err:
-                raise validation_error(err.errors(), Edit) from None
-            out += await self.edit_base(made.id, specs, http)
-        return {"created": int(time.time()), "base_id": bases[0], "base_ids": bases,
-                "data": [{"index": i, "b64_json": b64(e.png), "info": e.info()} for i, e in enumerate(out)]}
-
-
-def _form_number(form: dict, name: str, kind: type):
-    """A form field as a number (forms carry text), None when absent; a bad one is a 400."""
-    if name not in form or form[name] == "":
-        return None
-    try:
-        value = kind(form[name])
-    except ValueError:
-        raise ApiError(400, f"{name}: must be {'an integer' if kind is int else 'a number'}, got {echo(form[name])}",
-                       param=name, code="invalid_type") from None  # fmt: skip
-    if kind is float and not np.isfinite(value):
-        raise ApiError(400, f"{name}: must be a finite number", param=name, code="invalid_type")
-    return value
 
 
 async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
+from ..model.schema import StoragePrecision
 
-StoragePrecision = Literal["fp32", "fp16", "int8"]
 FILE_FORMAT = "edit-rt-base/3"  # 2: K/V in the attention layout, u of the window steps; 3: header in the sha256
 
 

@@ -5,30 +5,22 @@ the edit tails of ``edit-rt run``, the server's batches and the bench. A :class:
 its own schedule, step, guidance, K/V and negative prompt, so rows of any base, start step and
 request share a call; they join and leave at step boundaries.
 
-Where things live (see backend.py for the memory):
+Where things live (docs/engines.md, "The step loop", says why):
 
-- a row is *admitted* into a slot: its K/V, guidance, negative-prompt index, entry latent and
-  mask are written into the backend's memory once; a step writes only the per-row step scalars
-  (and, for a masked row, its base's next latent; for an inverted base's row, its correction).
-  The latents stay in backend memory: after the step graph, the ``latent_blend`` graph puts
-  each row's next latent (its base's where a mask keeps it) back into the step's input, on the
-  device. A row's latent comes back to the host when it finishes (a generation's every step,
-  the maps while ``preserve: auto`` collects them), with one synchronization per step;
-- the negative prompts' K/V are resident once per distinct set (keyed by their values, so an
-  int8-stored copy and a fresh encoding of one prompt are two sets), laid side by side;
-- a call runs at a *bucket* of rows (``buckets``: e.g. 1, 2, 4, 8, 16, 32 on a GPU, where each
-  bucket is one captured CUDA graph; every row count on the CPU, where a padded row costs as
-  much as a real one): rows past the active ones are padding, bound but ignored. A binding
-  (graph inputs and outputs bound by address) is made per bucket (rows, rows whose
-  unconditional half is given, negative-prompt sets) and kept in a bounded LRU; evicting frees it;
-- a row at its entry step re-enters its base's chain at x_s, whose unconditional prediction the
-  base kept: it is passed in (``uncond_given``) and the UNet skips that half-row;
-- a row with ``preserve: auto`` collects cross-attention maps over its first steps: those calls
-  run the ``unet_step_maps`` variant (same slots, plus the ``attn_maps`` output), every other
-  call the plain graph, which pays nothing for maps.
+- an admitted row's K/V, guidance, set index, entry latent and mask are written into backend
+  memory once; a step writes the per-row step scalars (a masked row also its base's next
+  latent, an inverted base's row its correction). The latents stay there: ``latent_blend``
+  puts each row's next latent back into the step's input on the device; a row's latent comes
+  back when it finishes (a generation's every step; the maps while ``preserve: auto`` collects
+  them), with one synchronization per step;
+- the negative prompts' K/V are resident once per distinct set (keyed by value), side by side;
+- a call runs at a *bucket* of rows (``buckets``: pow2 on a GPU, one captured graph each; every
+  count on the CPU), the padding bound but ignored; bindings per bucket live in an LRU
+  (bindings.py);
+- a row at its entry step takes its base's unconditional prediction as given (``entry_uncond``);
+- ``preserve: auto`` rows collecting maps run the ``unet_step_maps`` variant, others the plain graph.
 
-Rows leave by swap-with-last: the last slot's row moves into the freed slot (one slot copy in
-backend memory per leave, never per step), so the active rows are always the prefix ``[:n]``.
+Rows leave by swap-with-last (one slot copy per leave), so the active rows are the prefix ``[:n]``.
 """
 
 from __future__ import annotations
@@ -41,10 +33,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .backend import Binding, Graph
-from .device import DeviceTensor, TensorView
+from ..engine.backend import Binding, Graph
+from ..engine.device import DeviceTensor
+from .bindings import BindingCache, bind_blend, bind_step
 from .rows import Row, SchedulerStats, _floor_pow2, _Set
-from .step_signature import StepSignature
+from ..engine.step_signature import StepSignature
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +76,6 @@ class RowScheduler:
         self.max_sets = max_sets
         self.text_len = text_len
         self.reuse_entry = reuse_entry
-        self.max_bindings = max_bindings
         self.buckets = tuple(sorted(b for b in set(buckets) if b <= max_rows)) if buckets else None
         if self.buckets and self.buckets[-1] != max_rows:
             self.buckets += (max_rows,)
@@ -93,8 +85,8 @@ class RowScheduler:
         self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
         self.references = 0  # active reference rows (structure keeping)
-        self.bindings: OrderedDict[tuple, Binding] = OrderedDict()
-        self.blend_bindings: dict[int, Binding] = {}
+        self.bindings = BindingCache(max_bindings, self.stats)  # the step graphs', per bucket
+        self.blend_bindings: dict[int, Binding] = {}  # latent_blend's, per row count
 
         latent_elems = math.prod(self.latent_shape)
         hw = math.prod(self.latent_shape[1:])
@@ -156,55 +148,16 @@ class RowScheduler:
             return n
         return next(b for b in self.buckets if b >= n)
 
-    def _remember(self, key: tuple, binding: Binding) -> Binding:
-        self.stats.bindings_made += 1
-        self.bindings[key] = binding
-        while len(self.bindings) > self.max_bindings:
-            _, old = self.bindings.popitem(last=False)
-            old.free()
-            self.stats.bindings_freed += 1
-        return binding
+    @property
+    def max_bindings(self) -> int:
+        return self.bindings.limit
+
+    @max_bindings.setter
+    def max_bindings(self, limit: int) -> None:
+        self.bindings.limit = limit
 
     def _binding(self, maps: bool, n: int, e: int, m: int) -> Binding:
-        key = (maps, n, e, m)
-        binding = self.bindings.get(key)
-        if binding is not None:
-            self.bindings.move_to_end(key)
-            return binding
-        sig = self.sig
-        latent = lambda rows: (rows, *self.latent_shape)  # noqa: E731
-        views: dict[str, TensorView] = {
-            sig.latents: self.dev[sig.latents].view(latent(n)),
-            sig.entry_uncond: self.dev[sig.entry_uncond].view(latent(e)),
-            sig.set_index: self.dev[sig.set_index].view((n,)),
-            sig.row_ref: self.dev[sig.row_ref].view((n,)),
-            **{name: self.dev[name].view((n,)) for name in [*sig.step_scalars, *sig.row_scalars]},
-            **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_kv},
-            **{name: self.dev[name].view(self._set_shape(name, m)) for name in self.set_kv},
-            **{name: self.dev[name].view((n, *self.specs[name][1:])) for name in self.row_cond},
-            **{name: self.dev[name].view((m, *self.specs[name][1:])) for name in self.set_cond},
-        }
-        missing = set(sig.inputs) - set(views)
-        if missing:  # a role this loop does not fill: the manifest is newer than the runtime
-            raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")
-        outputs = {name: self.dev[name].view(latent(n)) for name in (sig.next_latents, sig.uncond_out)}
-        graph = self.graph
-        if maps:
-            graph = self.maps_graph
-            outputs[sig.attn_maps] = self.dev[sig.attn_maps].view((n, self.text_len, *self.map_hw))
-        return self._remember(key, graph.bind({name: views[name] for name in sig.inputs}, outputs))
-
-    def _blend_binding(self, n: int) -> Binding:
-        """The blend of ``n`` rows: one per row count (at most one per bucket), kept."""
-        binding = self.blend_bindings.get(n)
-        if binding is None:
-            latent = (n, *self.latent_shape)
-            # latent_blend's own inputs: the step's next latents, the masks, the bases, the corrections
-            inputs = {"next_latents": self.dev[self.sig.next_latents].view(latent),
-                      "keep": self.dev["keep"].view((n, 1, *self.latent_shape[1:])),
-                      "base": self.dev["base"].view(latent), "add": self.dev["add"].view(latent)}  # fmt: skip
-            binding = self.blend_bindings[n] = self.blend_graph.bind(inputs, {"latents": self.dev[self.sig.latents].view(latent)})
-        return binding
+        return self.bindings.get((maps, n, e, m), lambda: bind_step(self, maps, n, e, m))
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -340,7 +293,9 @@ class RowScheduler:
                 self.dev["base"].write(row.base.latent(row.step + 1)[0], offset=r * latent)
             if row.corrections is not None:
                 self.dev["add"].write(row.corrections.correction(row.step), offset=r * latent)
-        self._blend_binding(b).run()
+        if b not in self.blend_bindings:
+            self.blend_bindings[b] = bind_blend(self, b)
+        self.blend_bindings[b].run()
 
     def step(self) -> list[Row]:
         """Advance every admitted row by one step; return the rows that finished (removed)."""
@@ -418,9 +373,9 @@ class RowScheduler:
         self.stats.syncs += 1
 
     def free(self) -> None:
-        for binding in [*self.bindings.values(), *self.blend_bindings.values()]:
+        self.bindings.free()
+        for binding in self.blend_bindings.values():
             binding.free()
-        self.bindings.clear()
         self.blend_bindings.clear()
         for tensor in self.dev.values():
             tensor.free()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError, ModelError
+from ..errors import ArtifactError, ModelError
 
 MANIFEST_VERSION = 5  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend
 # The files of a diffusers SD directory that decide what the exported graphs compute.

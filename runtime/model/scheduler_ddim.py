@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from .errors import ModelError
+from ..errors import ModelError
 
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
 

@@ -18,19 +18,21 @@ from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import StreamingResponse
 from PIL import Image
 
+from ..serving.errors import ApiError, validation_error
 from .api import (
     OPENAI_MODELS,
-    ApiError,
     BaseUpload,
     EditsRequest,
     GenerationRequest,
     GenerationResponse,
     ModelCard,
     ModelList,
+    b64,
     decode_base64_or_400,
     errors,
 )
-from .service import Event, Service, b64
+from ..serving.service import Event, Service
+from .forms import edit_upload
 
 COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
@@ -88,19 +90,17 @@ def openai_routes(service: Service) -> APIRouter:
     async def edits(http: HttpRequest):
         # Parsed here rather than as a parameter: the same route takes OpenAI's multipart form.
         if http.headers.get("content-type", "").startswith("multipart/form-data"):
-            return await service.edit_upload(http)
+            return await edit_upload(service, http)
         try:
             payload = await http.json()
         except ValueError:
             raise ApiError(400, "the body is not valid JSON", code="json_invalid") from None
         from pydantic import ValidationError
 
-        from .api import validation_error
-
         try:
             body = EditsRequest.model_validate(payload)
         except ValidationError as err:
-            raise validation_error(err.errors()) from None
+            raise validation_error(err.errors(), EditsRequest) from None
         return await json_edits(body, http)
 
     async def json_edits(body: EditsRequest, http: HttpRequest):

@@ -10,9 +10,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .automask import AutoMask
-from .scheduler_ddim import DDIMSchedule
-from .state import KV, BaseState
+from ..model.automask import AutoMask
+from ..model.scheduler_ddim import DDIMSchedule
+from ..model.state import KV, BaseState
 
 @dataclass
 class Recording:

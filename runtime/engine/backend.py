@@ -36,7 +36,7 @@ except ImportError as err:  # neither extra was installed
     raise ImportError("edit-rt needs ONNX Runtime: pip install 'edit-rt[cpu]', or 'edit-rt[gpu]' on an NVIDIA machine") from err
 
 from .device import DeviceTensor, TensorView
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from .backend import _PROVIDERS, cuda_python_available
 from .device import DeviceTensor, HostTensor, TensorView, _check_fits
-from .errors import ArtifactError, ConfigError
+from ..errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class OrtCudaTensor:
     calls, for ``ort-cuda`` without cuda-python: a host mirror takes the writes and goes up whole
     before the next run (``update_inplace``, a synchronous copy); what a run computed comes down
     whole when the host first reads it. Only rows joining and rows finishing cause copies; with
-    cuda-python the runtime uses :class:`~edit_rt.runtime.cuda.CudaTensor` on ONNX Runtime's
+    cuda-python the runtime uses :class:`~edit_rt.runtime.engine.cuda.CudaTensor` on ONNX Runtime's
     stream instead, copying only the rows it touches."""
 
     device = "cuda"

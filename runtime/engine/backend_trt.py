@@ -161,7 +161,7 @@ class TrtGraph:
         self.device.activate()
         self.engine = self.device.runtime.deserialize_cuda_engine(self.path.read_bytes())
         if self.engine is None:
-            from .errors import ArtifactError
+            from ..errors import ArtifactError
 
             raise ArtifactError(f"{self.path}: TensorRT cannot load this plan; {self.rebuild}")
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]

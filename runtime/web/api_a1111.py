@@ -25,10 +25,11 @@ from fastapi import APIRouter, Request as HttpRequest
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api import ApiError, decode_base64_or_400, errors
-from .pnginfo import base_id_of
-from .edit import Edit
-from .service import Service, b64
+from ..serving.errors import ApiError
+from .api import b64, decode_base64_or_400, errors
+from ..pnginfo import base_id_of
+from ..model.edit import Edit
+from ..serving.service import Service
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
 

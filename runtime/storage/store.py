@@ -28,10 +28,11 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .edit import Base
-from .errors import ArtifactError
-from .state import KV, BaseState
-from .store_codec import StoragePrecision, decode, encode, to_bytes
+from ..model.edit import Base
+from ..errors import ArtifactError
+from ..model.state import KV, BaseState
+from ..model.schema import StoragePrecision
+from .store_codec import decode, encode, to_bytes
 from .store_disk import DamagedBaseError, DiskTier, StoreFullError, UnknownBaseError
 
 __all__ = ["BaseStore", "base_id", "UnknownBaseError", "StoreFullError", "DamagedBaseError"]

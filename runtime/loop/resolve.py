@@ -1,9 +1,9 @@
 """Where an edit becomes rows: the resolver between the jobs callers submit and the step loop.
 
-:class:`RowResolver` is what the :class:`~edit_rt.runtime.batcher.Batcher` calls, and the only
+:class:`RowResolver` is what the :class:`~edit_rt.runtime.loop.batcher.Batcher` calls, and the only
 thing of the model it sees:
 
-- :meth:`RowResolver.rows`: each job's :class:`~edit_rt.runtime.rows.Row`: its prompt's K/V
+- :meth:`RowResolver.rows`: each job's :class:`~edit_rt.runtime.loop.rows.Row`: its prompt's K/V
   (one batched encoding per kind; a prompt the text encoder refuses fails its own rows only),
   mixed by strength with the base's (``K_base + s (K_edit - K_base)``), its entry latent (the
   base's x_s, or re-noised for a seeded variation), mask, ``preserve: auto`` maps, structure
@@ -25,12 +25,12 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .errors import EditRtError
+from ..errors import EditRtError
 from .jobs import Job, RowError, RowResult
 from .rows import Recording, Row
-from .scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
-from .edit import TailRow
-from .state import KV, BaseState
+from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
+from ..model.edit import TailRow
+from ..model.state import KV, BaseState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 from .manifest import Manifest
 from .profiles import EditBatchProfile
 

@@ -25,13 +25,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
-from .api import ApiError, BaseInfo, Deleted, Health, errors, validation_error
+from .. import __version__
+from ..serving.errors import ApiError, validation_error
+from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
-from .config import RunConfig
-from .metrics import CONTENT_TYPE
-from .service import Service
+from ..model.config import RunConfig
+from ..metrics import CONTENT_TYPE
+from ..serving.service import Service
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("edit_rt.access")
@@ -66,7 +67,7 @@ def page_html(service: Service) -> str:
                 "preserve": cfg.preserve.mode, "structure": cfg.preserve.structure, "width": cfg.base.width, "height": cfg.base.height}  # fmt: skip
     # "</" cannot close the script element from inside a JSON string this way
     data = json.dumps(defaults).replace("</", "<\\/")
-    return resources.files("edit_rt.runtime").joinpath("web.html").read_text().replace("/*DEFAULTS*/{}", data)
+    return resources.files("edit_rt.runtime.web").joinpath("web.html").read_text().replace("/*DEFAULTS*/{}", data)
 
 
 def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
@@ -92,7 +93,8 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, err: RequestValidationError):
-        return _error_response(validation_error(err.errors()))
+        # a body's field named by its request model, for the range declared on it
+        return _error_response(validation_error(err.errors(), candidates=(EditsRequest, GenerationRequest, BaseUpload)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):

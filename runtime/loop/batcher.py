@@ -1,7 +1,7 @@
 """The request loop around the row scheduler: a queue, fair admission, deadlines, futures.
 
 :class:`Batcher` turns submitted jobs (an edit of a base, or a base's generation) into rows of
-its :class:`~edit_rt.runtime.slots.RowScheduler`, through a resolver (resolve.py: what a job's
+its :class:`~edit_rt.runtime.loop.slots.RowScheduler`, through a resolver (resolve.py: what a job's
 row is; this file knows only queues and rows), and steps it. The same loop body,
 :meth:`Batcher.work_once`, runs in two ways: on the pipeline's engine thread, the one thread
 that touches the backend (``edit-rt serve``; see engine_thread.py), or driven by the caller
@@ -24,9 +24,9 @@ import time
 from collections import deque
 from typing import Optional, Protocol
 
-from .engine_thread import EngineThread
+from ..engine.engine_thread import EngineThread
 from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError
-from .metrics import Metrics
+from ..metrics import Metrics
 from .rows import Row
 from .slots import RowScheduler
 

@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .edit import Base
-from .errors import EditRtError
+from ..model.edit import Base
+from ..errors import EditRtError
 from .rows import Recording, Row
-from .edit import TailRow
-from .state import BaseState
+from ..model.edit import TailRow
+from ..model.state import BaseState
 
 
 class QueueFullError(EditRtError):

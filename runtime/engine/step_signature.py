@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 
 @dataclass(frozen=True)

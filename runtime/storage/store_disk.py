@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Optional
 
 from filelock import FileLock
 
-from .errors import ArtifactError, EditRtError
+from ..errors import ArtifactError, EditRtError
 from .store_codec import from_bytes, read_header
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,3 @@
+"""The step loop: rows, the resident-slot scheduler (slots), the queue around it (batcher, which
+takes rows from a resolver and never imports the pipeline), jobs and the resolver.
+"""

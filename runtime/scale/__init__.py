@@ -1,0 +1,2 @@
+"""Scale-out on Ray Serve: the same app in front of replicas, the base-affinity router.
+"""

@@ -1,0 +1,2 @@
+"""The service: the domain operations every door uses (generate, edit, invert, store), metrics.
+"""

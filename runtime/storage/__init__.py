@@ -1,0 +1,2 @@
+"""The base-state store: RAM and disk tiers, the file codec, the shared folder.
+"""

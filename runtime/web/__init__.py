@@ -1,0 +1,3 @@
+"""HTTP: the app (server), shared request and response types (api), the OpenAI and
+AUTOMATIC1111 routes side by side, draining and timeouts (http_server), the page.
+"""
