@@ -1,0 +1,238 @@
+"""`make bench`'s side-by-side measurements beside the main table (bench.py), each interleaved
+with its baseline in one process: the server against one run tail, entry-step reuse on and off,
+padded buckets against exact counts, inversion against generation, preserve: auto and
+structure keeping against the plain tail; and the timing helpers they and bench.py share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from edit_rt.runtime.model.config import RunConfig
+from edit_rt.runtime.model.edit import TailRow
+from edit_rt.runtime.pipeline import EditPipeline
+
+
+class PeakRss:
+    """The peak resident-memory increase of this process while the block runs (sampled)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak_bytes = 0
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    @contextmanager
+    def measure(self) -> Iterator["PeakRss"]:
+        start, stop = self._rss(), threading.Event()
+        peak = [start]
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], self._rss())
+                stop.wait(self.interval)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.peak_bytes = max(peak[0], self._rss()) - start
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
+    rss = PeakRss()
+    with rss.measure():
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return seconds, rss.peak_bytes
+
+
+@contextmanager
+def _server_in_process(cfg: RunConfig) -> Iterator[str]:
+    """`edit-rt serve` on a free loopback port in this process (RAM store); yields its URL."""
+    import httpx
+    import uvicorn
+
+    from edit_rt.runtime.web.server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=None),
+                              serve=dataclasses.replace(cfg.serve, host="127.0.0.1", port=port))  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """The same edits of one base: N concurrent single-edit requests to the server against one
+    ``edit-rt run`` tail (run_tail + decode), interleaved, median of ``repeats``."""
+    import httpx
+
+    base, T = state.base, state.base.steps
+    rows = [TailRow(p, 1.0, T - k, base.guidance) for p in prompts]
+
+    def one_tail() -> None:
+        rt.decode(rt.run_tail(state, rows))
+
+    with _server_in_process(cfg) as url, httpx.Client(base_url=url, timeout=600) as client:
+        body = {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,
+                "steps": T, "cfg_scale": base.guidance}  # fmt: skip
+        bid = client.post("/v1/images/generations", json=body).raise_for_status().json()["id"]
+
+        def post(prompt: str) -> None:
+            edit = {"prompt": prompt, "strength": 1.0, "tail_steps": k}
+            client.post("/v1/images/edits", json={"base_id": bid, "edits": [edit]}).raise_for_status()
+
+        def concurrent() -> None:
+            threads = [threading.Thread(target=post, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        concurrent()  # warm up: the server's first calls at each row count allocate
+        one_tail()
+        served, ran = [], []
+        for _ in range(repeats):
+            served.append(_timed(concurrent)[0])
+            ran.append(_timed(one_tail)[0])
+    n = len(prompts)
+    server_eps, run_eps = n / statistics.median(served), n / statistics.median(ran)
+    return {"n": n, "tail_steps": k, "server_edits_per_s": server_eps, "run_edits_per_s": run_eps,
+            "ratio": server_eps / run_eps, "server_runs": served, "run_runs": ran}  # fmt: skip
+
+
+def entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """One N-row tail of k steps with the entry step's unconditional prediction taken from the
+    base (the default) and computed again (off), interleaved."""
+    base, T = state.base, state.base.steps
+    scheduler = rt.batcher(state.latents.shape[1:]).scheduler
+    rows = [TailRow(p, 1.0, T - k, base.guidance) for p in prompts]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    skipped = 0
+    for _ in range(repeats + 1):  # the first round warms up both shapes
+        for reuse in (True, False):
+            scheduler.reuse_entry = reuse
+            before = scheduler.stats.uncond_rows_skipped
+            seconds[reuse].append(_timed(lambda: rt.run_tail(state, rows))[0])
+            if reuse:
+                skipped = scheduler.stats.uncond_rows_skipped - before
+    scheduler.reuse_entry = True
+    with_reuse, without = statistics.median(seconds[True][1:]), statistics.median(seconds[False][1:])
+    n = len(rows)
+    return {"n": n, "tail_steps": k, "seconds_with": with_reuse, "seconds_without": without,
+            "half_rows_skipped": skipped, "half_rows": 2 * n * k,
+            # every row skips its entry step's unconditional half, but one per call is computed
+            # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
+            "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
+def bucket_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """Tails of row counts that are not powers of two, run at the pow2 buckets the GPU backends
+    use (padded rows computed and ignored) and at exact counts, interleaved: rows computed
+    against rows asked, and seconds. On the CPU a padded row costs a real row's time."""
+    from edit_rt.runtime.loop.rows import pow2_buckets
+
+    scheduler = rt.batcher(state.latents.shape[1:]).scheduler
+    base, T = state.base, state.base.steps
+    sizes = [n for n in (3, 5, 6, 12) if n <= min(len(prompts), scheduler.max_rows)]
+    if not sizes:  # a bench of fewer rows (a smoke run): nothing to pad
+        return {}
+    kept = scheduler.buckets
+    modes = {"pow2": pow2_buckets(1, scheduler.max_rows), "exact": None}
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    rows: dict[str, tuple[int, int]] = {}
+    for r in range(repeats + 1):  # the first round warms every shape up
+        for mode, buckets in modes.items():
+            scheduler.buckets = buckets
+            computed, asked = scheduler.stats.rows_computed, scheduler.stats.row_steps
+            total = 0.0
+            for n in sizes:
+                total += _timed(lambda: rt.run_tail(state, [TailRow(p, 1.0, T - k, base.guidance) for p in prompts[:n]]))[0]
+            seconds[mode].append(total)
+            rows[mode] = (scheduler.stats.rows_computed - computed, scheduler.stats.row_steps - asked)
+    scheduler.buckets = kept
+    pow2, exact = statistics.median(seconds["pow2"][1:]), statistics.median(seconds["exact"][1:])
+    return {"sizes": sizes, "tail_steps": k, "rows_asked": rows["exact"][1], "rows_computed_pow2": rows["pow2"][0],
+            "rows_computed_exact": rows["exact"][0], "seconds_pow2": pow2, "seconds_exact": exact,
+            "ratio": pow2 / exact, "rows_ratio": rows["pow2"][0] / rows["exact"][0]}  # fmt: skip
+
+
+def inversion_cost(rt: EditPipeline, base, repeats: int) -> dict[str, Any]:
+    """Seconds to make a base from an image (pipeline.invert: T rows backwards, one at a time,
+    then T one-step rows forward in one tail) against generating one (T rows), interleaved."""
+    from .shapes import Scene, render
+
+    picture = render(Scene("red", "circle", "blue", "top left"), base.width).astype(np.float32) / 255
+    seconds: dict[str, list[float]] = {"invert": [], "generate": []}
+    for _ in range(repeats):
+        seconds["invert"].append(_timed(lambda: rt.invert(picture, dataclasses.replace(base, image="sha256:bench")))[0])
+        seconds["generate"].append(_timed(lambda: rt.generate_base(base))[0])
+    invert, generate = statistics.median(seconds["invert"]), statistics.median(seconds["generate"])
+    T = base.steps
+    return {"steps": T, "rows_backwards": T, "rows_forward": T, "seconds_invert": invert, "seconds_generate": generate,
+            "ratio": invert / generate}  # fmt: skip
+
+
+def _tail_seconds(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int, modes: dict[str, dict]) -> dict[str, float]:
+    """Median seconds of one N-row tail of k steps for each mode (the TailRow fields it sets),
+    the modes interleaved; a first round warms every mode up and is not counted."""
+    base, T = state.base, state.base.steps
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats + 1):
+        for mode, fields in modes.items():
+            rows = [TailRow(p, 1.0, T - k, base.guidance, **fields) for p in prompts]
+            seconds[mode].append(_timed(lambda: rt.run_tail(state, rows))[0])
+    return {mode: statistics.median(runs[1:]) for mode, runs in seconds.items()}
+
+
+def structure_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int, fraction: float = 0.5) -> dict[str, Any]:
+    """One N-row tail of k steps keeping structure for ``fraction`` of it (one reference row,
+    N + 1 rows for those steps) against the same tail without, interleaved."""
+    seconds = _tail_seconds(rt, state, prompts, k, repeats, {"structure": {"structure": fraction}, "none": {}})
+    kept, none = seconds["structure"], seconds["none"]
+    n, steps = len(prompts), math.ceil(fraction * k)
+    return {"n": n, "tail_steps": k, "structure_steps": steps, "seconds_structure": kept, "seconds_none": none,
+            "ratio": kept / none, "row_steps_ratio": (n * k + steps) / (n * k)}  # fmt: skip
+
+
+def preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+    """One N-row tail of k steps with ``preserve: auto`` on every row against the same tail
+    without it, interleaved: the maps graph's first steps and the masks are the difference."""
+    seconds = _tail_seconds(rt, state, prompts, k, repeats, {"auto": {"preserve": "auto"}, "none": {}})
+    auto, none = seconds["auto"], seconds["none"]
+    return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preserve.steps, "seconds_auto": auto,
+            "seconds_none": none, "ratio": auto / none}  # fmt: skip
