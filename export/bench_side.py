@@ -65,7 +65,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
 
 
 @contextmanager
-def _server_in_process(cfg: RunConfig) -> Iterator[str]:
+def server_in_process(cfg: RunConfig) -> Iterator[str]:
     """`edit-rt serve` on a free loopback port in this process (RAM store); yields its URL."""
     import httpx
     import uvicorn
@@ -107,7 +107,7 @@ def server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k
     def one_tail() -> None:
         rt.decode(rt.run_tail(state, rows))
 
-    with _server_in_process(cfg) as url, httpx.Client(base_url=url, timeout=600) as client:
+    with server_in_process(cfg) as url, httpx.Client(base_url=url, timeout=600) as client:
         body = {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,
                 "steps": T, "cfg_scale": base.guidance}  # fmt: skip
         bid = client.post("/v1/images/generations", json=body).raise_for_status().json()["id"]

@@ -5,8 +5,8 @@ Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the be
 
 from __future__ import annotations
 
-from .model.config import RunConfig
 from .errors import ArtifactError, ConfigError
+from .model.config import RunConfig
 from .pipeline import EditPipeline
 from .storage.store import BaseStore
 

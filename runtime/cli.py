@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
@@ -21,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__
-from .model.config import load_config, revalidated
 from .errors import EditRtError
+from .model.config import load_config, revalidated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
 
@@ -37,6 +38,11 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version.")) -> None:
     """Batched edit tails for Stable Diffusion."""
 console = Console(stderr=True)
+
+
+def plain(text: str) -> None:
+    """A library's message as it is: brackets in it ("edit-rt[gpu]") are no markup."""
+    console.print(text, markup=False)
 
 
 def _export_module(name: str):
@@ -99,8 +105,8 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
             external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=lambda graph: advance(1),
             variant=cfg.export.variant,
         )  # fmt: skip
-    console.print(f"wrote {manifest.parent} (text_encoder, kv_proj, unet_step, unet_step_maps, vae_decoder, "
-                  "vae_encoder, manifest.json)")  # fmt: skip
+    graphs = ", ".join(json.loads(manifest.read_text())["graphs"])
+    console.print(f"wrote {manifest.parent} ({graphs}, manifest.json)")
 
 
 @app.command()
@@ -121,7 +127,7 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     reason = trt_unavailable_reason()
     with _progress() as bars:
         advance = bars(len(GRAPHS) * (1 if reason else 2), "engines")
-        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=console.print,
+        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=plain,
                                       trt_reason=reason, progress=lambda name: advance(1))  # fmt: skip
     for backend, engine_set in built.items():
         console.print(
@@ -154,7 +160,7 @@ def bench(
     with _progress() as bars:
         report = bench_module.run_bench(
             cfg, tuple(int(n) for n in ns.split(",")), tuple(float(f) for f in fractions.split(",")), repeats,
-            say=console.print, progress=bars,
+            say=plain, progress=bars,
         )  # fmt: skip
     _print_bench(report, cfg.output_dir)
 
@@ -261,7 +267,7 @@ def serve(
             from .scale.ray_serve import serve_forever as serve_on_ray
         except ImportError as err:
             raise EditRtError(f"--ray needs Ray Serve ({err.name} is missing): pip install -e '.[ray]'") from None
-        serve_on_ray(cfg, say=console.print)
+        serve_on_ray(cfg, say=plain)
         return
     from .web.server import serve as serve_forever
 

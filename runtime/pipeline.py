@@ -3,7 +3,7 @@
 Generation and tails are rows of one :class:`~edit_rt.runtime.loop.slots.RowScheduler` (one per
 latent size), driven by its :class:`~edit_rt.runtime.loop.batcher.Batcher`: ``generate_base`` and
 ``run_tail`` submit one request and drive the loop until it is done; ``edit-rt serve`` runs the
-same batcher on a worker thread. There is no other step loop.
+same batcher on the engine thread (engine/engine_thread.py). There is no other step loop.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from .loop.batcher import Batcher
-from .model.automask import AutoMask
 from .engine.engine_thread import EngineThread
-from .model.edit import Base, Mask, Preserve, TailRow
-from .images import composite, feathered_rectangle, upsample_weight
-from .loop.jobs import Job, Request
-from .errors import ArtifactError, ConfigError
 from .engine.graph_set import GraphSet, graphs_from_artifacts
 from .engine.manifest import Manifest, load_manifest, model_files
 from .engine.profiles import EditBatchProfile
+from .engine.step_signature import StepSignature
+from .errors import ArtifactError, ConfigError
+from .images import composite, feathered_rectangle, upsample_weight
+from .loop.batcher import Batcher
+from .loop.jobs import Job, Request
 from .loop.resolve import RowResolver
-from .model.scheduler_ddim import DDIMConfig
 from .loop.rows import pow2_buckets
 from .loop.slots import RowScheduler
-from .engine.step_signature import StepSignature
 from .model.align import token_diff
+from .model.automask import AutoMask
+from .model.edit import Base, Mask, Preserve, TailRow
+from .model.scheduler_ddim import DDIMConfig
 from .model.state import KV, BaseState
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]

@@ -23,13 +23,13 @@ import onnxruntime
 
 from . import __version__
 from .assemble import pipeline_of, store_of
-from .model.config import RunConfig
-from .model.edit import Edit, TailRow
 from .errors import ConfigError
 from .images import contact_sheet, save_png
+from .model.config import RunConfig
+from .model.edit import Edit, TailRow
 from .pnginfo import base_fields, edit_fields, parameters_text
-from .uploads import ImageInputError, Upload, image_from_bytes
 from .storage.store import base_id
+from .uploads import ImageInputError, Upload, image_from_bytes
 
 log = logging.getLogger(__name__)
 

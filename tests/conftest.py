@@ -22,6 +22,20 @@ TEST_BASE = Base(prompt="a red circle on a blue background", negative_prompt="bl
                  steps=10, guidance=7.5, width=32, height=32)  # fmt: skip
 
 
+def sample_rows(g: float = TEST_BASE.guidance) -> list:
+    """Five edits of TEST_BASE that differ in every way a row can: start, strength, guidance,
+    a mask, a seed (the backend tests run them on each backend)."""
+    from edit_rt.runtime.model.edit import Mask, TailRow
+
+    return [
+        TailRow("a blue square", 1.0, 4, g),
+        TailRow("a green circle", 0.5, 7, 3.0),
+        TailRow("a green circle", 1.5, 2, g),
+        TailRow("a yellow triangle", 1.0, 4, g, mask=Mask(0, 0, 16, 16)),
+        TailRow("a blue square", 1.0, 6, g, seed=11),
+    ]
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     from edit_rt.export.tiny_model import write_tiny_model

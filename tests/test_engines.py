@@ -19,7 +19,6 @@ import yaml
 
 from edit_rt.export.engines import build_engines
 from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.model.edit import Mask
 from edit_rt.runtime.engine.engines import load_engines
 from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.engine.graph_set import cpu_name, engine_tools
@@ -27,7 +26,7 @@ from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.engine.profiles import EditBatchProfile, ort_trt_profile_options
 
-from .conftest import TEST_BASE
+from .conftest import TEST_BASE, sample_rows
 
 PROFILE = EditBatchProfile(min_batch=1, opt_batch=4, max_batch=8, latent_height=16, latent_width=16)
 TRT_MISSING = trt_unavailable_reason()
@@ -41,16 +40,6 @@ def engines_dir(onnx_dir, tmp_path_factory) -> Path:
     if TRT_MISSING:
         assert messages == [f"TensorRT is unavailable ({TRT_MISSING}): built the ONNX Runtime CPU engines only"]
     return out
-
-
-def _rows(g: float = TEST_BASE.guidance) -> list[TailRow]:
-    return [
-        TailRow("a blue square", 1.0, 4, g),
-        TailRow("a green circle", 0.5, 7, 3.0),
-        TailRow("a green circle", 1.5, 2, g),
-        TailRow("a yellow triangle", 1.0, 4, g, mask=Mask(0, 0, 16, 16)),
-        TailRow("a blue square", 1.0, 6, g, seed=11),
-    ]
 
 
 def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
@@ -70,9 +59,9 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
 def test_edit_tail_through_cpu_engines_equals_plain_onnx(engines_dir, onnx_dir, pipeline, base_state):
     with EditPipeline(onnx_dir, engines_dir=engines_dir, batch_profile=(1, 4, 8)) as engine_pipe:
         assert engine_pipe.graph_set.files["unet_step"] == engines_dir / "ort-cpu" / "unet_step.onnx"
-        ours = engine_pipe.run_tail(base_state, _rows())
+        ours = engine_pipe.run_tail(base_state, sample_rows())
         images = engine_pipe.decode(ours)
-    plain = pipeline.run_tail(base_state, _rows())
+    plain = pipeline.run_tail(base_state, sample_rows())
     # Same fp32 math, graph rewritten (fusions, NCHWc layouts): fp32 reordering noise only.
     np.testing.assert_allclose(ours, plain, atol=1e-4)
     np.testing.assert_allclose(images, pipeline.decode(plain), atol=1e-4)
@@ -108,7 +97,7 @@ def test_trt_engines_for_another_latent_size_are_refused(engines_dir, onnx_dir, 
 
 
 def test_more_rows_than_the_profile_join_as_slots_free_up(onnx_dir, pipeline, base_state):
-    rows = _rows() + _rows()  # 10 rows, max_batch 4
+    rows = sample_rows() + sample_rows()  # 10 rows, max_batch 4
     calls = []
     with EditPipeline(onnx_dir, batch_profile=(1, 2, 4)) as small:
         step = small.graphs["unet_step"]
@@ -206,9 +195,9 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
 @pytest.mark.skipif(TRT_MISSING is not None, reason=f"TensorRT unavailable: {TRT_MISSING}")
 def test_trt_edit_tail_matches_onnx_runtime(engines_dir, onnx_dir, pipeline, base_state):
     with EditPipeline(onnx_dir, backend="trt", engines_dir=engines_dir, batch_profile=(1, 4, 8), image_size=(32, 32)) as trt_pipe:
-        ours = trt_pipe.run_tail(base_state, _rows())
+        ours = trt_pipe.run_tail(base_state, sample_rows())
     # fp16 engines against fp32 ONNX Runtime, through up to 8 chained steps.
-    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=5e-2)
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, sample_rows()), atol=5e-2)
 
 
 def test_vae_has_its_own_smaller_profile(onnx_dir):

@@ -13,7 +13,6 @@ import base64
 import io
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,15 +24,13 @@ import yaml
 from PIL import Image
 
 from edit_rt.runtime.engine import backend, backend_ort, cuda, graph_set
-from edit_rt.runtime.model.edit import Mask
 from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.engine.profiles import EditBatchProfile
 
 from . import fakegpu
-from .conftest import TEST_BASE
-from .server_process import free_port
+from .conftest import TEST_BASE, sample_rows
 
 PROFILE = EditBatchProfile(1, 4, 8, 16, 16, 4, 2, vae_max_batch=4)
 FP16_KV = {g: {**{f"{k}_{i}": "float16" for i in range(8) for k in ("cond_k", "cond_v", "uncond_k", "uncond_v")}}
@@ -63,16 +60,6 @@ def trt_dirs(onnx_dir, tmp_path_factory):
     fakegpu.write_trt_engines(manifest, root / "fp32" / "trt", PROFILE)
     fakegpu.write_trt_engines(manifest, root / "fp16" / "trt", PROFILE, dtypes=FP16_KV)
     return {"fp32": root / "fp32", "fp16": root / "fp16"}
-
-
-def _rows(g: float = TEST_BASE.guidance) -> list[TailRow]:
-    return [
-        TailRow("a blue square", 1.0, 4, g),
-        TailRow("a green circle", 0.5, 7, 3.0),
-        TailRow("a green circle", 1.5, 2, g),
-        TailRow("a yellow triangle", 1.0, 4, g, mask=Mask(0, 0, 16, 16)),
-        TailRow("a blue square", 1.0, 6, g, seed=11),
-    ]
 
 
 def _trt(onnx_dir, engines_dir, **kw) -> EditPipeline:
@@ -173,15 +160,15 @@ def test_a_graph_is_never_replayed_on_a_context_another_bucket_reshaped(gpu, trt
 def test_rows_run_at_padded_buckets_and_padding_changes_no_row(gpu, trt_dirs, onnx_dir, pipeline, base_state):
     with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
         assert pipe.buckets == (1, 2, 4, 8)
-        ours = pipe.run_tail(base_state, _rows())  # 5 rows: the 8 bucket, 3 padding rows
+        ours = pipe.run_tail(base_state, sample_rows())  # 5 rows: the 8 bucket, 3 padding rows
         stats = pipe.batchers[tuple(base_state.latents.shape[1:])].scheduler.stats
         assert stats.rows_computed > stats.row_steps
-        np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+        np.testing.assert_allclose(ours, pipeline.run_tail(base_state, sample_rows()), atol=1e-5)
 
 
 def test_every_context_uses_the_one_shared_device_memory_block(gpu, trt_dirs, onnx_dir, base_state):
     with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
-        pipe.run_tail(base_state, _rows())
+        pipe.run_tail(base_state, sample_rows())
         blocks = {c.device_memory for c in gpu.trt.contexts}
         assert len(gpu.trt.contexts) > 3 and len(blocks) == 1
         assert all(c.strategy == "USER_MANAGED" for c in gpu.trt.contexts)
@@ -192,8 +179,8 @@ def test_buffers_take_the_engine_dtypes(gpu, trt_dirs, onnx_dir, pipeline, base_
     with _trt(onnx_dir, trt_dirs["fp16"]) as pipe:
         scheduler = pipe.batcher(base_state.latents.shape[1:]).scheduler
         assert scheduler.dev["cond_k_0"].dtype == np.float16 and scheduler.dev["latents"].dtype == np.float32
-        ours = pipe.run_tail(base_state, _rows())
-    reference = pipeline.run_tail(base_state, _rows())
+        ours = pipe.run_tail(base_state, sample_rows())
+    reference = pipeline.run_tail(base_state, sample_rows())
     # fp16 K/V (10-bit mantissa) through up to 8 steps; wrong bytes would be O(1) off
     np.testing.assert_allclose(ours, reference, atol=5e-2)
     assert np.abs(ours - reference).max() > 0  # it did run in fp16
@@ -251,8 +238,8 @@ def test_exactness_holds_on_the_simulated_gpu(gpu, trt_dirs, onnx_dir, pipeline,
         np.testing.assert_allclose(state.latents, base_state.latents, atol=1e-5)
         identity = pipe.run_tail(state, [TailRow(TEST_BASE.prompt, 0.0, s, TEST_BASE.guidance) for s in (2, 5)])
         np.testing.assert_allclose(identity, np.repeat(state.final_latent, 2, axis=0), atol=1e-5)
-        batched = pipe.run_tail(state, _rows())
-        alone = np.concatenate([pipe.run_tail(state, [row]) for row in _rows()])
+        batched = pipe.run_tail(state, sample_rows())
+        alone = np.concatenate([pipe.run_tail(state, [row]) for row in sample_rows()])
         np.testing.assert_allclose(batched, alone, atol=1e-5)
 
 
@@ -265,9 +252,9 @@ def test_ort_cuda_computes_on_the_runtime_stream(gpu, onnx_dir, pipeline, base_s
     with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
         streams = {s.stream.handle for s in gpu.ort.sessions}
         assert streams == {pipe.graphs["unet_step"].device.stream.handle}
-        ours = pipe.run_tail(base_state, _rows())
+        ours = pipe.run_tail(base_state, sample_rows())
         images = pipe.decode(ours)
-    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, sample_rows()), atol=1e-5)
     np.testing.assert_allclose(images, pipeline.decode(ours), atol=1e-5)
 
 
@@ -276,8 +263,8 @@ def test_ort_cuda_runs_without_cuda_python(gpu, onnx_dir, pipeline, base_state):
     assert not backend.cuda_python_available()
     with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
         assert pipe.graphs["unet_step"].device.stream is None
-        ours = pipe.run_tail(base_state, _rows())
-    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, _rows()), atol=1e-5)
+        ours = pipe.run_tail(base_state, sample_rows())
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, sample_rows()), atol=1e-5)
 
 
 def test_only_backends_that_can_start_are_listed(gpu, monkeypatch):
@@ -332,37 +319,21 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
     """A real server on loopback on the simulated trt backend, with concurrent generations,
     uploads (inversion) and edits: every context is made and used on one thread (the simulator
     refuses any other), and every kernel was launched from it."""
-    import uvicorn
-
+    from edit_rt.export.bench_side import server_in_process
     from edit_rt.runtime.model.config import load_config
-    from edit_rt.runtime.web.server import create_app
 
     build = tmp_path / "build"
     (build / model_dir.name).mkdir(parents=True)
     (build / model_dir.name / "onnx").symlink_to(onnx_dir)
     (build / model_dir.name / "engines").symlink_to(trt_dirs["fp32"])
-    port = free_port()
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
         "model": str(model_dir), "build_dir": str(build), "backend": "trt",
         "base": {"prompt": "x", "steps": 6, "guidance": 7.5, "width": 32, "height": 32},
         "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "vae_max_batch": 4},
-        "serve": {"port": port},
     }))  # fmt: skip
     cfg = load_config(config)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with server_in_process(cfg) as url:  # the bench's in-process server (export/bench_side.py)
         rng = np.random.default_rng(0)
         uploads = [_png(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(2)]
 
@@ -384,9 +355,6 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(generate, k) for k in range(4)] + [pool.submit(upload, k) for k in range(2)]
             assert [f.result() for f in futures] == [2, 2, 2, 2, 1, 1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
     assert {c.owner_name for c in gpu.trt.contexts} == {"edit-rt-engine"}
     assert gpu.cudart.kernel_threads == {"edit-rt-engine"}
 

@@ -35,8 +35,8 @@ try:
 except ImportError as err:  # neither extra was installed
     raise ImportError("edit-rt needs ONNX Runtime: pip install 'edit-rt[cpu]', or 'edit-rt[gpu]' on an NVIDIA machine") from err
 
-from .device import DeviceTensor, TensorView
 from ..errors import ConfigError
+from .device import DeviceTensor, TensorView
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import onnxruntime as ort
 
+from ..errors import ArtifactError, ConfigError
 from .backend import _PROVIDERS, cuda_python_available
 from .device import DeviceTensor, HostTensor, TensorView, _check_fits
-from ..errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
 

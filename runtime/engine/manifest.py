@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 5  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend
+MANIFEST_VERSION = 6  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder

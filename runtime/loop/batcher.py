@@ -25,8 +25,8 @@ from collections import deque
 from typing import Optional, Protocol
 
 from ..engine.engine_thread import EngineThread
-from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError
 from ..metrics import Metrics
+from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError
 from .rows import Row
 from .slots import RowScheduler
 

@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..model.edit import Base
 from ..errors import EditRtError
-from .rows import Recording, Row
+from ..model.edit import Base
 from ..model.edit import TailRow
 from ..model.state import BaseState
+from .rows import Recording, Row
 
 
 class QueueFullError(EditRtError):

@@ -26,11 +26,11 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from ..errors import EditRtError
+from ..model.edit import TailRow
+from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
+from ..model.state import KV, BaseState
 from .jobs import Job, RowError, RowResult
 from .rows import Recording, Row
-from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
-from ..model.edit import TailRow
-from ..model.state import KV, BaseState
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import numpy as np
 
 from ..engine.backend import Binding, Graph
 from ..engine.device import DeviceTensor
+from ..engine.step_signature import StepSignature
 from .bindings import BindingCache, bind_blend, bind_step
 from .rows import Row, SchedulerStats, _floor_pow2, _Set
-from ..engine.step_signature import StepSignature
 
 log = logging.getLogger(__name__)
 

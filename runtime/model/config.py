@@ -20,8 +20,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
-from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from ..errors import ConfigError
+from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 
 STRICT = ConfigDict(extra="forbid")

@@ -39,17 +39,17 @@ from prometheus_client import Counter
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from ..serving.errors import ApiError
+from ..engine.manifest import load_manifest
+from ..errors import ConfigError
+from ..metrics import merged
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit
-from ..errors import ConfigError
-from ..engine.manifest import load_manifest
-from ..metrics import merged
-from ..web.server import create_app
+from ..serving.errors import ApiError
 from ..serving.service import Event, Generated, Service, is_base_id, until_done
 from ..storage.store import base_id
-from .router import BaseAffinityRouter
 from ..uploads import Upload
+from ..web.server import create_app
+from .router import BaseAffinityRouter
 
 log = logging.getLogger(__name__)
 

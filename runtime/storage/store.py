@@ -28,10 +28,10 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..model.edit import Base
 from ..errors import ArtifactError
-from ..model.state import KV, BaseState
+from ..model.edit import Base
 from ..model.schema import StoragePrecision
+from ..model.state import KV, BaseState
 from .store_codec import decode, encode, to_bytes
 from .store_disk import DamagedBaseError, DiskTier, StoreFullError, UnknownBaseError
 

@@ -25,11 +25,11 @@ from fastapi import APIRouter, Request as HttpRequest
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..serving.errors import ApiError
-from .api import b64, decode_base64_or_400, errors
-from ..pnginfo import base_id_of
 from ..model.edit import Edit
+from ..pnginfo import base_id_of
+from ..serving.errors import ApiError
 from ..serving.service import Service
+from .api import b64, decode_base64_or_400, errors
 
 LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
 

@@ -26,13 +26,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..metrics import CONTENT_TYPE
+from ..model.config import RunConfig
 from ..serving.errors import ApiError, validation_error
+from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
-from ..model.config import RunConfig
-from ..metrics import CONTENT_TYPE
-from ..serving.service import Service
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("edit_rt.access")
