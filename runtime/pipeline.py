@@ -132,6 +132,7 @@ class EditPipeline:
         self.engine.stop()
         for graph in self.graphs.values():
             graph.deactivate()
+        self.graph_set.device.free()  # the shared stream (and TensorRT's context memory)
 
     def __enter__(self) -> "EditPipeline":
         return self.activate()

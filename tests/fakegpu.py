@@ -650,6 +650,10 @@ class FakeOrtValue:
             raise RuntimeError(f"ONNX Runtime could not allocate CUDA memory ({err.name})")
         self.nbytes = nbytes
 
+    def __del__(self) -> None:
+        # ONNX Runtime returns an OrtValue's memory to its arena when the value is released
+        self.cudart.device.pop(getattr(self, "ptr", 0), None)
+
     def data_ptr(self) -> int:
         return self.ptr
 

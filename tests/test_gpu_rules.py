@@ -172,6 +172,8 @@ def test_every_context_uses_the_one_shared_device_memory_block(gpu, trt_dirs, on
         blocks = {c.device_memory for c in gpu.trt.contexts}
         assert len(gpu.trt.contexts) > 3 and len(blocks) == 1
         assert all(c.strategy == "USER_MANAGED" for c in gpu.trt.contexts)
+    # deactivating frees every allocation and the shared stream: nothing leaks past the pipeline
+    assert gpu.cudart.device == {} and gpu.cudart.pinned == {} and pipe.graph_set.device.stream is None
 
 
 def test_buffers_take_the_engine_dtypes(gpu, trt_dirs, onnx_dir, pipeline, base_state):

@@ -13,7 +13,7 @@ import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import onnxruntime as ort
 
@@ -69,6 +69,8 @@ class GraphSet:
     files: dict[str, Path]
     # The edit-batch profile the graphs run under: a trt plan's own, else the config's.
     profile: EditBatchProfile
+    # What the graphs share (stream, context memory): freed once, after every graph.
+    device: Any = None
 
 
 def graphs_from_artifacts(
@@ -98,14 +100,14 @@ def graphs_from_artifacts(
         files = {g: engines.path(g) for g in GRAPHS}
         device = TrtDevice()
         graphs = {g: TrtGraph(f, device, cuda_graphs=cuda_graphs and stepping(g)) for g, f in files.items()}
-        return GraphSet(chosen, reason, graphs, files, engines.profile)
+        return GraphSet(chosen, reason, graphs, files, engines.profile, device)
 
     if chosen == "ort-cpu" and "ort-cpu" in built:
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
         files = {g: engines.path(g) for g in GRAPHS}
         device = OrtDevice(gpu=False)
         graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=True, device=device) for g, f in files.items()}
-        return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile)
+        return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile, device)
 
     files = {g: manifest.path(g) for g in GRAPHS}
     graphs = {}
@@ -127,4 +129,4 @@ def graphs_from_artifacts(
         graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and stepping(g), device=device)
     if chosen == "ort-cpu":
         reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
-    return GraphSet(chosen, reason, graphs, files, profile)
+    return GraphSet(chosen, reason, graphs, files, profile, device)

@@ -112,25 +112,26 @@ class Batcher:
             self._stopped = True
             self._cv.notify_all()
         try:
-            self.engine.call(self._fail_leftovers).result(timeout=10)
+            self.engine.call(self._fail_leftovers, True).result(timeout=10)
         except Exception:  # an engine thread that cannot answer: fail the futures from here
             log.exception("the engine thread did not take the batcher's leftovers")
-            for job in [row.owner for row in self.scheduler.active + self.scheduler.pending] + [
-                    j for r in self.queue for j in r.pending]:  # fmt: skip
-                if job is not None and not job.future.done():
-                    job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
+            self._fail_leftovers(remove=False)
         if self._own_engine:
             self.engine.stop()
 
-    def _fail_leftovers(self) -> None:
-        with self._work:
-            rows = self.scheduler.active + self.scheduler.pending
-            leftover = [row.owner for row in rows if not row.reference] + [j for r in self.queue for j in r.pending]
-            for row in rows:
-                self.scheduler.remove(row)
-            for job in leftover:
-                if not job.future.done():
-                    job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
+    def _fail_leftovers(self, remove: bool) -> None:
+        """Fail every row still queued or scheduled; ``remove`` also frees their slots (on the
+        engine thread, under the loop's lock: a leave copies in backend memory). Without it,
+        from a thread whose engine cannot answer, the futures alone (no lock: it may be held)."""
+        rows = self.scheduler.active + self.scheduler.pending
+        leftover = [row.owner for row in rows if not row.reference] + [j for r in self.queue for j in r.pending]
+        if remove:
+            with self._work:
+                for row in rows:
+                    self.scheduler.remove(row)
+        for job in leftover:
+            if not job.future.done():
+                job.future.set_exception(ShuttingDownError("the server shut down before this row finished"))
 
     # --- the loop -------------------------------------------------------------------------------
 
