@@ -14,6 +14,15 @@ at its head, then moves that request to the back, so one request's 64 edits do n
 later request's single edit. A request can be cancelled (client gone) or time out: its rows are
 dropped at the next step boundary. A row whose admission fails (a prompt the tokenizer cannot
 take, say) fails alone: its request gets the error, every other row goes on.
+
+A step that raises fails only the rows that caused it (:meth:`Batcher._isolate`). A failed
+step has moved no row, so rows can be taken out and run again. The rows that joined at that
+step are taken out (the others run the step again without them) and rejoin one *unit* per
+step (a row, or a structure group with its reference row); a step that fails with nobody new
+takes every row out. A unit whose rejoining step fails beside other rows waits to run alone
+(no new rows join meanwhile, so the call drains); a unit that fails alone in a call is the
+cause, and only its rows fail. A broken engine so ends every request with an error, one unit
+at a time, and never in a loop.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from typing import Optional, Protocol
 
 from ..engine.engine_thread import EngineThread
 from ..metrics import Metrics
-from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError
+from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError, StepError
 from .rows import Row
 from .slots import RowScheduler
 
@@ -56,6 +65,10 @@ class Batcher:
         self._work = threading.Lock()  # one work_once at a time: the engines are not reentrant
         self._closing = False
         self._stopped = False
+        # Units (rows that must run together) out of a failed step, rejoining one per step;
+        # (unit, alone): alone once it failed beside others, so it rejoins an empty call.
+        self.probation: deque[tuple[list[Row], bool]] = deque()
+        self._trial: Optional[list[Row]] = None  # the unit rejoining at this step
 
     # --- submitting -----------------------------------------------------------------------------
 
@@ -65,8 +78,11 @@ class Batcher:
         self.engine.start()
         return self
 
+    def _busy(self) -> bool:
+        return bool(self.queue or self.probation or self.scheduler.active or self.scheduler.pending)
+
     def has_work(self) -> bool:
-        return not self._stopped and bool(self.queue or self.scheduler.active or self.scheduler.pending)
+        return not self._stopped and self._busy()
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
         with self._cv:
@@ -87,7 +103,7 @@ class Batcher:
         if self.engine.owns():
             while not all(job.future.done() for job in jobs):
                 self.work_once()
-                if not (self.queue or self.scheduler.active or self.scheduler.pending):
+                if not self._busy():
                     for job in jobs:  # nothing left that could finish them: never wait forever
                         if not job.future.done():
                             job.future.set_exception(RuntimeError(f"row {job.index} of {request.id} was lost"))
@@ -107,7 +123,7 @@ class Batcher:
             self._cv.notify_all()
         deadline = time.monotonic() + timeout
         with self._cv:
-            while (self.queue or self.scheduler.active or self.scheduler.pending) and time.monotonic() < deadline:
+            while self._busy() and time.monotonic() < deadline:
                 self._cv.wait(0.05)
             self._stopped = True
             self._cv.notify_all()
@@ -124,7 +140,9 @@ class Batcher:
         engine thread, under the loop's lock: a leave copies in backend memory). Without it,
         from a thread whose engine cannot answer, the futures alone (no lock: it may be held)."""
         rows = self.scheduler.active + self.scheduler.pending
-        leftover = [row.owner for row in rows if not row.reference] + [j for r in self.queue for j in r.pending]
+        waiting = [row for unit, _ in self.probation for row in unit]
+        self.probation.clear()
+        leftover = [row.owner for row in rows + waiting if not row.reference] + [j for r in self.queue for j in r.pending]
         if remove:
             with self._work:
                 for row in rows:
@@ -149,31 +167,108 @@ class Batcher:
     @property
     def idle(self) -> bool:
         with self._cv:
-            return not (self.queue or self.scheduler.active or self.scheduler.pending)
+            return not self._busy()
 
     def work_once(self) -> None:
         """Admit what fits, drop what expired, run one step, hand out what finished."""
         with self._work:
             finished: list[Job] = []
             try:
-                with self._cv:
-                    jobs = self._take_locked(self.scheduler.free_slots)
-                self._admit(jobs)
+                self._trial = self._rejoin() if self.probation else None
+                if self._trial is None and not self.probation:
+                    with self._cv:
+                        jobs = self._take_locked(self.scheduler.free_slots)
+                    self._admit(jobs)
                 self._drop_expired()
                 finished = [row.owner for row in self.scheduler.step()]
+            except Exception as err:  # this step's rows: the ones that caused it fail, the rest go on
+                log.exception("a step failed; isolating the rows that caused it")
+                self._isolate(err)
+            else:
                 self._observe()
                 self._finish(finished)
-            except Exception as err:  # a bug or a broken engine: fail the rows in flight, keep serving
-                log.exception("batcher step failed")
-                for row in self.scheduler.active + self.scheduler.pending:
-                    self.scheduler.remove(row)
-                    if not row.reference:
-                        finished.append(row.owner)
-                for job in finished:
-                    if not job.future.done():
-                        job.future.set_exception(err)
             with self._cv:
                 self._cv.notify_all()
+
+    # --- a failed step ----------------------------------------------------------------------------
+
+    def _rejoin(self) -> Optional[list[Row]]:
+        """Admit the next unit out of a failed step, alone among this step's joiners (None
+        while it has no room: the running rows go on meanwhile)."""
+        unit, alone = self.probation[0]
+        for row in unit:
+            if not row.reference and row.owner.request.expired():
+                row.owner.future.set_exception(CancelledError("cancelled or past its deadline"))
+        if all(row.reference or row.owner.future.done() for row in unit):
+            self.probation.popleft()  # nobody left to run it for
+            return None
+        if alone and (self.scheduler.active or self.scheduler.pending):
+            return None  # the call drains first (nothing new joins while units wait)
+        if self.scheduler.free_slots < len(unit) or not self.scheduler.can_admit(unit[0]):
+            return None
+        self.probation.popleft()
+        for row in unit:
+            self.scheduler.admit(row)
+        return unit
+
+    def _isolate(self, err: Exception) -> None:
+        """A failed step: fail the rows that caused it, take the suspects out to rejoin one unit
+        at a time, leave the rest to run the step again."""
+        s = self.scheduler
+        in_call = s.active + s.pending
+        if s.ran:  # the graph ran, reading back or blending failed: the backend, not a row
+            self._fail(in_call, StepError(f"the engine failed after a step ({type(err).__name__}: {err})"))
+            s.resync()
+            return
+        ids = lambda rows: {id(row) for row in rows}  # noqa: E731
+        trial = self._trial
+        if trial is not None and ids(in_call) == ids(trial):  # alone in its call: the cause
+            self._fail(trial, StepError(f"this row failed the step ({type(err).__name__}: {err})"))
+            s.resync()
+            return
+        joined = [row for row in s.joined if id(row) in ids(in_call)]
+        suspects = joined or in_call  # nobody new: nothing tells the rows apart, all rejoin
+        try:
+            s.suspend(suspects)
+        except Exception:  # the backend cannot give the latents back: these rows are lost
+            log.exception("the rows of a failed step could not be taken out")
+            self._fail(s.active + s.pending, StepError(f"the engine failed ({type(err).__name__}: {err})"))
+            return
+        if trial is not None and ids(suspects) == ids(trial):
+            self.probation.appendleft((trial, True))  # failed beside others: next, alone
+        else:
+            self.probation.extend((unit, False) for unit in self._units(suspects))
+        s.resync()
+
+    def _units(self, rows: list[Row]) -> list[list[Row]]:
+        """``rows`` as units that rejoin together: one request's rows of one structure group,
+        with a reference of their own (a reference is the base's own tail, reset to the base's
+        latent every step, so a new one at their step is the same), or a row alone."""
+        units: dict[tuple, list[Row]] = {}
+        for row in rows:
+            if row.reference:
+                continue  # each unit that still needs one gets its own
+            keeps = row.ref is not None and row.step < row.structure_end
+            units.setdefault((id(row.ref), id(row.owner.request)) if keeps else (id(row),), []).append(row)
+        out = []
+        for members in units.values():
+            if members[0].ref is not None and members[0].step < members[0].structure_end:
+                ref = self.resolver.reference(members[0])
+                for row in members:
+                    row.ref = ref
+                members = [ref, *members]  # a reference joins before its rows
+            else:
+                for row in members:
+                    row.ref = None
+            out.append(members)
+        return out
+
+    def _fail(self, rows: list[Row], err: Exception) -> None:
+        for row in rows:
+            if row.slot >= 0 or row in self.scheduler.pending:
+                self.scheduler.remove(row)
+            if not row.reference and not row.owner.future.done():
+                row.owner.future.set_exception(err)
 
     def _take_locked(self, free: int) -> list[Job]:
         # Every queued request's deadline, not only the one at the head: a request stuck behind
@@ -213,7 +308,11 @@ class Batcher:
     def _admit(self, jobs: list[Job]) -> None:
         if not jobs:
             return
-        built, failed = self.resolver.rows(jobs)
+        try:
+            built, failed = self.resolver.rows(jobs)
+        except Exception as err:  # the resolver itself: its rows fail (one at a time they may not)
+            log.exception("building rows failed")
+            built, failed = [], [(job, err) for job in jobs]
         for job, err in failed:  # this row's input: it fails alone
             job.future.set_exception(err)
         waiting = []
@@ -266,7 +365,17 @@ class Batcher:
             if job.request.on_progress is not None:
                 of = job.base.steps - job.row.start_step
                 job.request.on_progress(job.index, of, of)
-        for job, result in zip(jobs, self.resolver.results(jobs)):
+        try:
+            results = list(zip(jobs, self.resolver.results(jobs)))
+        except Exception:  # one row's result (its decode, say): each alone, so only it fails
+            log.exception("finishing %d rows together failed; finishing each alone", len(jobs))
+            results = []
+            for job in jobs:
+                try:
+                    results += zip([job], self.resolver.results([job]))
+                except Exception as err:
+                    job.future.set_exception(StepError(f"this row's result could not be made ({type(err).__name__}: {err})"))
+        for job, result in results:
             self.metrics.observe("edit_rt_row_seconds", result.seconds)
             if job.scheduled.record is None:
                 self.metrics.inc("edit_rt_edits_served_total")

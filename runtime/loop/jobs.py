@@ -33,6 +33,10 @@ class CancelledError(EditRtError):
     """The request was cancelled (client disconnected) or passed its deadline."""
 
 
+class StepError(EditRtError):
+    """The engine failed a step this row was in (isolated: the other rows went on)."""
+
+
 class RowError(EditRtError):
     """This row could not be run (its input, not the server); the message says why."""
 

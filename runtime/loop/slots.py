@@ -84,6 +84,10 @@ class RowScheduler:
         self.pending: list[Row] = []
         self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
+        # The rows the current step placed (a failed step's suspects, batcher.py), and whether
+        # its graph ran: before that a failed step has changed no row's latent or step.
+        self.joined: list[Row] = []
+        self.ran = False
         self.references = 0  # active reference rows (structure keeping)
         self.bindings = BindingCache(max_bindings, self.stats)  # the step graphs', per bucket
         self.blend_bindings: dict[int, Binding] = {}  # latent_blend's, per row count
@@ -183,6 +187,8 @@ class RowScheduler:
         # Rows whose u is given go last: the graph takes them as the call's last E rows.
         given = lambda row: self.reuse_entry and row.entry_uncond is not None  # noqa: E731
         self.pending.sort(key=given)
+        self.joined.clear()  # in place: a step allocates nothing
+        self.joined.extend(self.pending)
         needed = {r.uncond.digest for r in self.pending}
         new = [key for key in needed if key not in self.sets]
         if new:
@@ -194,7 +200,10 @@ class RowScheduler:
             self._write_sets()
         positions = {key: k for k, key in enumerate(self.sets)}
         latent, sig = self.latent_elems, self.sig
-        for row in self.pending:
+        while self.pending:
+            # The bookkeeping first, then the writes: a row is pending or placed, never half
+            # of each, whatever raises (remove() undoes either).
+            row = self.pending.pop(0)
             self.references += row.reference
             row.set_key = row.uncond.digest
             self.sets[row.set_key].users += 1
@@ -212,8 +221,7 @@ class RowScheduler:
             self.dev[sig.latents].write(row.latent, offset=r * latent)
             self._write_keep(row)
             self.dev["add"].write(self.zero_latent, offset=r * latent)
-        self.entry_rows = sum(1 for row in self.pending if given(row))
-        self.pending.clear()
+        self.entry_rows = sum(1 for row in self.joined if given(row))
 
     def _write_keep(self, row: Row) -> None:
         keep = self.zero_keep if row.keep is None else row.keep.astype(np.float32)
@@ -255,6 +263,29 @@ class RowScheduler:
         self.sets[row.set_key].users -= 1
         if not self.active and not self.pending:
             self.sets.clear()  # idle: the next rows start with only their own sets
+
+    def suspend(self, rows: Sequence[Row]) -> None:
+        """Take ``rows`` out so that they can be admitted again where they are: each placed
+        row that has run steps gets its current latent back from the backend first (rows that
+        joined at this step still hold theirs). For a failed step whose graph did not run."""
+        joined = {id(row) for row in self.joined}
+        back = [row for row in rows if row.slot >= 0 and id(row) not in joined]
+        for row in back:
+            self.dev[self.sig.latents].read_async(row.latent, offset=row.slot * self.latent_elems)
+        if back:
+            self._synchronize()
+        for row in rows:
+            self.remove(row)
+
+    def resync(self) -> None:
+        """After a failed step: keep only the sets rows use, written afresh with every index
+        (a set write the failure cut short leaves nothing behind)."""
+        needed = {row.set_key for row in self.active} | {row.uncond.digest for row in self.pending}
+        for key in [k for k in self.sets if k not in needed]:
+            del self.sets[key]
+        if self.sets:
+            self._write_sets()
+        self.joined.clear()
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -298,7 +329,11 @@ class RowScheduler:
         self.blend_bindings[b].run()
 
     def step(self) -> list[Row]:
-        """Advance every admitted row by one step; return the rows that finished (removed)."""
+        """Advance every admitted row by one step; return the rows that finished (removed).
+
+        A step that raises before its graph has run changes no row's step or latent (it can
+        be run again without some rows: batcher.py); after, the rows' latents are unknown."""
+        self.ran = False
         self._place_pending()
         n = len(self.active)
         if n == 0:
@@ -323,6 +358,7 @@ class RowScheduler:
         binding = self._binding(maps, b, given, m)
         start = time.perf_counter()
         binding.run()
+        self.ran = True
         if maps:  # the masks grow from this step's maps before the blend uses them
             step_maps = [np.empty((self.text_len, *self.map_hw), dtype=np.float32) for _ in wants_maps]
             for row, step_map in zip(wants_maps, step_maps):
@@ -348,6 +384,9 @@ class RowScheduler:
         self.stats.last_seconds = time.perf_counter() - start
         for row in self.active:
             row.step += 1
+        for row in self.joined:
+            row.entry_uncond = None  # its entry step is done: a row admitted again computes u
+        self.joined.clear()
         self.entry_rows = 0
         self.stats.calls += 1
         self.stats.map_calls += maps

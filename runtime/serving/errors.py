@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from starlette.requests import Request as HttpRequest
 
-from ..loop.jobs import CancelledError, QueueFullError, RowError, ShuttingDownError
+from ..loop.jobs import CancelledError, QueueFullError, RowError, ShuttingDownError, StepError
 from ..model.schema import field_type, refusal
 from ..storage.store import DamagedBaseError, StoreFullError, UnknownBaseError
 
@@ -83,6 +83,8 @@ def row_error(err: BaseException) -> ApiError:
     if isinstance(err, (CancelledError, ShuttingDownError)):
         code = "shutting_down" if isinstance(err, ShuttingDownError) else "cancelled"
         return ApiError(503, str(err), "server_error", code=code, headers={"Retry-After": "5"})
+    if isinstance(err, StepError):  # the engine failed on this row alone; the server is serving
+        return ApiError(500, f"{err}; see the server log", "server_error", code="step_failed")
     log.error("row failed: %s", err)
     return ApiError(500, "internal error; see the server log", "server_error")
 
