@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from .engine.engine_thread import EngineThread
 from .engine.graph_set import GraphSet, graphs_from_artifacts
 from .engine.manifest import Manifest, load_manifest, model_files
-from .engine.profiles import EditBatchProfile
+from .engine.profiles import EditBatchProfile, available_host_bytes, peak_step_bytes
 from .engine.step_signature import StepSignature
 from .errors import ArtifactError, ConfigError
 from .images import composite, feathered_rectangle, upsample_weight
@@ -118,6 +118,7 @@ class EditPipeline:
         # latent shape -> the batcher (and its row scheduler), made on first use and kept
         self.batchers: dict[tuple[int, int, int], Batcher] = {}
         self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
+        self._fitting: set[tuple[int, int, int]] = set()  # latent shapes found to fit in memory
 
     def activate(self) -> "EditPipeline":
         for graph in self.graphs.values():
@@ -201,7 +202,28 @@ class EditPipeline:
                     f"base.{name}: {getattr(base, name)} is not a multiple of {multiple} "
                     f"(this model's VAE factor {self.scale} x UNet downsampling); pick a multiple"
                 )
-        return (self.latent_channels, base.height // self.scale, base.width // self.scale)
+        shape = (self.latent_channels, base.height // self.scale, base.width // self.scale)
+        if shape not in self._fitting:
+            self._check_fits(base, shape)
+        return shape
+
+    def _check_fits(self, base: Base, shape: tuple[int, int, int]) -> None:
+        """Refuse a size whose calls cannot fit in this machine's memory, before anything is
+        allocated (attention grows with the square of the pixels: a 512x512 base on a model
+        made for 32x32 needs terabytes, and would be killed mid-run). The CPU backend's memory
+        is the host's; a GPU backend's engines fix their size (engines.py checks it)."""
+        if self.graph_set.backend == "ort-cpu":
+            need = peak_step_bytes(self.manifest.layers, shape[1:], self.max_batch, self.profile.vae_max_batch)
+            have = available_host_bytes()
+            if have is not None and need > have:
+                native = self.manifest.data["model"]["sample_size"] * self.scale
+                raise ConfigError(
+                    f"base.width/height: {base.width}x{base.height} needs about {need / 2**30:.1f} GiB per call at "
+                    f"engines.max_batch {self.max_batch} (attention over {shape[1]}x{shape[2]} latents), and this "
+                    f"machine has {have / 2**30:.1f} GiB available; use the model's size ({native}x{native}) "
+                    "or lower engines.max_batch"
+                )  # fmt: skip
+        self._fitting.add(shape)
 
     def initial_noise(self, base: Base) -> np.ndarray:
         """x_0: standard normal noise from the base's seed (numpy PCG64), [1, c, h, w]."""

@@ -91,6 +91,13 @@ class DDIMSchedule:
         self.final_alpha_cumprod = np.float32(1.0) if config.set_alpha_to_one else self.alphas_cumprod[0]
         # 2. the inference timesteps (Lin et al. 2023, table 2: linspace / leading / trailing)
         self.timesteps = self._timesteps()
+        if self.timesteps.max() >= config.num_train_timesteps:
+            # "leading" spacing plus steps_offset 1 (SD's config) at T_train steps reaches
+            # t = T_train, past the training chain (diffusers indexes out of bounds there)
+            most = next(n for n in range(num_inference_steps - 1, 0, -1)
+                        if DDIMSchedule(config, n).timesteps.max() < config.num_train_timesteps)
+            raise ValueError(f"steps={num_inference_steps}: this model's schedule (timestep_spacing "
+                             f"{config.timestep_spacing}, steps_offset {config.steps_offset}) takes at most {most} steps")  # fmt: skip
         # 3. per-step coefficients: alpha_t at t, alpha_prev at t - T_train // T
         prev = self.timesteps - config.num_train_timesteps // num_inference_steps
         self.alpha_t = self.alphas_cumprod[self.timesteps]

@@ -1,0 +1,65 @@
+"""Configs that cannot hurt: a typo is refused in one line before anything is allocated."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from edit_rt.runtime.engine.profiles import peak_step_bytes
+from edit_rt.runtime.errors import ConfigError
+from edit_rt.runtime.model.config import load_config
+
+from .test_hardening import CLI, _cli_run, _config
+
+
+def _text(model_dir, onnx_dir, tmp_path) -> str:
+    return yaml.safe_dump(_config(model_dir, onnx_dir, tmp_path), sort_keys=False)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, model_dir, onnx_dir):
+    text = _text(model_dir, onnx_dir, tmp_path) + "base:\n  prompt: y\n"  # a second base: at the end
+    first = 1 + text.splitlines().index("base:")
+    second = len(text.splitlines()) - 1
+    r = _cli_run(tmp_path, text)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"the key 'base' is given twice (lines {first} and {second})" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (tmp_path / "flow.yaml").write_text("model: x\nbase: {prompt: a, prompt: b}\n")
+    with pytest.raises(ConfigError, match=r"flow.yaml: line 2.*'prompt' is given twice"):
+        load_config(tmp_path / "flow.yaml")
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model: x\nbase: [1,\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "bad.yaml")
+    assert "bad.yaml: line 3" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_size_the_machine_cannot_hold_is_refused_before_allocating(tmp_path, model_dir, onnx_dir):
+    """512x512 on the 32x32 test model (a base: block that fell back to the default size): the
+    run is refused in one line, quickly, and never grows (it grew to 23 GB before)."""
+    cfg = _config(model_dir, onnx_dir, tmp_path, base={"prompt": "x", "steps": 4, "width": 512, "height": 512})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    start = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r = subprocess.run([*CLI, "run", str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=300)
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "base.width/height: 512x512 needs about" in r.stderr and "GiB" in r.stderr, r.stderr
+    assert "use the model's size (32x32)" in r.stderr, r.stderr
+    assert time.monotonic() - start < 120
+    assert max(peak_kib, before) < 2 * 2**20, peak_kib  # KiB: the refused run stayed under 2 GiB
+
+
+def test_the_estimate_grows_with_the_square_of_the_pixels():
+    """Self-attention's scores: doubling each side is 16x the memory (4x the tokens, squared)."""
+    layers = [{"name": "down_blocks.1.attentions.0.transformer_blocks.0.attn2", "heads": 8, "inner_dim": 64}]
+    small, big = peak_step_bytes(layers, (32, 32), 4, 1), peak_step_bytes(layers, (64, 64), 4, 1)
+    assert big == 16 * small
+    # down_blocks.1 sees 16x16 of a 32x32 latent: 256 tokens, 8 heads, 2 x 4 rows, scores + softmax
+    assert small == 2 * 4 * 8 * 256**2 * 4 * 2
