@@ -148,7 +148,14 @@ class Serve:
     # An uploaded image's own bytes; one of another size is resized to the served size (or,
     # with resize_uploads false, refused with the size it must have).
     max_image_bytes: between(Int, 1) = 10_000_000
+    # An upload's declared width x height, refused (413) before a pixel is decoded: a few KB
+    # of PNG can declare gigapixels. 25 M takes a 24-megapixel camera photo (6000x4000); one
+    # decode then peaks near 200 MB (Pillow holds 4 bytes a pixel, plus a converted copy).
+    max_image_pixels: between(Int, 1) = 25_000_000
     resize_uploads: Bool = True
+    # Threads that decode uploads (their own pool: a burst of big images queues there, never
+    # in the threads store reads use); each holds one decoded image at a time.
+    image_workers: between(Int, 1, 64) = 2
     max_steps: between(Int, 1) = 150
     # A request whose rows are not done by then is dropped at the next step boundary.
     request_timeout_s: Seconds = 600.0
@@ -324,10 +331,33 @@ def load_config(path: Path | str) -> RunConfig:
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where}: {err.problem or err.context} (fix the YAML there)") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     return config_from_dict(data, source=path)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second ``base:`` would replace the first one whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (lines {seen[key]} and {line}); keep one",
+                        key_node.start_mark)  # fmt: skip
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base constructor says so
+                break
+        return super().construct_mapping(node, deep)
 
 
 def _resolve(p: Path, root: Path) -> Path:
