@@ -42,7 +42,9 @@ class StoreCollector:
         misses.add_metric([], stats["misses"])
         refused = CounterMetricFamily("edit_rt_store_refused_files", "Store files that failed verification")
         refused.add_metric([], stats["refused_files"])
-        yield from (entries, size, budget, hits, evictions, misses, refused)
+        disk_full = CounterMetricFamily("edit_rt_store_disk_full", "Bases kept in RAM only: the disk tier was full")
+        disk_full.add_metric([], stats.get("disk_full", 0))
+        yield from (entries, size, budget, hits, evictions, misses, refused, disk_full)
 
 
 class Metrics:

@@ -68,13 +68,20 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
 
 
 def base_id_of(parameters: str) -> Optional[str]:
-    """The ``Base id`` an edit-rt ``parameters`` text names (None if it names none)."""
-    fields = parse_fields(parameters.strip().split("\n")[-1])
-    return fields.get("Base id")
+    """The ``Base id`` an edit-rt ``parameters`` text names (None if it names none, or names
+    something that is not a base id: the text is the client's, any PNG can carry any)."""
+    fields = parse_fields(parameters.strip().split("\n")[-1][:MAX_LINE])
+    bid = fields.get("Base id")
+    return bid if isinstance(bid, str) and len(bid) == 24 and all(c in "0123456789abcdef" for c in bid) else None
+
+
+MAX_LINE = 65536  # of a parameters line read; edit-rt's own are a few hundred characters
 
 
 def parse_fields(line: str) -> dict[str, str]:
-    """``Key: value, Key: "quoted, value"`` -> dict (A1111's reading of the last line)."""
+    """``Key: value, Key: "quoted, value"`` -> dict (A1111's reading of the last line). A
+    quoted value that is not valid JSON (unterminated, a bad escape) ends the reading: what
+    came before it is kept."""
     out, i = {}, 0
     while i < len(line):
         colon = line.find(":", i)
@@ -85,7 +92,10 @@ def parse_fields(line: str) -> dict[str, str]:
         while j < len(line) and line[j] == " ":
             j += 1
         if j < len(line) and line[j] == '"':
-            value, end = json.JSONDecoder().raw_decode(line, j)
+            try:
+                value, end = json.JSONDecoder().raw_decode(line, j)
+            except ValueError:  # json.JSONDecodeError, or a lone surrogate escape
+                break
             i = line.find(",", end)
         else:
             end = line.find(",", j)

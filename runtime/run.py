@@ -71,7 +71,7 @@ def image_of(cfg: RunConfig) -> Upload:
     path, s = Path(cfg.base.image), cfg.serve
     try:
         return image_from_bytes(path.read_bytes(), (cfg.base.width, cfg.base.height), "base.image", s.max_image_bytes,
-                                s.resize_uploads)  # fmt: skip
+                                s.resize_uploads, s.max_image_pixels)  # fmt: skip
     except ImageInputError as err:
         raise ConfigError(f"{err} ({path})") from None
     except OSError as err:
@@ -135,7 +135,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     finally:
         pipe.deactivate()
 
-    with timer.stage("write"):
+    with timer.stage("write"), output_errors(cfg.output_dir):
         cfg.output_dir.mkdir(parents=True, exist_ok=True)
         fingerprint = state.fingerprint
         save_png(cfg.output_dir / "base.png", images[0],
@@ -192,5 +192,16 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         "base_source": base_source,
         "store": store.stats(),
     }
-    (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    with output_errors(cfg.output_dir):
+        (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+@contextmanager
+def output_errors(folder: Path) -> Iterator[None]:
+    """A write into ``output_dir`` that fails (a full disk, say) as one line naming the fix."""
+    try:
+        yield
+    except OSError as err:
+        raise ConfigError(f"output_dir: writing in {folder} failed ({err.strerror or err}); free space there "
+                          "or choose another output_dir") from None  # fmt: skip

@@ -159,7 +159,7 @@ def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
         ({"colour": "red"}, ["config.yaml", "colour: unknown key"]),
         ({"edits": [{"prompt": "x", "strength": "high"}]}, ["edits[0].strength", "must be a number"]),
         ({"edits": [{"prompt": "x", "start_step": 8}]}, ["edits[0].start_step", "outside the cache window", "[0, 7]"]),
-        ({"edits": [{"prompt": "x", "tail_steps": 0}]}, ["edits[0].tail_steps", "tail_steps in [1, 8]"]),
+        ({"edits": [{"prompt": "x", "tail_steps": 0}]}, ["edits[0].tail_steps", "must lie in [1, 1000]"]),
         ({"edits": [{"prompt": "x", "tail_steps": 2, "start_step": 2}]}, ["edits[0]", "not both"]),
         ({"cache": {"window_start": 4}, "edits": [{"prompt": "x", "start_step": 2}]}, ["[4, 7]"]),
         ({"edits": [{"prompt": "x", "mask": {"x": 20, "y": 0, "width": 16, "height": 8}}]}, ["edits[0].mask", "leaves"]),

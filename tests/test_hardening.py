@@ -386,6 +386,7 @@ def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path,
         streamed = pool.submit(stream)
         time.sleep(1.0)
         proc.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         time.sleep(0.3)
         during = _gen(proc.url, seed=8)
         assert during.status_code == 503 and during.headers.get("retry-after") == "5"
@@ -395,6 +396,10 @@ def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path,
         streamed.result(timeout=60)
     text = "\n".join(stream_lines)
     assert "event: edit_rt.done" in text and ("event: image_edit.completed" in text or "event: error" in text)
+    # One timeout, not two: the drain (1 s) and uvicorn's close of idle connections, then the
+    # exit (a second batcher stop used to wait its full 30 s on a queue nobody cleared)
+    proc.proc.wait(timeout=60)
+    assert time.monotonic() - signalled < 15, time.monotonic() - signalled
     assert proc.stop()
 
 

@@ -101,16 +101,16 @@ def test_edits_of_an_inverted_base_batch_like_any_other(shapes_pipe):
 )
 def test_bad_images_are_refused_clearly(data, size, resize, status, needle):
     with pytest.raises(ImageInputError) as err:
-        image_from_bytes(data, size, "image", 1000 if status == 413 else 10**7, resize)
+        image_from_bytes(data, size, "image", 1000 if status == 413 else 10**7, resize, 25_000_000)
     assert err.value.status == status and needle in str(err.value) and str(err.value).startswith("image: ")
 
 
 def test_grey_opaque_and_other_sized_images_are_taken():
-    grey = image_from_bytes(_png(np.full((32, 32, 3), 128, np.uint8), "L"), (32, 32), "image", 10**7, True)
+    grey = image_from_bytes(_png(np.full((32, 32, 3), 128, np.uint8), "L"), (32, 32), "image", 10**7, True, 25_000_000)
     assert grey.pixels.shape == (32, 32, 3) and "converted from L to RGB" in grey.notes
     opaque = np.full((32, 32, 4), 255, np.uint8)
-    assert "alpha" in image_from_bytes(_png(opaque, "RGBA"), (32, 32), "image", 10**7, True).notes[0]
-    big = image_from_bytes(_png(_rendered(64)), (32, 32), "image", 10**7, True)
+    assert "alpha" in image_from_bytes(_png(opaque, "RGBA"), (32, 32), "image", 10**7, True, 25_000_000).notes[0]
+    big = image_from_bytes(_png(_rendered(64)), (32, 32), "image", 10**7, True, 25_000_000)
     assert big.pixels.shape == (32, 32, 3) and "resized from 64x64 to 32x32" in big.notes
 
 

@@ -173,8 +173,8 @@ def load_manifest(onnx_dir: Path) -> Manifest:
     if not path.is_file():
         raise ArtifactError(f"{path} not found; run `make export` (edit-rt export CONFIG) first")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as err:  # unreadable, not UTF-8, not JSON
         raise ArtifactError(f"{path} is unreadable ({err}); re-run `make export`") from None
     if not isinstance(data, dict) or data.get("format") != "edit-rt-onnx" or data.get("version") != MANIFEST_VERSION:
         raise ArtifactError(

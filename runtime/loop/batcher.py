@@ -116,9 +116,12 @@ class Batcher:
     def stop(self, timeout: float = 30.0) -> None:
         """Graceful: take no new work, finish what is queued and running, then stop.
 
-        Rows still unfinished after ``timeout`` fail with a ShuttingDownError.
+        Rows still unfinished after ``timeout`` fail with a ShuttingDownError. A second stop
+        (the drain's, then the app's) returns at once: the first left nothing to wait for.
         """
         with self._cv:
+            if self._stopped:
+                return
             self._closing = True
             self._cv.notify_all()
         deadline = time.monotonic() + timeout
@@ -142,7 +145,11 @@ class Batcher:
         rows = self.scheduler.active + self.scheduler.pending
         waiting = [row for unit, _ in self.probation for row in unit]
         self.probation.clear()
-        leftover = [row.owner for row in rows + waiting if not row.reference] + [j for r in self.queue for j in r.pending]
+        with self._cv:
+            queued = [j for r in self.queue for j in r.pending]
+            self.queue.clear()
+            self.queued_rows = 0
+        leftover = [row.owner for row in rows + waiting if not row.reference] + queued
         if remove:
             with self._work:
                 for row in rows:

@@ -149,8 +149,9 @@ class Serve:
     # with resize_uploads false, refused with the size it must have).
     max_image_bytes: between(Int, 1) = 10_000_000
     # An upload's declared width x height, refused (413) before a pixel is decoded: a few KB
-    # of PNG can declare gigapixels. 25 M takes a 24-megapixel camera photo (6000x4000); one
-    # decode then peaks near 200 MB (Pillow holds 4 bytes a pixel, plus a converted copy).
+    # of PNG can declare gigapixels. 25 M takes a 24-megapixel camera photo (6000x4000); such
+    # a decode peaks at 100 MB (Pillow holds 4 bytes a pixel), 200 MB when its mode is
+    # converted (RGBA, 16-bit), per image_workers thread.
     max_image_pixels: between(Int, 1) = 25_000_000
     resize_uploads: Bool = True
     # Threads that decode uploads (their own pool: a burst of big images queues there, never

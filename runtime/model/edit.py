@@ -68,8 +68,8 @@ class Edit:
     # Where the row re-enters the base chain: start_step = steps - tail_steps. Give one of them
     # (or, as AUTOMATIC1111's denoising_strength, tail_fraction); none means the default tail.
     # (Their range is the base's cache window: resolve_edit checks them against it.)
-    start_step: Optional[Int] = None
-    tail_steps: Optional[Int] = None
+    start_step: Optional[between(Int, 0, 999)] = None
+    tail_steps: Optional[between(Int, 1, 1000)] = None
     tail_fraction: Optional[between(Float, 0.0, 1.0, lo_open=True)] = None
     # Classifier-free guidance for this row; None means the base's. (The API's cfg_scale.)
     guidance: Optional[Guidance] = Field(None, validation_alias=AliasChoices("guidance", "cfg_scale"))

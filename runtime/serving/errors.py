@@ -1,7 +1,7 @@
 """The service's errors as the API answers them: :class:`ApiError` (status, OpenAI's error
 shape), pydantic's refusals worded as the config words them, and the mapping of the store's and
-the loop's errors (unknown base 404, damaged 409, queue full 429, shutting down 503, a refused
-row 400) that every route shares.
+the loop's errors (unknown base 404, damaged 409, the store's disk full 507, queue full 429,
+shutting down or the store's folder locked 503, a refused row 400) that every route shares.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from starlette.requests import Request as HttpRequest
 
 from ..loop.jobs import CancelledError, QueueFullError, RowError, ShuttingDownError, StepError
 from ..model.schema import field_type, refusal
-from ..storage.store import DamagedBaseError, StoreFullError, UnknownBaseError
+from ..storage.store import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ def check_base_id(bid: str, param: str = "base_id") -> str:
 
 @contextmanager
 def base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
-    """A store error about one base as the API's: unknown 404, damaged 409, in use 409."""
+    """A store error about one base as the API's: unknown 404, damaged 409, in use 409, the
+    disk full 507, the folder locked by a stuck process 503."""
     try:
         yield
     except UnknownBaseError:
@@ -109,8 +110,24 @@ def base_errors(bid: str, param: str = "base_id") -> Iterator[None]:
                        "not_found_error", param=param, code="unknown_base") from None  # fmt: skip
     except DamagedBaseError as err:
         raise ApiError(409, f"{param}: {err}", param=param, code="base_damaged") from None
+    except DiskFullError as err:
+        raise disk_full(err) from None
     except StoreFullError as err:
         raise ApiError(409, str(err), param=param, code="base_in_use") from None
+    except StoreBusyError as err:
+        raise store_busy(err) from None
+
+
+def disk_full(err: DiskFullError) -> ApiError:
+    """507 Insufficient Storage (RFC 4918): the server cannot store what the request needs.
+    Not 503: no Retry-After would be honest, the fix is the operator's (free space, or lower
+    store.disk_mb), which the message names."""
+    return ApiError(507, str(err), "server_error", code="disk_full")
+
+
+def store_busy(err: StoreBusyError) -> ApiError:
+    """503: another process holds the store folder's lock (stopped, or a hung filesystem)."""
+    return ApiError(503, str(err), "server_error", code="store_busy", headers={"Retry-After": "5"})
 
 
 async def until_done(waitables: list, http: Optional[HttpRequest], leave: Callable[[], None]) -> None:

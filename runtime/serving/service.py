@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Optional
 
@@ -30,9 +31,10 @@ from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
 from ..model.state import BaseState
 from ..pipeline import EditPipeline
 from ..pnginfo import base_fields, edit_fields, parameters_text
-from ..storage.store import BaseStore, StoreFullError, base_id
-from ..uploads import ImageInputError, Upload, image_from_bytes
-from .errors import ApiError, base_errors, check_base_id, is_base_id, queue_errors, row_error, until_done
+from ..storage.store import BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, base_id
+from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
+from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id, queue_errors, row_error, store_busy,
+                     until_done)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,12 @@ class Service:
         self.load_error: Optional[str] = None
         self.model_name = cfg.model_name
         self.started = int(time.time())
+        # Uploads decode in a pool of their own: a burst of big images waits its turn there and
+        # never takes the threads that store reads and the event loop's other work use.
+        self.image_pool = ThreadPoolExecutor(max_workers=cfg.serve.image_workers, thread_name_prefix="edit-rt-images")
+        # Store reads (pin, info, exists, delete) in theirs: never queued behind writes of new
+        # bases (those take the default pool) or decodes.
+        self.store_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="edit-rt-store")
 
     # --- life -----------------------------------------------------------------------------------
 
@@ -125,6 +133,8 @@ class Service:
             self.batcher.stop(timeout=30)
         if self.pipe is not None:
             self.pipe.deactivate()
+        for pool in (self.image_pool, self.store_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # --- input --------------------------------------------------------------------------------
 
@@ -191,11 +201,20 @@ class Service:
             self.batcher.submit(request, jobs)
 
     async def keep(self, state: BaseState) -> None:
-        """Put a new base in the store (503 ``store_full`` when every base there is pinned)."""
+        """Put a new base in the store: 503 ``store_full`` when every base there is pinned, 507
+        ``disk_full`` when the disk refuses it and RAM cannot hold it instead, 503 ``store_busy``
+        when another process holds the folder's lock, 409 ``base_damaged`` when its name is
+        taken by something that cannot be moved."""
         try:
             await asyncio.to_thread(self.store.put, state)
+        except DiskFullError as err:
+            raise disk_full(err) from None
         except StoreFullError as err:
             raise ApiError(503, str(err), "server_error", code="store_full", headers={"Retry-After": "5"}) from None
+        except StoreBusyError as err:
+            raise store_busy(err) from None
+        except DamagedBaseError as err:
+            raise ApiError(409, str(err), code="base_damaged") from None
 
     async def wait(self, http: Optional[HttpRequest], request: Request, jobs: list[Job]) -> list[Any]:
         futures = [asyncio.wrap_future(j.future) for j in jobs]
@@ -223,8 +242,15 @@ class Service:
         return Generated(bid, base, png, result.seconds, self.store.tier(bid))
 
     async def pinned(self, bid: str, param: str = "base_id") -> BaseState:
+        """Pin ``bid`` (in a thread: a disk load may read a file). A caller cancelled meanwhile
+        (its client left) never sees the pin, so the pin is let go when it lands."""
         with base_errors(bid, param):
-            return await asyncio.to_thread(self.store.pin, check_base_id(bid))
+            pin = asyncio.get_running_loop().run_in_executor(self.store_pool, self.store.pin, check_base_id(bid))
+            try:
+                return await asyncio.shield(pin)
+            except asyncio.CancelledError:
+                pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.store.unpin(bid))
+                raise
 
     def edit_png(self, state: BaseState, row: TailRow, image, preserve: str) -> bytes:
         bid = base_id(state.fingerprint, state.base)
@@ -295,15 +321,18 @@ class Service:
         return sorted(out, key=lambda e: e.index)
 
     async def has_base(self, bid: str) -> bool:
-        return await asyncio.to_thread(self.store.__contains__, bid)
+        return await self._store_read(self.store.__contains__, bid)
 
     async def base_info(self, bid: str) -> dict:
         with base_errors(bid):
-            return await asyncio.to_thread(self.store.info, check_base_id(bid))
+            return await self._store_read(self.store.info, check_base_id(bid))
 
     async def delete_base(self, bid: str) -> None:
         with base_errors(bid):
-            await asyncio.to_thread(self.store.delete, check_base_id(bid))
+            await self._store_read(self.store.delete, check_base_id(bid))
+
+    async def _store_read(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.store_pool, fn, *args)
 
     async def progress(self) -> dict[str, int]:
         """Rows running and rows queued (AUTOMATIC1111's /progress)."""
@@ -325,11 +354,24 @@ class Service:
     def family(self) -> dict:
         return self.pipe.family
 
-    def upload(self, data: bytes, param: str) -> Upload:
-        """An uploaded image as the served size's pixels, or the API's error for it."""
+    async def upload(self, data: bytes, param: str) -> Upload:
+        """An uploaded image as the served size's pixels, or the API's error for it (decoded in
+        the image pool, off the event loop, within ``serve.max_image_pixels``)."""
         base, s = self.cfg.base, self.cfg.serve
+        decode = lambda: image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes,  # noqa: E731
+                                          s.resize_uploads, s.max_image_pixels)  # fmt: skip
         try:
-            return image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes, s.resize_uploads)
+            return await asyncio.get_running_loop().run_in_executor(self.image_pool, decode)
+        except ImageInputError as err:
+            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+
+    async def image_text(self, data: bytes, param: str) -> dict[str, str]:
+        """An uploaded image's text (its PNG ``parameters``, say), read in the image pool without
+        decoding its pixels, within the same limits as an upload."""
+        s = self.cfg.serve
+        read = lambda: text_of_image(data, param, s.max_image_bytes, s.max_image_pixels)  # noqa: E731
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.image_pool, read)
         except ImageInputError as err:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 

@@ -10,7 +10,11 @@ Tiers are inclusive: with a disk tier every ``put`` writes the base's file first
 atomic, checksummed, within the folder's budget whichever process writes), and RAM holds a
 most-recently-used subset. A budget is never exceeded, and a pinned base (one a running tail
 uses) is never evicted from RAM. A file that fails verification is set aside and its base
-answered as damaged. All methods are thread-safe.
+answered as damaged; every file records its key, and a file whose key does not hash to its name
+(a base's, or its negative prompt's K/V) is refused. A disk that stays full after evicting keeps
+the base in RAM only (DiskFullError when RAM cannot hold it either). A DELETE leaves a tombstone
+in the folder, so every process sharing it stops serving the base. All methods are thread-safe,
+and none reads or writes a file while holding the in-process lock.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from ..model.edit import Base
 from ..model.schema import StoragePrecision
 from ..model.state import KV, BaseState
 from .store_codec import decode, encode, to_bytes
-from .store_disk import DamagedBaseError, DiskTier, StoreFullError, UnknownBaseError
+from .store_disk import DiskTier
+from .store_errors import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
 
-__all__ = ["BaseStore", "base_id", "UnknownBaseError", "StoreFullError", "DamagedBaseError"]
+__all__ = ["BaseStore", "base_id", "UnknownBaseError", "StoreFullError", "DiskFullError", "StoreBusyError",
+           "DamagedBaseError"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,7 @@ class StoreStats:
     disk_loads: int = 0
     disk_load_seconds: float = 0.0
     refused_files: int = 0
+    disk_full: int = 0  # puts the disk refused even after evicting (kept in RAM only, or refused)
 
 
 class BaseStore:
@@ -104,9 +111,12 @@ class BaseStore:
         self.disk_budget = disk_bytes if disk_dir is not None else 0
 
     # --- public API ---------------------------------------------------------------------------
+    # File I/O (reading, verifying, writing, a tombstone's lstat) happens outside self._lock:
+    # a slow or strange file delays its own request, never another base's or /metrics.
 
     def put(self, state: BaseState) -> str:
-        """Store ``state``; return its id. Re-putting an existing base refreshes it."""
+        """Store ``state``; return its id. Re-putting an existing base refreshes it (and undoes
+        a DELETE for every process on the folder)."""
         if state.fingerprint != self.fingerprint:
             raise ArtifactError("this base state comes from another model than the store's")
         bid = base_id(self.fingerprint, state.base)
@@ -134,17 +144,32 @@ class BaseStore:
             "layers": str(len(state.cond_kv.tensors)),
             "extras": ",".join(sorted(state.cond_kv.extras)),
             "uncond": uid,
+            "kv_precision": self.kv_precision,  # with the key's negative prompt: what "uncond" must hash from
         }
         entry = _Entry(tensors, meta, uid)
+        if self.disk is None or entry.nbytes > self.ram_budget:
+            with self._lock:
+                self._put_ram(bid, entry, uid, uncond)  # with a disk tier: raises, store.ram_mb is below one base
+            return bid
+        uncond_meta = {"fingerprint": self.fingerprint, "id": uid,
+                       "negative_prompt": json.dumps(state.base.negative_prompt), "kv_precision": self.kv_precision}  # fmt: skip
         with self._lock:
-            if self.disk is None:
-                self._put_ram(bid, entry, uid, uncond)
-                return bid
-            if entry.nbytes > self.ram_budget:
-                self._put_ram(bid, entry, uid, uncond)  # raises: store.ram_mb is below one base
-            data = to_bytes(entry.tensors, entry.meta)
-            self.disk.put(bid, data, uid, lambda: to_bytes(uncond, {"fingerprint": self.fingerprint, "id": uid}),
-                          set(self._pins))  # fmt: skip
+            pinned = set(self._pins)
+        try:
+            self.disk.put(bid, to_bytes(entry.tensors, entry.meta), uid, lambda: to_bytes(uncond, uncond_meta), pinned)
+        except DiskFullError as err:
+            # Served from RAM by this process (not by siblings, not after a restart) rather than
+            # thrown away after the work it cost; refused only when RAM cannot hold it either.
+            with self._lock:
+                self._stats.disk_full += 1
+                self._stats.evictions_disk = self.disk.evictions
+                try:
+                    self._put_ram(bid, entry, uid, uncond)
+                except StoreFullError:
+                    raise err from None
+            log.warning("base %s kept in RAM only: %s", bid, err)
+            return bid
+        with self._lock:
             self._stats.evictions_disk = self.disk.evictions
             try:
                 self._put_ram(bid, entry, uid, uncond)
@@ -155,64 +180,71 @@ class BaseStore:
 
     def get(self, bid: str) -> BaseState:
         """The state of base ``bid``, from RAM or (promoted from) disk."""
-        with self._lock:
-            if bid in self._ram:
-                self._ram.move_to_end(bid)
-                if self.disk is not None:
-                    self.disk.touch(bid)
-                self._stats.hits_ram += 1
-                return self._state(self._ram[bid])
+        held = self._from_ram(bid, promote=True)
+        if held is not None:
             if self.disk is not None:
-                try:
-                    entry, uncond = self._load(bid)
-                except UnknownBaseError:
-                    self._stats.misses += 1
-                    raise
-                self._stats.hits_disk += 1
                 self.disk.touch(bid)
-                try:
-                    self._put_ram(bid, entry, entry.uncond, uncond)
-                except StoreFullError:
-                    log.warning("base %s served from disk: RAM is full of pinned bases", bid)
-                    return self._state(entry, uncond)
-                return self._state(self._ram[bid])
-            self._stats.misses += 1
+            return self._state(*held)
+        if self.disk is None:
+            with self._lock:
+                self._stats.misses += 1
             raise UnknownBaseError(f"unknown base id {bid!r}: never stored, deleted or evicted; generate it again")
+        try:
+            entry, uncond = self._load(bid)
+        except UnknownBaseError:
+            with self._lock:
+                self._stats.misses += 1
+            raise
+        with self._lock:
+            self._stats.hits_disk += 1
+            try:
+                self._put_ram(bid, entry, entry.uncond, uncond)
+            except StoreFullError:
+                log.warning("base %s served from disk: RAM is full of pinned bases", bid)
+        self.disk.touch(bid)
+        return self._state(entry, uncond)
 
     def tier(self, bid: str) -> Optional[str]:
+        if self._deleted(bid):
+            return None
         with self._lock:
             if bid in self._ram:
                 return "ram"
-            return "disk" if self.disk is not None and self.disk.path(bid).is_file() else None
+        return "disk" if self.disk is not None and self.disk.has(bid) else None
 
     def info(self, bid: str) -> dict:
         """A base's metadata and tier; a file on disk is verified first (damaged: refused)."""
+        held = self._from_ram(bid, promote=False)
+        if held is not None:
+            entry = held[0]
+        elif self.disk is not None:
+            entry, _ = self._load(bid)
+        else:
+            raise UnknownBaseError(f"unknown base id {bid!r}")
         with self._lock:
-            if bid in self._ram:
-                entry = self._ram[bid]
-            elif self.disk is not None:
-                entry, _ = self._load(bid)
-            else:
-                raise UnknownBaseError(f"unknown base id {bid!r}")
-            return {
-                "id": bid,
-                "tier": self.tier(bid),
-                "base": json.loads(entry.meta["base"]),
-                "window_start": int(entry.meta["window_start"]),
-                "bytes": entry.nbytes,
-                "pinned": self._pins[bid] > 0,
-                "latents_precision": self.latents_precision,
-                "kv_precision": self.kv_precision,
-            }
+            pinned = self._pins[bid] > 0
+        return {
+            "id": bid,
+            "tier": self.tier(bid),
+            "base": json.loads(entry.meta["base"]),
+            "window_start": int(entry.meta["window_start"]),
+            "bytes": entry.nbytes,
+            "pinned": pinned,
+            "latents_precision": self.latents_precision,
+            "kv_precision": self.kv_precision,
+        }
 
     def __contains__(self, bid: str) -> bool:
         return self.tier(bid) is not None
 
     def pin(self, bid: str) -> BaseState:
         with self._lock:
-            state = self.get(bid)
-            self._pins[bid] += 1
-            return state
+            self._pins[bid] += 1  # first: the base cannot be evicted between the get and the pin
+        try:
+            return self.get(bid)
+        except BaseException:
+            self.unpin(bid)
+            raise
 
     def unpin(self, bid: str) -> None:
         with self._lock:
@@ -230,26 +262,52 @@ class BaseStore:
             self.unpin(bid)
 
     def delete(self, bid: str) -> None:
+        """Remove a base: from this process and, through the folder's tombstone, from every
+        process sharing it (they drop their RAM copies at their next use of it)."""
+        if bid not in self:
+            raise UnknownBaseError(f"unknown base id {bid!r}")
         with self._lock:
-            if bid not in self:
-                raise UnknownBaseError(f"unknown base id {bid!r}")
             if self._pins[bid]:
                 raise StoreFullError(f"base {bid} is in use by a running edit; delete it when that finishes")
             self._drop_ram(bid)
-            if self.disk is not None:
-                self.disk.delete(bid)
+        if self.disk is not None:
+            self.disk.delete(bid)
 
     def stats(self) -> dict:
+        disk = {"entries": 0, "bytes": 0, "budget": 0}
+        if self.disk is not None:
+            disk = {"entries": self.disk.entries, "bytes": self.disk.bytes, "budget": self.disk_budget}
         with self._lock:
-            disk = {"entries": 0, "bytes": 0, "budget": 0}
-            if self.disk is not None:
-                disk = {"entries": len(self.disk.bases), "bytes": self.disk.bytes, "budget": self.disk_budget}
             return {
                 "ram": {"entries": len(self._ram), "bytes": self._ram_bytes(), "budget": self.ram_budget},
                 "disk": disk,
                 "pinned": len(self._pins),
                 **asdict(self._stats),
             }
+
+    def _deleted(self, bid: str) -> bool:
+        """A DELETE by any process on the folder took ``bid`` away; drops this RAM copy if so."""
+        if self.disk is None or not self.disk.deleted(bid):
+            return False
+        with self._lock:
+            if bid in self._ram and not self._pins[bid]:
+                self._drop_ram(bid, count=False)
+        return True
+
+    def _from_ram(self, bid: str, promote: bool) -> Optional[tuple[_Entry, dict[str, np.ndarray]]]:
+        """(entry, its uncond tensors) when RAM holds ``bid`` and no DELETE took it away."""
+        if self._deleted(bid):
+            with self._lock:
+                self._stats.misses += promote
+            raise UnknownBaseError(f"unknown base id {bid!r}: deleted; generate it again")
+        with self._lock:
+            entry = self._ram.get(bid)
+            if entry is None:
+                return None
+            if promote:
+                self._ram.move_to_end(bid)
+                self._stats.hits_ram += 1
+            return entry, self._uncond_ram[entry.uncond]
 
     # --- RAM tier -----------------------------------------------------------------------------
 
@@ -287,35 +345,46 @@ class BaseStore:
     # --- disk tier ----------------------------------------------------------------------------
 
     def _recorded_id(self, meta: dict) -> str:
-        """The id the file's own recorded key gives (a copied or renamed file does not match)."""
-        if meta.get("id") != base_id(self.fingerprint, Base(**json.loads(meta["base"]))):
-            raise ArtifactError("its recorded id does not match its recorded key")
+        """The id the base file's own recorded key gives (a copied or renamed file does not
+        match), after checking that its uncond id is its negative prompt's."""
+        base = Base(**json.loads(meta["base"]))
+        if meta.get("uncond") != _uncond_id(self.fingerprint, base.negative_prompt, meta["kv_precision"]):
+            raise ArtifactError("its negative prompt's file is not the one its key names")
         int(meta["window_start"]), int(meta["layers"])  # present and numbers, or ValueError
-        return meta["id"]
+        return base_id(self.fingerprint, base)
+
+    def _recorded_uncond_id(self, meta: dict) -> str:
+        """The id an uncond file's recorded key (negative prompt, precision) gives."""
+        return _uncond_id(self.fingerprint, json.loads(meta["negative_prompt"]), meta["kv_precision"])
 
     def _load(self, bid: str) -> tuple[_Entry, dict[str, np.ndarray]]:
+        """Read and verify base ``bid`` from disk; called without self._lock."""
         start = time.perf_counter()
         try:
-            tensors, meta, _ = self.disk.load(bid, self._recorded_id)
-            uid = meta.get("uncond", "")
-            uncond = self._uncond_ram.get(uid)
+            tensors, meta = self.disk.load(bid, self._recorded_id)
+            uid = meta["uncond"]
+            with self._lock:
+                uncond = self._uncond_ram.get(uid)
             if uncond is None:
-                uncond = self.disk.load_uncond(uid, bid)
+                uncond = self.disk.load_uncond(uid, bid, self._recorded_uncond_id)
             entry = _Entry(tensors, meta, uid)
             self._state(entry, uncond)  # every tensor the header names is there, or KeyError
         except DamagedBaseError:
-            self._stats.refused_files += 1
+            with self._lock:
+                self._stats.refused_files += 1
             raise
         except KeyError as err:
-            self._stats.refused_files += 1
+            with self._lock:
+                self._stats.refused_files += 1
             self.disk.quarantine(self.disk.path(bid))
             raise DamagedBaseError(f"base {bid} is damaged and was set aside (no tensor {err}); generate it again") from None
-        self._stats.disk_loads += 1
-        self._stats.disk_load_seconds += time.perf_counter() - start
+        with self._lock:
+            self._stats.disk_loads += 1
+            self._stats.disk_load_seconds += time.perf_counter() - start
         return entry, uncond
 
-    def _state(self, entry: _Entry, uncond: Optional[dict[str, np.ndarray]] = None) -> BaseState:
-        uncond = uncond if uncond is not None else self._uncond_ram[entry.uncond]
+    @staticmethod
+    def _state(entry: _Entry, uncond: dict[str, np.ndarray]) -> BaseState:
         layers = int(entry.meta["layers"])
         extras = [name for name in entry.meta.get("extras", "").split(",") if name]
         return BaseState(

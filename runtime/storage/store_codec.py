@@ -9,9 +9,10 @@ Precision is chosen per tensor kind (``latents``, ``kv``):
   reduced over the pixels): ``q = round(x / s)``, ``s = max|x| / 127``.
 
 A stored state is a flat ``{name: array}`` dict; on disk it is one safetensors file whose
-metadata holds the format version, the model fingerprint, the base key, the precisions and a
-sha256 over the metadata and every tensor's bytes, so a truncated, corrupt, edited or foreign
-file is refused.
+metadata holds the format version, the model fingerprint, the file's key (a base's, or a negative
+prompt's for its unconditional K/V; store.py checks that the key hashes to the file's name), the
+precisions and a sha256 over the metadata and every tensor's bytes, so a truncated, corrupt,
+edited, foreign or swapped file is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import numpy as np
 from ..errors import ArtifactError
 from ..model.schema import StoragePrecision
 
-FILE_FORMAT = "edit-rt-base/3"  # 2: K/V in the attention layout, u of the window steps; 3: header in the sha256
+# 2: K/V in the attention layout, u of the window steps; 3: header in the sha256; 4: every file
+# records its key (an uncond file its negative prompt and precision, a base its K/V precision)
+FILE_FORMAT = "edit-rt-base/4"
 
 
 def encode(name: str, x: np.ndarray, precision: StoragePrecision, reduce_axes: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -92,7 +95,10 @@ def from_bytes(data: bytes, fingerprint: str, source: str) -> tuple[dict[str, np
         tensors = load(data)
     except Exception as err:  # safetensors raises several types for a damaged file
         raise ArtifactError(f"{source}: not a readable base-state file ({type(err).__name__}: {err})") from None
-    if meta.get("format") != FILE_FORMAT:
+    found = str(meta.get("format"))
+    if found != FILE_FORMAT:
+        if found.startswith("edit-rt-base/"):
+            raise ArtifactError(f"{source}: written by another edit-rt version ({found}; this one reads {FILE_FORMAT})")
         raise ArtifactError(f"{source}: not an {FILE_FORMAT} file")
     if meta.get("fingerprint") != fingerprint:
         raise ArtifactError(f"{source}: belongs to another model (fingerprint {str(meta.get('fingerprint'))[:12]})")

@@ -172,10 +172,11 @@ _STATUS = {
     408: "the request body stalled",
     409: "the base is damaged or in use",
     411: "a POST without Content-Length",
-    413: "too many edits, or a body over serve.max_body_bytes",
+    413: "too many edits, a body over serve.max_body_bytes, or an image over serve.max_image_bytes / max_image_pixels",
     429: "the queue is full (see Retry-After)",
     499: "the client disconnected",
-    503: "loading, draining or shutting down (see Retry-After)",
+    503: "loading, draining, shutting down, or the store busy or full of bases in use (see Retry-After)",
+    507: "the store's disk is full and its RAM cannot hold the base (free space, or lower store.disk_mb)",
 }
 
 
@@ -183,8 +184,8 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def decode_base64_or_400(data: str) -> bytes:
+def decode_base64_or_400(data: str, param: str = "image") -> bytes:
     try:
-        return decode_base64(data, "image")
+        return decode_base64(data, param)
     except ImageInputError as err:
-        raise ApiError(err.status, str(err), param="image", code="invalid_image") from None
+        raise ApiError(err.status, str(err), param=param, code="invalid_image") from None

@@ -14,18 +14,17 @@ ignored: one model, one sampler (DDIM).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 from dataclasses import replace
 from typing import Any, Optional
 
 from fastapi import APIRouter, Request as HttpRequest
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.edit import Edit
+from ..model.schema import Guidance, Steps, bounds_of
 from ..pnginfo import base_id_of
 from ..serving.errors import ApiError
 from ..serving.service import Service
@@ -38,11 +37,11 @@ class Txt2Img(BaseModel):
     model_config = LAX
     prompt: str = Field(min_length=1)
     negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
-    seed: int = -1
-    steps: Optional[int] = Field(None, ge=1)
-    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
-    width: Optional[int] = None
-    height: Optional[int] = None
+    seed: int = Field(-1, ge=-1, le=2**63 - 1)
+    steps: Optional[int] = Field(None, **bounds_of(Steps))
+    cfg_scale: Optional[float] = Field(None, **bounds_of(Guidance))
+    width: Optional[int] = Field(None, ge=1, le=16384)
+    height: Optional[int] = Field(None, ge=1, le=16384)
     batch_size: int = Field(1, ge=1, le=8)
     n_iter: int = Field(1, ge=1, le=8)
     # A1111's per-request settings; edit-rt reads CLIP_stop_at_last_layers (1: the last layer)
@@ -65,8 +64,8 @@ class Img2Img(BaseModel):
     prompt: str = Field(min_length=1)
     negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
     denoising_strength: float = Field(0.4, gt=0, le=1)
-    cfg_scale: Optional[float] = Field(None, ge=0, le=50)
-    seed: int = -1
+    cfg_scale: Optional[float] = Field(None, **bounds_of(Guidance))
+    seed: int = Field(-1, ge=-1, le=2**63 - 1)
 
 
 class PngInfoRequest(BaseModel):
@@ -80,21 +79,9 @@ class A1111Result(BaseModel):
     info: str
 
 
-def decode_image(data: str, param: str) -> Image.Image:
-    """A base64 image, with or without a ``data:image/...;base64,`` prefix."""
-    if data.startswith("data:"):
-        data = data.split(",", 1)[-1]
-    try:
-        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
-        image.load()
-        return image
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as err:
-        raise ApiError(400, f"{param}: not a base64 image ({type(err).__name__})", param=param, code="invalid_image") from None
-
-
 def a1111_routes(service: Service) -> APIRouter:
     router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
-    common = errors(400, 401, 408, 411, 413, 429, 499, 503)
+    common = errors(400, 401, 408, 411, 413, 429, 499, 503, 507)
 
     @router.post("/txt2img", response_model=A1111Result, responses=common, summary="Bases (A1111's txt2img)")
     async def txt2img(body: Txt2Img, http: HttpRequest):
@@ -113,17 +100,17 @@ def a1111_routes(service: Service) -> APIRouter:
     @router.post("/img2img", response_model=A1111Result, responses={**common, **errors(404, 409)},
                  summary="Edits of an edit-rt image's base (A1111's img2img)")  # fmt: skip
     async def img2img(body: Img2Img, http: HttpRequest):
+        service.check_edit_count(len(body.init_images))  # each image is an edit (and maybe an inversion)
         bids = []
         for k, data in enumerate(body.init_images):
             param = f"init_images[{k}]"
-            raw = decode_base64_or_400(data)
-            image = decode_image(data, param)
-            parameters = image.info.get("parameters")
+            raw = decode_base64_or_400(data, param)
+            parameters = (await service.image_text(raw, param)).get("parameters")
             bid = base_id_of(parameters) if isinstance(parameters, str) else None
             if bid is None or not await service.has_base(bid):
                 # any other image: inverted into a base (A1111's prompt is the target; the
                 # image's own description is unknown, so the inversion's prompt is empty)
-                made = await service.invert(service.upload(raw, param), "", body.negative_prompt)
+                made = await service.invert(await service.upload(raw, param), "", body.negative_prompt)
                 bid = made.id
             bids.append(bid)
         out = []
@@ -137,8 +124,7 @@ def a1111_routes(service: Service) -> APIRouter:
 
     @router.post("/png-info", responses=errors(400, 401), summary="An image's generation parameters")
     async def png_info(body: PngInfoRequest):
-        image = decode_image(body.image, "image")
-        items = {k: v for k, v in image.info.items() if isinstance(v, str)}
+        items = await service.image_text(decode_base64_or_400(body.image), "image")
         return {"info": items.get("parameters", ""), "items": items, "parameters": {}}
 
     @router.get("/sd-models", responses=errors(401), summary="The served model")

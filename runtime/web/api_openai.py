@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request as HttpRequest
+import anyio
 from fastapi.responses import StreamingResponse
 from PIL import Image
 
@@ -34,7 +35,7 @@ from .api import (
 from ..serving.service import Event, Service
 from .forms import edit_upload
 
-COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503)
+COMMON_ERRORS = (400, 401, 408, 411, 413, 429, 499, 503, 507)
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (stream: true)"}}}
 
 
@@ -109,7 +110,7 @@ def openai_routes(service: Service) -> APIRouter:
             raise ApiError(400, "base_id: give base_id (a stored base) or image (one to invert), not both or neither",
                            param="base_id", code="missing")  # fmt: skip
         if body.image is not None:
-            upload = service.upload(decode_base64_or_400(body.image), "image")
+            upload = await service.upload(decode_base64_or_400(body.image), "image")
             made = await service.invert(upload, body.source_prompt, body.negative_prompt)
             body = body.model_copy(update={"base_id": made.id})
         specs = body.edits  # already the one edit schema (edit.py)
@@ -119,7 +120,7 @@ def openai_routes(service: Service) -> APIRouter:
                     "data": [{"index": e.index, "b64_json": b64(e.png), "info": e.info()} for e in done]}  # fmt: skip
         events = service.edit_events(body.base_id, specs)
         first = await events.__anext__()  # refusals (unknown base, bad edit, full queue) before the 200 goes out
-        return StreamingResponse(stream(first, events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(stream(first, events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def stream(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         try:
@@ -139,7 +140,7 @@ def openai_routes(service: Service) -> APIRouter:
     @router.post("/v1/bases", response_model=GenerationResponse, responses=errors(*COMMON_ERRORS),
                  summary="A base from an image (its inversion), to edit like a generated one")  # fmt: skip
     async def bases(body: BaseUpload):
-        upload = service.upload(decode_base64_or_400(body.image), "image")
+        upload = await service.upload(decode_base64_or_400(body.image), "image")
         made = await service.invert(upload, body.source_prompt, body.negative_prompt, body.steps, body.cfg_scale, body.clip_skip)
         base = made.base
         return {
@@ -162,3 +163,20 @@ def openai_routes(service: Service) -> APIRouter:
         return {"id": model, "created": service.started}
 
     return router
+
+
+class EventStream(StreamingResponse):
+    """A stream whose events are closed when the response ends, however it ends.
+
+    A client that leaves mid-stream cancels the response while the event generator waits at a
+    ``yield``; nothing would close it then but the garbage collector, and its base would stay
+    pinned until then. Here it is closed at once (shielded: the cancelled response's scope
+    would cancel the close too), so the rows leave the batch and the pin goes.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

@@ -9,11 +9,16 @@
   ``serve.header_timeout_s`` is closed (uvicorn has no such timer of its own); a request body
   that stalls for ``serve.body_timeout_s`` is answered 408 (the app's middleware).
 - **Access log** without query strings: a token given as ``?token=`` never reaches a log.
+- **The port is bound first** (:func:`listening_sockets`), before the app starts loading
+  engines: a busy port is one line and exit status 2, where uvicorn's own bind failure came
+  after the loader thread had started and the process aborted (exit 134).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -21,7 +26,35 @@ from typing import Any, Callable
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..errors import EditRtError
+
 log = logging.getLogger(__name__)
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of ``host`` at ``port``, as asyncio's create_server binds
+    them (SO_REUSEADDR, IPv6 sockets IPv6-only), for uvicorn to listen on; a failure is an
+    :class:`EditRtError` naming the setting to change."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as err:
+        for sock in sockets:
+            sock.close()
+        why = err.strerror or str(err)
+        if err.errno == errno.EADDRINUSE:
+            raise EditRtError(f"serve.port {port} on {host} is in use ({why}): stop the other server or choose "
+                              "another serve.port (or --port)") from None  # fmt: skip
+        raise EditRtError(f"cannot listen on {host}:{port} ({why}): choose another serve.host or serve.port "
+                          "(or --host, --port)") from None  # fmt: skip
+    return sockets
 
 
 def header_timeout_protocol(seconds: float) -> type:
@@ -62,6 +95,11 @@ class DrainingServer(uvicorn.Server):
         self.finish = finish
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:
+            self._log_started_message(sockets)  # uvicorn logs its "running on" line only when it binds
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.draining:

@@ -4,7 +4,9 @@ Route families, one app: edit-rt's own and the OpenAI Images API's (api_openai.p
 ``/v1/images/generations``, ``/v1/images/edits``, ``/v1/models``), AUTOMATIC1111's
 (api_a1111.py: ``/sdapi/v1/*``), and here ``GET``/``DELETE /v1/bases/{id}``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /`` (the editing page), ``GET /openapi.json``. The routes
-validate and wait; the service's one batcher worker owns the engines (service.py).
+validate and wait; the service's one batcher worker owns the engines (service.py). What a
+request's headers must say to be let in (Host, origin, content type) is request_checks.py's;
+how deep its JSON may nest, json_depth.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..metrics import CONTENT_TYPE
@@ -33,24 +36,17 @@ from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
+from .json_depth import JsonDepthLimit
+from .request_checks import SAFE_METHODS, refusal
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("edit_rt.access")
 
 KNOWN_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "PATCH"})
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _host(request: HttpRequest) -> str:
-    """The Host header without its port ("[::1]:8188" -> "[::1]")."""
-    host = request.headers.get("host", "")
-    if host.startswith("["):
-        return host[: host.find("]") + 1]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _route(request: HttpRequest) -> str:
@@ -85,6 +81,8 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     app = FastAPI(title="edit-rt", version=__version__, lifespan=lifespan,
                   description="Batched edit tails for Stable Diffusion: generate a base once, edit it many times.")  # fmt: skip
     app.state.service = service
+    # innermost first: the depth check reads the body through BodyTimeout's timed receive
+    app.add_middleware(JsonDepthLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(BodyTimeout, seconds=cfg.serve.body_timeout_s)
 
     @app.exception_handler(ApiError)
@@ -101,6 +99,11 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return _error_response(ApiError(err.status_code, str(err.detail), kind, headers=dict(err.headers or {})))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_, err: ClientDisconnect):
+        # a client gone before its body was complete (a form upload): nobody to answer, nothing to log
+        return _error_response(ApiError(499, "client disconnected", code="client_closed"))
+
     @app.exception_handler(Exception)
     async def unexpected(_, err: Exception):
         log.exception("unexpected error")
@@ -112,11 +115,11 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
         path = request.url.path
-        if loopback and _host(request) not in LOOPBACK_HOSTS:
-            # bound to loopback: a page elsewhere that resolves its own name here (DNS
-            # rebinding) sends its own Host, and is refused
-            return _error_response(ApiError(400, "this server answers to 127.0.0.1, localhost and [::1] only",
-                                            code="untrusted_host"))  # fmt: skip
+        method = request.method if request.method in KNOWN_METHODS else "OTHER"  # labels stay bounded
+        refused = refusal(request, loopback)  # Host, one Authorization, same origin, JSON
+        if refused is not None:
+            access.info("%s %s %d", method, path[:200], refused.status)
+            return _error_response(refused)
         if service.draining.is_set():
             if path == "/health":
                 return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
@@ -130,6 +133,7 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         guarded = path.startswith(("/v1/", "/sdapi/")) or path == "/metrics"
         if token and guarded:
             # the raw header bytes against the token's UTF-8 bytes: a non-ASCII token matches
+            # (refusal() has made sure there is at most one)
             given = dict(request.scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, b"Bearer " + token):
                 return _error_response(ApiError(401, "missing or wrong bearer token", "authentication_error"))
@@ -138,7 +142,6 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
             return _error_response(ApiError(503, f"not ready: {why}", "server_error", headers={"Retry-After": "5"}))
         start = time.perf_counter()
         response = await call_next(request)
-        method = request.method if request.method in KNOWN_METHODS else "OTHER"  # labels stay bounded
         service.metrics.http.labels(_route(request), method, str(response.status_code)).observe(time.perf_counter() - start)
         access.info("%s %s %d", method, path[:200], response.status_code)  # never the query string
         return response
@@ -182,10 +185,16 @@ def openapi_schema(app: FastAPI) -> dict:
     schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
         "type": "http", "scheme": "bearer", "description": "serve.token or EDIT_RT_TOKEN (when set)"}  # fmt: skip
     schema["security"] = [{"bearer": []}, {}]
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
     for path in schema["paths"].values():
-        for op in path.values():
+        for method, op in path.items():
             # FastAPI documents its own {"detail"} 422; this API answers 400 with {"error"}
             op.get("responses", {}).pop("422", None)
+            if method.upper() not in SAFE_METHODS:  # the guard's (request_checks.py)
+                op["responses"].setdefault("403", {"description": "a web page of another origin (Origin, Sec-Fetch-Site)",
+                                                   "content": error})  # fmt: skip
+            if method == "post":
+                op["responses"].setdefault("415", {"description": "a body that is not application/json", "content": error})
     schemas = schema["components"].get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -239,8 +248,12 @@ class BodyTimeout:
 def serve(cfg: RunConfig) -> None:
     import uvicorn
 
-    from .http_server import DrainingServer, header_timeout_protocol
+    from .http_server import DrainingServer, header_timeout_protocol, listening_sockets
 
+    s = cfg.serve
+    # bound before anything starts: a busy port is one line (EditRtError), not uvicorn's exit
+    # after the engines began loading (which aborted the process)
+    sockets = listening_sockets(s.host, s.port)
     app = create_app(cfg)
     service: Service = app.state.service
     # The access log (uvicorn's own is off: it prints query strings, tokens included).
@@ -249,7 +262,6 @@ def serve(cfg: RunConfig) -> None:
     access.addHandler(handler)
     access.setLevel(logging.INFO)
     access.propagate = False
-    s = cfg.serve
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, http=header_timeout_protocol(s.header_timeout_s))  # fmt: skip
-    DrainingServer(config, service.start_drain, service.drained, service.finish, s.drain_timeout_s).run()
+    DrainingServer(config, service.start_drain, service.drained, service.finish, s.drain_timeout_s).run(sockets=sockets)

@@ -1,0 +1,125 @@
+"""What a request's headers must say before the app reads them (server.py's guard asks :func:`refusal`).
+
+A local tool without a token is what drive-by pages aim at: any page the user opens can make
+the browser send a "simple" request to 127.0.0.1 (an HTML form's post, a ``no-cors`` fetch with
+``text/plain``) without asking first (no CORS preflight), and a page on a name that resolves
+here (DNS rebinding) can read the answers too. So, in this order:
+
+- **One of each** of Host, Authorization, Origin, Content-Type, Sec-Fetch-Site: two
+  Authorization headers read as the first by one parser and as the last by another.
+- **Host, exactly** ``host[:port]``, the port digits in 1..65535, an IPv6 literal in brackets;
+  bound to loopback, the host is 127.0.0.1, localhost or [::1] (a rebinding page sends its
+  own name). 400.
+- **Same origin, when a browser says where it is from**: a state-changing request (any method
+  but GET, HEAD, OPTIONS) whose ``Origin`` is not this server's (scheme, host, port), or whose
+  ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` (another port of 127.0.0.1 is
+  same-site), is refused 403 ``cross_origin``. A request with neither header is not a web
+  page's (curl, the openai SDK, webuiapi) and passes: a page cannot leave them out.
+- **JSON on the JSON routes**: a POST's media type is ``application/json`` (which a page cannot
+  send cross-site without a preflight, and the preflight fails: CORS is closed);
+  ``multipart/form-data`` only on ``POST /v1/images/edits`` (OpenAI's images.edit form),
+  and there only past the origin check. Else 415.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from email.message import Message
+from typing import Optional
+from urllib.parse import urlsplit
+
+from starlette.requests import Request
+
+from ..serving.errors import ApiError
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # as host_port gives them: no brackets
+SINGLE_HEADERS = (b"host", b"authorization", b"origin", b"content-type", b"sec-fetch-site")
+FORM_ROUTES = frozenset({"/v1/images/edits"})  # POST routes that also take multipart/form-data
+API_PREFIXES = ("/v1/", "/sdapi/")
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def host_port(value: str) -> Optional[tuple[str, Optional[int]]]:
+    """A Host header (RFC 9110: ``uri-host [":" port]``) as (host, port): the host lowercased, an
+    IPv6 literal without its brackets; None for anything else (``[::1]evil``, ``127.0.0.1:evil``,
+    ``127.0.0.1:1@evil.example``, port 0 or 08188)."""
+    try:
+        parts = urlsplit("//" + value)
+        port = parts.port  # ValueError: not digits, or past 65535
+    except ValueError:
+        return None
+    host = parts.hostname
+    if not host or port == 0:
+        return None
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return None
+    # urlsplit also takes userinfo, a path, a query, an empty port and text after "]": what it
+    # read, written back, must be the whole header
+    shown = f"[{host}]" if ":" in host else host
+    return (host, port) if value.lower() == (shown if port is None else f"{shown}:{port}") else None
+
+
+def origin_of(value: str) -> Optional[tuple[str, str, int]]:
+    """An Origin header as (scheme, host, port), the scheme's default port filled in; None for
+    ``null`` (a sandboxed frame, a file, a redirect) or anything else that is not an origin."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.username is not None or parts.path or parts.query:
+        return None
+    return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
+
+
+def media_type(content_type: Optional[str]) -> str:
+    """``application/json; charset=utf-8`` -> ``application/json`` (lowercased, the standard
+    library's MIME parser); "" when there is none."""
+    if not content_type:
+        return ""
+    message = Message()
+    message["content-type"] = content_type
+    return message.get_content_type()
+
+
+def refusal(request: Request, loopback: bool) -> Optional[ApiError]:
+    """The first of the rules above that the request breaks, as its error; None when it breaks none."""
+    names = [name for name, _ in request.scope["headers"] if name in SINGLE_HEADERS]  # ASGI lowercases them
+    for name in SINGLE_HEADERS:
+        if names.count(name) > 1:
+            return ApiError(400, f"{name.decode().title()}: the header came {names.count(name)} times; send it once",
+                            param=name.decode(), code="duplicate_header")  # fmt: skip
+    raw_host = request.headers.get("host")
+    host = host_port(raw_host) if raw_host is not None else None
+    if host is None and (raw_host is not None or loopback):
+        return ApiError(400, f"Host: {(raw_host or '')[:100]!r} is not host[:port]", code="untrusted_host")
+    if loopback and host[0] not in LOOPBACK_HOSTS:
+        # a page elsewhere that resolves its own name here (DNS rebinding) sends its own Host
+        return ApiError(400, "this server answers to 127.0.0.1, localhost and [::1] only", code="untrusted_host")
+    method = request.method
+    if method in SAFE_METHODS:
+        return None
+    site = request.headers.get("sec-fetch-site")
+    if site in ("cross-site", "same-site"):
+        return ApiError(403, f"a {site} request from a web page (Sec-Fetch-Site): this server takes requests from "
+                        "its own page, or from clients that are not browsers", code="cross_origin")  # fmt: skip
+    origin = request.headers.get("origin")
+    scheme = request.scope.get("scheme", "http")
+    served = None if host is None else (scheme, host[0], host[1] or DEFAULT_PORTS.get(scheme))
+    if origin is not None and origin_of(origin) != served:
+        return ApiError(403, f"Origin {origin[:100]!r} is not this server's: this server takes requests from its "
+                        "own page, or from clients that are not browsers (they send no Origin)", code="cross_origin")  # fmt: skip
+    path = request.url.path
+    if method != "POST" or not path.startswith(API_PREFIXES):
+        return None
+    kind = media_type(request.headers.get("content-type"))
+    form = path in FORM_ROUTES
+    if kind == "application/json" or (form and kind == "multipart/form-data"):
+        return None
+    wanted = "application/json" + (" (or multipart/form-data: OpenAI's images.edit form)" if form else "")
+    return ApiError(415, f"Content-Type: {kind or 'none'} is not taken here; send {wanted}", param="content-type",
+                    code="unsupported_media_type")  # fmt: skip
