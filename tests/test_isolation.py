@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import numpy as np
 import pytest
@@ -182,3 +183,34 @@ def test_an_engine_that_always_fails_ends_every_request_with_an_error(pipeline, 
             break
     assert all(isinstance(j.future.exception(), StepError) for j in jobs)
     assert not batcher.probation and not scheduler.active
+
+
+def test_the_reported_mix_of_sets_never_fails_a_call_over_http(tmp_path, model_dir, onnx_dir):
+    """The report's reproduction on a real server: a long edit of base X keeps the loop busy,
+    a 1-step edit of base Y (negative prompt "alpha") finishes, then an edit of Y and a
+    generation with a new negative prompt arrive together. Six rounds, no 5xx."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from .server_process import ServerProcess
+
+    proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"max_steps": 400})
+    try:
+        url = proc.url
+        gen = lambda **body: httpx.post(url + "/v1/images/generations", json={"prompt": "a red circle", **body}, timeout=120)  # noqa: E731
+        edit = lambda bid, tail, k=0: httpx.post(url + "/v1/images/edits", timeout=120,  # noqa: E731
+                                                 json={"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": tail}]})
+        x = gen(seed=1, steps=300, negative_prompt="blurry").json()["id"]
+        y = gen(seed=2, steps=6, negative_prompt="alpha").json()["id"]
+        statuses = []
+        with ThreadPoolExecutor(4) as pool:
+            for k in range(6):
+                long_edit = pool.submit(edit, x, 250, k)
+                time.sleep(0.3)
+                statuses.append(edit(y, 1, k).status_code)
+                together = [pool.submit(edit, y, 3, k), pool.submit(gen, seed=10 + k, steps=4, negative_prompt=f"new {k}")]
+                statuses += [f.result().status_code for f in together] + [long_edit.result().status_code]
+        assert statuses == [200] * len(statuses), statuses
+    finally:
+        assert proc.stop()
