@@ -22,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__
-from .errors import EditRtError
-from .model.config import load_config, revalidated
+from .errors import ConfigError, EditRtError
+from .model.config import RunConfig, load_config, revalidated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
 
@@ -255,12 +255,15 @@ def serve(
     port: Optional[int] = typer.Option(None, help="Listen here instead of serve.port."),
     ray: bool = typer.Option(False, "--ray", help="On Ray Serve: serve.ray.replicas workers behind one ingress "
                              "(pip install -e '.[ray]'; joins serve.ray.address or RAY_ADDRESS, else starts Ray)."),
+    allow_no_token: bool = typer.Option(False, "--allow-no-token", help="Listen beyond loopback without a token "
+                                        "(only behind something that checks who connects)."),
 ) -> None:
     """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` or the flags say otherwise)."""
     cfg = load_config(config)
     if host is not None or port is not None:
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
         cfg = dataclasses.replace(cfg, serve=revalidated(s, "--host/--port"))
+    _token_or_refuse(cfg, config, allow_no_token)
     console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
     if ray:
         try:
@@ -272,6 +275,23 @@ def serve(
     from .web.server import serve as serve_forever
 
     serve_forever(cfg)
+
+
+def _token_or_refuse(cfg: RunConfig, config: Path, allow_no_token: bool) -> None:
+    """A server beyond loopback needs a token: without one, anyone who reaches the port drives
+    the engines (a GPU, for as long as they like) and fills the store's disk. Refused unless
+    ``--allow-no-token`` says something in front of it checks who connects (then said loudly)."""
+    from .web.request_checks import LOOPBACK_HOSTS  # the hosts the server treats as loopback
+
+    s = cfg.serve
+    if s.host in LOOPBACK_HOSTS or os.environ.get("EDIT_RT_TOKEN") or s.token:
+        return
+    if not allow_no_token:
+        raise ConfigError(f"serve.host: {s.host} is not loopback and no token is set, so anyone who reaches port "
+                          f"{s.port} could run the engines and fill the store; set serve.token in {config} or "
+                          "EDIT_RT_TOKEN, or pass --allow-no-token if something in front of it authenticates")  # fmt: skip
+    console.print(f"edit-rt serve: WARNING: listening on {s.host} without a token (--allow-no-token): every client "
+                  f"that reaches port {s.port} can use the API", markup=False)  # fmt: skip
 
 
 @app.command()

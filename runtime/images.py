@@ -1,5 +1,10 @@
-"""PNG output: images carrying their generation parameters, and a labelled contact sheet.
+"""Pixels out: compositing an edit with its base outside its mask, PNGs carrying their
+generation parameters, and a labelled contact sheet.
 
+A mask says per pixel how much of the edit shows: a rectangle (feathered inside its edge), a
+pixel mask (any shape, [H, W] in [0, 1]), or ``preserve: auto``'s latent region (upsampled).
+Where the weight is 0 the base's pixels come back exactly; the latent keep mask that the step
+loop holds to the base's latents is made from the same mask, conservatively (``latent_keep``).
 The ``parameters`` text chunk is AUTOMATIC1111's format (pnginfo.py).
 """
 
@@ -34,6 +39,32 @@ def upsample_weight(region: np.ndarray, image_hw: tuple[int, int]) -> np.ndarray
     a soft edge about one latent pixel wide."""
     field = Image.fromarray(region.astype(np.float32))  # mode "F"
     return np.asarray(field.resize((image_hw[1], image_hw[0]), Image.BILINEAR), dtype=np.float32).clip(0.0, 1.0)
+
+
+def latent_keep(pixel_mask: np.ndarray, latent_hw: tuple[int, int]) -> np.ndarray:
+    """[H, W] pixel mask (> 0: may change) -> [1, h, w] bool, True where a latent pixel keeps the
+    base's latent: where every pixel of its (H/h x W/w) block is 0. Conservative, as a rectangle
+    grows to whole latent pixels: nothing the mask lets change is held back."""
+    h, w = latent_hw
+    H, W = pixel_mask.shape
+    blocks = np.asarray(pixel_mask).reshape(h, H // h, w, W // w)
+    return (blocks.max(axis=(1, 3)) <= 0.0)[None]
+
+
+def checked_pixel_mask(mask, image_hw: tuple[int, int]) -> np.ndarray:
+    """``mask`` as a pixel mask of an ``image_hw`` (H, W) image: [H, W] float32 in [0, 1]. Raises
+    ValueError saying what it must be instead (one channel, the image's size, finite values in
+    [0, 1])."""
+    array = np.asarray(mask)
+    h, w = image_hw
+    if array.ndim != 2:
+        raise ValueError(f"a pixel mask has one channel ([height, width]); got shape {list(array.shape)}: "
+                         "send one grey level (or alpha) per pixel")  # fmt: skip
+    if array.shape != (h, w):
+        raise ValueError(f"{array.shape[1]}x{array.shape[0]}, but the image is {w}x{h}; send a mask of the image's size")
+    if not np.issubdtype(array.dtype, np.number) or not np.isfinite(array).all() or array.min() < 0 or array.max() > 1:
+        raise ValueError("values must be finite and lie in [0, 1] (1: may change, 0: kept)")
+    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 def composite(edit: np.ndarray, base: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -2,23 +2,41 @@
 
 One registry per service (so test servers in one process do not share counters). The library
 writes the text format (HELP and TYPE lines, escaping, full float precision); labels carry what
-varies (the route, the method, the status, the store tier), and every label value comes from a
-bounded set. The store's numbers are read when scraped (a collector), not copied per request.
+varies (the route, the method, the status, the store tier, the stage), and every label value
+comes from a bounded set. The store's and the scheduler's numbers are read when scraped (a
+collector), not copied per request; the process's CPU and memory are prometheus_client's own
+``ProcessCollector``'s (``/proc`` on Linux).
+
+Where each stage is timed (``edit_rt_stage_seconds{stage}``): ``text_encode``, ``decode`` and
+``inversion`` around the pipeline's ``kv_from_prompts``, ``decode`` and ``invert``
+(:func:`timed`); ``kv_mix`` around a row's strength mix (resolve.py); ``step`` per
+``unet_step`` call (batcher.py); ``png_encode`` and ``store_load`` in the service. Stages nest
+(an inversion holds its own text encodes and steps); a stage that raises is not observed.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import __version__
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Stages run from microseconds (a K/V mix, a RAM hit) to minutes (an inversion at 1024 px):
+# the buckets start at half a millisecond.
+STAGE_SECONDS = (0.0005, 0.001, 0.0025, 0.005, *SECONDS)
+STAGES = ("text_encode", "kv_mix", "step", "decode", "png_encode", "inversion", "store_load")
 
 
 class StoreCollector:
-    """The store's stats at scrape time: entries and bytes per tier, hits, misses, evictions."""
+    """The store's stats at scrape time: entries and bytes per tier, hits and misses per tier,
+    evictions, disk loads."""
 
     def __init__(self, stats: Callable[[], Optional[dict]]):
         self.stats = stats
@@ -31,6 +49,8 @@ class StoreCollector:
         size = GaugeMetricFamily("edit_rt_store_bytes", "Bytes held, per store tier", labels=["tier"])
         budget = GaugeMetricFamily("edit_rt_store_budget_bytes", "Byte budget, per store tier", labels=["tier"])
         hits = CounterMetricFamily("edit_rt_store_hits", "Bases found, per store tier", labels=["tier"])
+        misses = CounterMetricFamily("edit_rt_store_misses", "Bases asked of a store tier and not found there "
+                                     "(ram: then looked for on disk, or nowhere; disk: found nowhere)", labels=["tier"])  # fmt: skip
         evictions = CounterMetricFamily("edit_rt_store_evictions", "Bases evicted, per store tier", labels=["tier"])
         for tier in ("ram", "disk"):
             entries.add_metric([tier], stats[tier]["entries"])
@@ -38,26 +58,65 @@ class StoreCollector:
             budget.add_metric([tier], stats[tier]["budget"])
             hits.add_metric([tier], stats[f"hits_{tier}"])
             evictions.add_metric([tier], stats[f"evictions_{tier}"])
-        misses = CounterMetricFamily("edit_rt_store_misses", "Bases asked for and not found")
-        misses.add_metric([], stats["misses"])
+        # A lookup RAM cannot answer goes to the disk tier (a disk hit) or fails (a miss of both);
+        # without a disk tier (budget 0) it fails at RAM.
+        has_disk = stats["disk"]["budget"] > 0
+        misses.add_metric(["ram"], stats["hits_disk"] + stats["misses"])
+        misses.add_metric(["disk"], stats["misses"] if has_disk else 0)
+        loads = CounterMetricFamily("edit_rt_store_disk_loads", "Bases read and verified from the disk tier")
+        loads.add_metric([], stats.get("disk_loads", 0))
+        load_seconds = CounterMetricFamily("edit_rt_store_disk_load_seconds", "Seconds spent reading and verifying "
+                                           "bases from the disk tier")  # fmt: skip
+        load_seconds.add_metric([], stats.get("disk_load_seconds", 0.0))
         refused = CounterMetricFamily("edit_rt_store_refused_files", "Store files that failed verification")
         refused.add_metric([], stats["refused_files"])
         disk_full = CounterMetricFamily("edit_rt_store_disk_full", "Bases kept in RAM only: the disk tier was full")
         disk_full.add_metric([], stats.get("disk_full", 0))
-        yield from (entries, size, budget, hits, evictions, misses, refused, disk_full)
+        yield from (entries, size, budget, hits, misses, evictions, loads, load_seconds, refused, disk_full)
+
+
+class SchedulerCollector:
+    """The step loops' counts at scrape time, summed over the row schedulers (one per served
+    size; their ``SchedulerStats``)."""
+
+    def __init__(self, schedulers: list):
+        self.schedulers = schedulers
+
+    def collect(self):
+        def total(field: str) -> int:
+            return sum(getattr(s.stats, field) for s in self.schedulers)
+
+        for name, doc, value in (
+            ("edit_rt_unet_calls", "unet_step calls (one per step of the loop)", total("calls")),
+            ("edit_rt_unet_rows", "UNet rows run: rows advanced by one step, summed over calls (reference rows "
+             "included, bucket padding not)", total("row_steps")),
+            ("edit_rt_unet_reference_rows", "Of those, reference rows (structure keeping's extra rows)", total("reference_steps")),
+            ("edit_rt_unet_padding_rows", "Rows a call ran to fill its bucket, beyond the real ones",
+             total("rows_computed") - total("row_steps")),
+            ("edit_rt_unet_uncond_halves_skipped", "Unconditional halves of rows not computed: an edit's entry step "
+             "takes its base's", total("uncond_rows_skipped")),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
 
 
 class Metrics:
-    """The service's metrics. The batcher and routes call ``inc``/``gauge``/``observe`` by name."""
+    """The service's metrics. The batcher and routes call ``inc``/``gauge``/``observe`` by name;
+    the pipeline's stages time themselves with :meth:`stage` (or :func:`timed`)."""
 
     def __init__(self, store_stats: Callable[[], Optional[dict]] = lambda: None, engines: bool = True):
         """``engines``: this process runs the step loop (not so a Ray Serve ingress, which
         re-exposes its replicas' metrics instead: ``ReplicaCollector``)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.ready = Gauge("edit_rt_ready", "1 once the engines are loaded and the service takes requests", registry=r)
         self.http = Histogram("edit_rt_http_request_seconds", "HTTP request latency, by route, method and status",
                               ["route", "method", "status"], buckets=SECONDS, registry=r)  # fmt: skip
+        self.stages: Optional[Histogram] = None
+        self.build_info: Optional[Gauge] = None
+        self._by_name: dict = {}
         if not engines:
             return
         self._by_name = {
@@ -66,16 +125,37 @@ class Metrics:
                                             buckets=(1, 2, 4, 8, 16, 32, 64), registry=r),  # fmt: skip
             "edit_rt_row_seconds": Histogram("edit_rt_row_seconds", "Seconds from a row's admission to its result",
                                              buckets=SECONDS, registry=r),  # fmt: skip
+            "edit_rt_queue_wait_seconds": Histogram("edit_rt_queue_wait_seconds", "Seconds a row waited in the queue, "
+                                                    "from its request's submission to its admission into a slot",
+                                                    buckets=STAGE_SECONDS, registry=r),  # fmt: skip
             "edit_rt_active_rows": Gauge("edit_rt_active_rows", "Rows in the step loop", registry=r),
             "edit_rt_queue_rows": Gauge("edit_rt_queue_rows", "Rows waiting for a slot", registry=r),
             "edit_rt_edits_served_total": Counter("edit_rt_edits_served", "Edit rows finished", registry=r),
             "edit_rt_bases_generated_total": Counter("edit_rt_bases_generated", "Bases generated", registry=r),
+            # What regenerating would have run minus what ran: an edit entering its base's chain
+            # at step s runs T - s rows where a regeneration runs T, so it saves s (docs/serving.md).
+            "edit_rt_unet_rows_saved_total": Counter("edit_rt_unet_rows_saved", "UNet rows finished edits did not "
+                                                     "run: the steps of their base's chain before their entry step",
+                                                     registry=r),  # fmt: skip
         }
+        self.stages = Histogram("edit_rt_stage_seconds", "Seconds of one call of a pipeline stage, by stage",
+                                ["stage"], buckets=STAGE_SECONDS, registry=r)  # fmt: skip
+        for name in STAGES:  # every stage is a series from the start (0 until it runs)
+            self.stages.labels(name)
+        self.build_info = Gauge("edit_rt_build_info", "1, labelled with what this process serves: edit-rt's version, "
+                                "the backend, the model and its artifacts' fingerprint",
+                                ["version", "backend", "model", "fingerprint"], registry=r)  # fmt: skip
         # What affinity routing is for: an edit whose base this process holds in RAM starts at
         # once; one it must load from the disk tier (misrouted, evicted, after a restart) does not.
         self.edit_requests = Counter("edit_rt_edit_requests", "Edit requests, by the store tier their base was found in "
                                      "(ram: this process held it)", ["base_tier"], registry=r)  # fmt: skip
         r.register(StoreCollector(store_stats))
+
+    def loaded(self, backend: str, model: str, fingerprint: str, schedulers: list) -> None:
+        """The engines are up: say what runs (``edit_rt_build_info``), and count the step loops
+        of ``schedulers`` (``RowScheduler``s) from now on."""
+        self.build_info.labels(__version__, backend, model, fingerprint).set(1)
+        self.registry.register(SchedulerCollector(schedulers))
 
     def inc(self, name: str, value: float = 1.0) -> None:
         self._by_name[name].inc(value)
@@ -85,6 +165,20 @@ class Metrics:
 
     def observe(self, name: str, value: float) -> None:
         self._by_name[name].observe(value)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """One call of ``stage`` (one of STAGES) took ``seconds``."""
+        if stage not in STAGES:  # label values stay a fixed set
+            raise ValueError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
+        if self.stages is not None:
+            self.stages.labels(stage).observe(seconds)
+
+    @contextmanager
+    def stage(self, stage: str) -> Iterator[None]:
+        """Time the block as one call of ``stage`` (one of STAGES); a block that raises is not observed."""
+        start = time.perf_counter()
+        yield
+        self.observe_stage(stage, time.perf_counter() - start)
 
     def histogram_counts(self, name: str) -> dict[float, int]:
         """Observations per bucket (not cumulative), keyed by upper bound (inf for the last)."""
@@ -99,6 +193,7 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
 
 
 def merged(own: CollectorRegistry, replicas: dict[str, bytes]) -> bytes:
@@ -127,3 +222,17 @@ def merged(own: CollectorRegistry, replicas: dict[str, bytes]) -> bytes:
     registry = CollectorRegistry()
     registry.register(Merged())
     return generate_latest(registry)
+
+
+def timed(stage: str):
+    """A method decorator: each call is one observation of ``stage`` in ``self.metrics``."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def timed_method(self, *args, **kwargs):
+            with self.metrics.stage(stage):
+                return method(self, *args, **kwargs)
+
+        return timed_method
+
+    return decorate

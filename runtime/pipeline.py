@@ -24,17 +24,19 @@ from .engine.manifest import Manifest, load_manifest, model_files
 from .engine.profiles import EditBatchProfile, available_host_bytes, peak_step_bytes
 from .engine.step_signature import StepSignature
 from .errors import ArtifactError, ConfigError
-from .images import composite, feathered_rectangle, upsample_weight
+from .images import composite, feathered_rectangle, latent_keep, to_uint8, upsample_weight
 from .loop.batcher import Batcher
 from .loop.jobs import Job, Request
 from .loop.resolve import RowResolver
 from .loop.rows import pow2_buckets
 from .loop.slots import RowScheduler
+from .metrics import Metrics, timed
 from .model.align import token_diff
 from .model.automask import AutoMask
 from .model.edit import Base, Mask, Preserve, TailRow
 from .model.scheduler_ddim import DDIMConfig
 from .model.state import KV, BaseState
+from .model.weighting import SpanTokenizer, WeightedIds, emphasize, encoder_widths, prompt_spans
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 
@@ -86,6 +88,9 @@ class EditPipeline:
             except Exception as err:  # the tokenizers library raises its own types
                 raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
         self.tokenizer = self.tokenizers[0]
+        # A1111's weighted spans -> ids and a weight per id (model/weighting.py), one per tokenizer
+        self.span_tokenizers = [SpanTokenizer(t) for t in self.tokenizers]
+        self._text_widths: Optional[list[int]] = None  # each text encoder's hidden columns, found on first use
         self.conds = self.family.get("conds", [])
         # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
         self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
@@ -108,6 +113,7 @@ class EditPipeline:
         # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
         self.engine = EngineThread()
         self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
+        self.metrics = Metrics()  # the stages' seconds (@timed); the server's own once service.py hands it over
         self.reuse_entry = reuse_entry
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
@@ -144,10 +150,35 @@ class EditPipeline:
     # --- text -------------------------------------------------------------------------------
 
     def input_ids(self, prompts: Sequence[str], tokenizer: Optional[Tokenizer] = None) -> np.ndarray:
-        """CLIP ids [B, 77]: BOS, the prompt's tokens, EOS, padding (as diffusers tokenizes)."""
-        tokenizer = tokenizer or self.tokenizer
-        return np.array([e.ids for e in tokenizer.encode_batch(list(prompts))], dtype=np.int64)
+        """CLIP ids [B, 77]: BOS, the prompt's tokens, EOS, padding (as diffusers tokenizes), of
+        the prompts' text without their weighting syntax (``a (red:1.3) car``: ``a red car``)."""
+        k = self.tokenizers.index(tokenizer) if tokenizer is not None else 0
+        return np.stack([self.span_tokenizers[k].encode(prompt_spans(p)).ids for p in prompts])
 
+    def weighted_ids(self, prompts: Sequence[str], negative: bool = False) -> list[list[WeightedIds]]:
+        """Per tokenizer, each prompt's ids and their weights (AUTOMATIC1111's emphasis syntax,
+        model/weighting.py); a syntax edit-rt does not run raises PromptSyntaxError."""
+        spans = [prompt_spans(p, negative) for p in prompts]
+        return [[tokenizer.encode(s) for s in spans] for tokenizer in self.span_tokenizers]
+
+    def text_widths(self, width: int) -> list[int]:
+        """Each text encoder's columns of the ``width`` hidden-state columns, in order: the
+        emphasis restores each encoder's own mean (A1111 weights SDXL's two encoders apart).
+        The manifest records only the sum; weighting.encoder_widths finds them from the text
+        graph, once."""
+        if self._text_widths is None:
+            if len(self.tokenizers) == 1:
+                self._text_widths = [width]
+            else:
+                names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
+                plain = {name: self.input_ids([""], t) for name, t in zip(names, self.tokenizers)}
+                encode = lambda feeds: self.graphs["text_encoder"].infer(feeds)[0][0, 0]  # noqa: E731
+                changed = [encode({**plain, name: self.input_ids(["a photo"], t)})
+                           for name, t in zip(names, self.tokenizers)]  # fmt: skip
+                self._text_widths = encoder_widths(encode(plain), changed)
+        return self._text_widths
+
+    @timed("text_encode")
     def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False) -> KV:
         """Every cross-attention layer's K/V for each prompt, and the family's extras (SDXL's
         pooled embedding), batched (max_batch prompts a call).
@@ -166,9 +197,14 @@ class EditPipeline:
             given = list(prompts[lo : lo + self.max_batch])
             chunk = ["" if p is None else p for p in given]
             names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]  # one per tokenizer
-            feeds = {name: self.input_ids(chunk, t) for name, t in zip(names, self.tokenizers)}
+            tokens = self.weighted_ids(chunk, negative)  # every prompt parsed before anything runs
+            feeds = {name: np.stack([w.ids for w in ws]) for name, ws in zip(names, tokens)}
             outputs = self.graphs["text_encoder"].infer(feeds)
             hidden = np.ascontiguousarray(outputs[0][:, layer])
+            for b in range(len(chunk)):  # A1111's emphasis on the weighted prompts' hidden states
+                if any(ws[b].weighted for ws in tokens):
+                    weights = [ws[b].weights for ws in tokens]
+                    hidden[b] = emphasize(hidden[b], weights, self.text_widths(hidden.shape[-1]))
             pooled = outputs[1] if len(outputs) > 1 else None
             if negative and self.family.get("zero_empty_negative"):
                 empty = np.array([p is None for p in given])
@@ -242,6 +278,12 @@ class EditPipeline:
         keep[:, m.y // s : -(-(m.y + m.height) // s), m.x // s : -(-(m.x + m.width) // s)] = False
         return keep
 
+    def pixel_keep(self, pixel_mask: np.ndarray, latent_shape: Sequence[int]) -> np.ndarray:
+        """[1, h, w] bool, True where a pixel mask ([H, W], 1 = may change) keeps the base's
+        latent: where every pixel of the latent pixel's block is 0 (as the rectangle grows to
+        whole latent pixels, a latent pixel may change where any of its pixels may)."""
+        return latent_keep(pixel_mask, tuple(latent_shape[1:]))
+
     def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None) -> RowScheduler:
         """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
         latents on ``graph`` (this pipeline's step graph)."""
@@ -262,8 +304,9 @@ class EditPipeline:
         """
         if row.preserve != "auto":
             return None, "none"
-        base_ids, edit_ids = self.input_ids([base_prompt, row.prompt])
-        diff = token_diff(base_ids, edit_ids, self.special_ids)
+        base, edit = self.weighted_ids([base_prompt, row.prompt])[0]  # the first tokenizer's: the maps' positions
+        base_ids, edit_ids = base.ids, edit.ids  # a word's changed weight changes it, its brackets do not
+        diff = token_diff(base_ids, edit_ids, self.special_ids, base.weights, edit.weights)
         if diff.unchanged:
             return None, "none: no token of the prompt changed (a global edit)"
         p = self.preserve
@@ -273,15 +316,23 @@ class EditPipeline:
         return mask, "auto"
 
     def pixel_weight(self, row: TailRow, keep: Optional[np.ndarray], image_hw: tuple[int, int]) -> Optional[np.ndarray]:
-        """[H, W] in [0, 1]: how much of the edit each pixel shows (None: all of it)."""
+        """[H, W] in [0, 1]: how much of the edit each pixel shows (None: all of it). An explicit
+        mask's: the rectangle feathered inside its edge, the pixel mask as it is, their product
+        when both are given; else ``preserve: auto``'s latent region, upsampled."""
+        weight = None
         if row.mask is not None:
-            return feathered_rectangle(row.mask, image_hw, self.preserve.feather_px)
-        if keep is not None:
+            weight = feathered_rectangle(row.mask, image_hw, self.preserve.feather_px)
+        if row.pixel_mask is not None:
+            weight = row.pixel_mask if weight is None else weight * row.pixel_mask
+        if weight is None and keep is not None:
             return upsample_weight(~keep[0], image_hw)
-        return None
+        return weight
 
     def base_image(self, state: BaseState) -> np.ndarray:
-        """The base's decoded image [H, W, 3] (kept for the last few bases)."""
+        """The base's image [H, W, 3] in [0, 1]: an inverted base's own source pixels (not their
+        VAE round trip), a generation's decoded final latent (kept for the last few bases)."""
+        if state.source is not None:
+            return state.source.astype(np.float32) / 255.0
         key = (state.fingerprint, state.base, state.window_start)
         if key not in self._base_images:
             self._base_images[key] = self.decode(state.final_latent)[0]
@@ -291,9 +342,12 @@ class EditPipeline:
         return self._base_images[key]
 
     def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray:
-        """``image``, an edit of ``state``, with the base's own pixels outside its mask."""
+        """``image``, an edit of ``state``, with the base's own pixels outside its mask (or the
+        row's backdrop's, when it brings one)."""
         weight = self.pixel_weight(row, keep, image.shape[:2])
-        return image if weight is None else composite(image, self.base_image(state), weight)
+        if weight is None:
+            return image
+        return composite(image, self.base_image(state) if row.backdrop is None else row.backdrop, weight)
 
     def render(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> list[np.ndarray]:
         """Decode the edits' latents (``edit(..., decode=False)``'s results), each with the
@@ -344,6 +398,7 @@ class EditPipeline:
         (latents,) = self.graphs["vae_encoder"].infer({"images": np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)})
         return latents
 
+    @timed("inversion")
     def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None) -> BaseState:
         """A base state from an image: DDIM inversion over the window, with Direct Inversion's
         per-step corrections (Ju et al. 2023), so that the base's own row, and an identity
@@ -353,7 +408,8 @@ class EditPipeline:
            image's description; guidance 1) to z*_{window_start}: T - window_start rows, in turn;
         2. from every z*_i one forward step as the base's rows take it (its prompt, guidance and
            negative prompt): x^_{i+1}, and the unconditional prediction u_i; all in one tail;
-        3. keep d_i = z*_{i+1} - x^_{i+1}: every edit row of this base adds it after step i.
+        3. keep d_i = z*_{i+1} - x^_{i+1}: every edit row of this base adds it after step i;
+           and the image's own pixels (uint8), which a masked edit shows outside its mask.
         """
         shape = self.latent_shape(base)
         T = base.steps
@@ -372,7 +428,7 @@ class EditPipeline:
         results = self._run(jobs, request, shape, progress)
         stepped = np.stack([r.latent for r in results])
         uncond_out = np.stack([r.record.uncond[i] for r, i in zip(results, steps)])
-        return dataclasses.replace(partial, uncond_out=uncond_out, corrections=inverted[1:] - stepped)
+        return dataclasses.replace(partial, uncond_out=uncond_out, corrections=inverted[1:] - stepped, source=to_uint8(image))
 
     def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
         """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order.
@@ -402,6 +458,7 @@ class EditPipeline:
         jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
         return self._run(jobs, request, shape, progress)
 
+    @timed("decode")
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
         images = []

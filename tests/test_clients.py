@@ -41,8 +41,8 @@ def test_openai_sdk_generate_with_its_fields_and_models(server, model_dir):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    result = client.images.generate(prompt="a red circle", n=2, model="dall-e-3", size="32x32", quality="hd",
-                                    style="vivid", user="someone", response_format="b64_json",
+    result = client.images.generate(prompt="a red circle", n=2, model="dall-e-3", size="32x32", quality="auto",
+                                    user="someone", response_format="b64_json",
                                     extra_body={"negative_prompt": "blurry", "seed": 11, "steps": STEPS})  # fmt: skip
     assert len(result.data) == 2
     images = [_image(d.b64_json) for d in result.data]

@@ -315,9 +315,33 @@ def _drop_layers(build: Path) -> None:
     (build / "manifest.json").write_text(json.dumps(manifest))
 
 
+def _manifest_edit(edit):
+    """A damage of manifest.json: ``edit`` changes its JSON, or is bytes to write instead."""
+
+    def damage(build: Path) -> None:
+        path = build / "manifest.json"
+        if isinstance(edit, bytes):
+            path.write_bytes(edit)
+            return
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+
+    return damage
+
+
 @pytest.mark.parametrize(
     "damage,needle",
-    [(_drop_layers, "manifest.json: layers is missing"), (lambda build: (build / "tokenizer.json").unlink(), "tokenizer.json")],
+    [
+        (_drop_layers, "manifest.json: layers is missing"),
+        (lambda build: (build / "tokenizer.json").unlink(), "tokenizer.json"),
+        (_manifest_edit(b"\xff\xfe garbage"), "is unreadable"),
+        (_manifest_edit(lambda m: m.__setitem__("graphs", 5)), "graphs is not valid"),
+        (_manifest_edit(lambda m: m.__setitem__("model", None)), "model is not valid"),
+        (_manifest_edit(lambda m: m["layers"][0].__setitem__("heads", "x")), "layers.0.heads is not valid"),
+        (_manifest_edit(lambda m: m["graphs"]["unet_step"]["inputs"][0].__setitem__("name", 5)), "inputs.0.name is not valid"),
+        (_manifest_edit(lambda m: m["graphs"]["unet_step"]["inputs"][0].__setitem__("dtype", "float99")), "'float99' is not a dtype"),
+    ],
 )
 def test_damaged_artifacts_are_one_line(tmp_path, model_dir, onnx_dir, damage, needle):
     import shutil

@@ -287,10 +287,12 @@ def test_deep_json_is_refused_before_parsing_and_the_server_stays_healthy(server
     txt2img = {"prompt": "a red circle", "steps": 2, "width": 32, "height": 32}
     r = httpx.post(server.url + "/sdapi/v1/txt2img", json={**txt2img, "override_settings": settings_}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_deep", r.text
-    # a brace in a string is no nesting; a real 5-level body is taken
-    r = httpx.post(server.url + "/sdapi/v1/txt2img", timeout=120, json={
-        **txt2img, "prompt": "[" * 400, "override_settings": {"a": {"b": [{"c": [1]}]}}})  # fmt: skip
+    # a brace in a string is no nesting; a real 5-level body is read (and its unknown setting
+    # refused by name, issue 24: not as too deep)
+    r = httpx.post(server.url + "/sdapi/v1/txt2img", timeout=120, json={**txt2img, "prompt": "[" * 400})
     assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/sdapi/v1/txt2img", timeout=120, json={**txt2img, "override_settings": {"a": {"b": [{"c": [1]}]}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "override_settings.a", r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert "Traceback" not in _log(server)
 

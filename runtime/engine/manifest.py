@@ -16,7 +16,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from ..errors import ArtifactError, ModelError
 
@@ -191,32 +194,76 @@ def load_manifest(onnx_dir: Path) -> Manifest:
     return manifest
 
 
-# What the runtime reads from a manifest; anything missing is refused up front, not as a
-# KeyError deep in a request.
-_MODEL_KEYS = ("fingerprint", "file_stats", "latent_channels", "sample_size", "vae_scale_factor", "text_len", "scheduler")
-_GRAPH_KEYS = ("file", "inputs", "outputs", "sha256")
+# What the runtime reads from a manifest, with its types: anything missing or of another type
+# is refused up front (pydantic), not as a KeyError or TypeError deep in a request.
+_GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder")
+_OPEN = ConfigDict(extra="allow", strict=True)  # the runtime reads these keys; others are the export's
+
+
+class _Tensor(BaseModel):
+    model_config = _OPEN
+    name: str
+    dtype: str
+    shape: list[Union[int, str]]
+
+    @field_validator("dtype")
+    @classmethod
+    def _a_dtype(cls, dtype: str) -> str:
+        try:
+            np.dtype(dtype)
+        except TypeError:  # pydantic reports ValueErrors only
+            raise ValueError(f"{dtype!r} is not a dtype") from None
+        return dtype
+
+
+class _Graph(BaseModel):
+    model_config = _OPEN
+    file: str
+    inputs: list[_Tensor]
+    outputs: list[_Tensor]
+    sha256: str
+    roles: Optional[dict[str, str]] = None
+
+
+class _Layer(BaseModel):
+    model_config = _OPEN
+    name: str
+    heads: PositiveInt
+    inner_dim: PositiveInt
+
+
+class _Model(BaseModel):
+    model_config = _OPEN
+    fingerprint: str
+    file_stats: dict
+    latent_channels: PositiveInt
+    sample_size: PositiveInt
+    vae_scale_factor: PositiveInt
+    text_len: PositiveInt
+    scheduler: dict
+
+
+class _Manifest(BaseModel):
+    model_config = _OPEN
+    model: _Model
+    layers: list[_Layer] = Field(min_length=1)
+    graphs: dict[str, _Graph]
+    family: dict
 
 
 def _check_keys(path: Path, data: dict) -> None:
-    def missing(where: str) -> ArtifactError:
-        return ArtifactError(f"{path}: {where} is missing; re-run `make export`")
-
-    for key in ("model", "layers", "graphs", "family"):
-        if key not in data:
-            raise missing(key)
-    for key in _MODEL_KEYS:
-        if key not in data["model"]:
-            raise missing(f"model.{key}")
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder"):
-        graph = data["graphs"].get(name)
-        if not isinstance(graph, dict):
+    try:
+        manifest = _Manifest.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the manifest"
+        what = "is missing" if first["type"] == "missing" else f"is not valid ({first['msg']})"
+        raise ArtifactError(f"{path}: {where} {what}; re-run `make export`") from None
+    for name in _GRAPHS:
+        if name not in manifest.graphs:
             raise ArtifactError(f"{path.parent}: graph {name!r} is missing; re-run `make export`")
-        for key in _GRAPH_KEYS + (("roles",) if name.startswith("unet_step") else ()):
-            if key not in graph:
-                raise missing(f"graphs.{name}.{key}")
-    if "map_factor" not in data["graphs"]["unet_step_maps"]:
-        raise missing("graphs.unet_step_maps.map_factor")
-    for i, layer in enumerate(data["layers"]):
-        for key in ("name", "heads", "inner_dim"):
-            if key not in layer:
-                raise missing(f"layers[{i}].{key}")
+    for name in ("unet_step", "unet_step_maps"):
+        if manifest.graphs[name].roles is None:
+            raise ArtifactError(f"{path}: graphs.{name}.roles is missing; re-run `make export`")
+    if not isinstance(data["graphs"]["unet_step_maps"].get("map_factor"), int):
+        raise ArtifactError(f"{path}: graphs.unet_step_maps.map_factor is missing; re-run `make export`")

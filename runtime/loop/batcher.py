@@ -48,6 +48,7 @@ class Resolver(Protocol):
     def rows(self, jobs: list[Job]) -> tuple[list[tuple[Job, Row]], list[tuple[Job, Exception]]]: ...
     def reference(self, row: Row) -> Row: ...
     def results(self, jobs: list[Job]) -> list[RowResult]: ...
+    def previews(self, rows: list[Row]) -> list: ...
 
 
 class Batcher:
@@ -69,6 +70,7 @@ class Batcher:
         # (unit, alone): alone once it failed beside others, so it rejoins an empty call.
         self.probation: deque[tuple[list[Row], bool]] = deque()
         self._trial: Optional[list[Row]] = None  # the unit rejoining at this step
+        self._calls = 0  # scheduler calls observed (a loop turn without a step observes none)
 
     # --- submitting -----------------------------------------------------------------------------
 
@@ -90,6 +92,8 @@ class Batcher:
                 raise ShuttingDownError("the server is shutting down and takes no new work")
             if self.queue_limit is not None and self.queued_rows + len(jobs) > self.queue_limit:
                 raise QueueFullError(f"the queue is full ({self.queued_rows}/{self.queue_limit} rows)")
+            for job in jobs:  # job.started: its submission until admitted (the queue wait), then its admission
+                job.started = time.perf_counter()
             request.pending.extend(jobs)
             self.queue.append(request)
             self.queued_rows += len(jobs)
@@ -193,6 +197,7 @@ class Batcher:
                 self._isolate(err)
             else:
                 self._observe()
+                self._previews()
                 self._finish(finished)
             with self._cv:
                 self._cv.notify_all()
@@ -341,9 +346,11 @@ class Batcher:
                     ref = self.resolver.reference(chunk[0][1])
                     self.scheduler.admit(ref)
                 for job, row in chunk:
+                    row.preview_every = job.request.preview_every
                     row.ref = ref if structure else None
                     self.scheduler.admit(row)
                     job.scheduled = row
+                    self.metrics.observe("edit_rt_queue_wait_seconds", time.perf_counter() - job.started)
                     job.started = time.perf_counter()
         if waiting:
             self._requeue(waiting)
@@ -356,7 +363,9 @@ class Batcher:
 
     def _observe(self) -> None:
         stats = self.scheduler.stats
-        if stats.last_rows:
+        if stats.calls != self._calls:
+            self._calls = stats.calls
+            self.metrics.observe_stage("step", stats.last_seconds)
             self.metrics.observe("edit_rt_step_seconds", stats.last_seconds)
             self.metrics.observe("edit_rt_batch_rows", stats.last_rows)
         self.metrics.gauge("edit_rt_active_rows", len(self.scheduler.active))
@@ -364,6 +373,23 @@ class Batcher:
             job = row.owner
             if not row.reference and job.request.on_progress is not None:
                 job.request.on_progress(job.index, row.step - job.row.start_step, job.base.steps - job.row.start_step)
+
+    def _previews(self) -> None:
+        """Decoded previews of the rows that asked for one at this step (a failed decode costs
+        the preview, never the row)."""
+        rows = [row for row in self.scheduler.active if row.previewed == row.step - 1 and not row.reference]
+        if not rows:
+            return
+        try:
+            images = self.resolver.previews(rows)
+        except Exception:
+            log.exception("decoding %d previews failed", len(rows))
+            return
+        for row, image in zip(rows, images):
+            job = row.owner
+            if job.request.on_preview is not None:
+                of = job.base.steps - job.row.start_step
+                job.request.on_preview(job.index, row.step - job.row.start_step, of, image)
 
     def _finish(self, jobs: list[Job]) -> None:
         if not jobs:
@@ -386,4 +412,5 @@ class Batcher:
             self.metrics.observe("edit_rt_row_seconds", result.seconds)
             if job.scheduled.record is None:
                 self.metrics.inc("edit_rt_edits_served_total")
+                self.metrics.inc("edit_rt_unet_rows_saved_total", job.row.start_step)  # T - (T - s)
             job.future.set_result(result)

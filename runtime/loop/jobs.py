@@ -79,6 +79,10 @@ class Request:
     id: str
     deadline: float = float("inf")
     on_progress: Optional[Callable[[int, int, int], None]] = None  # (index, step, of)
+    # every this many steps of a row, (index, step, of, image [H, W, 3] in [0, 1]): the decoded
+    # prediction of the final image (DDIM's x_0 estimate), from the engine thread; 0: none
+    preview_every: int = 0
+    on_preview: Optional[Callable[[int, int, int, np.ndarray], None]] = None
     decode: bool = True  # images for the results (the server); latents only otherwise
     cancelled: threading.Event = field(default_factory=threading.Event)
     pending: deque = field(default_factory=deque)

@@ -41,11 +41,13 @@ class Model(Protocol):
     ddim_config: Any
     pooled: list[str]
     manifest: Any
+    metrics: Any  # metrics.Metrics: the kv_mix stage is timed here
 
     def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False) -> KV: ...
     def row_conds(self, base: Any, kv: KV) -> dict[str, np.ndarray]: ...
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Any, str]: ...
     def keep_mask(self, mask: Any, latent_shape: Sequence[int]) -> Optional[np.ndarray]: ...
+    def pixel_keep(self, pixel_mask: np.ndarray, latent_shape: Sequence[int]) -> np.ndarray: ...
     def decode(self, latents: np.ndarray) -> np.ndarray: ...
     def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray: ...
 
@@ -127,16 +129,26 @@ class RowResolver:
                        record=record, conds=conds, owner=job)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
-        mixed = mix_kv(state.cond_kv, edit, tail.strength)
+        with model.metrics.stage("kv_mix"):
+            mixed = mix_kv(state.cond_kv, edit, tail.strength)
         structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             [t[0] for t in mixed.tensors], state.uncond_kv,
             entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
-            keep=model.keep_mask(tail.mask, shape), base=state, auto=auto,
+            keep=self._keep(tail, shape), base=state, auto=auto,
             corrections=state if state.corrections is not None else None,
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
         )  # fmt: skip
+
+    def _keep(self, tail: TailRow, shape: Sequence[int]) -> Optional[np.ndarray]:
+        """Where an edit row keeps the base's latent: outside its rectangle and outside its
+        pixel mask (both, when it has both: only where each lets it may it change)."""
+        keep = self.model.keep_mask(tail.mask, shape)
+        if tail.pixel_mask is not None:
+            pixels = self.model.pixel_keep(tail.pixel_mask, shape)
+            keep = pixels if keep is None else keep | pixels
+        return keep
 
     def reference(self, row: Row) -> Row:
         """The reference row of ``row``'s group: its base's own tail from the same step, with the
@@ -149,6 +161,10 @@ class RowResolver:
                    conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
 
     # --- rows -> results ----------------------------------------------------------------------
+
+    def previews(self, rows: list[Row]) -> list[np.ndarray]:
+        """The decoded x_0 estimates of rows that just ran a preview step, [H, W, 3] each."""
+        return list(self.model.decode(np.stack([predicted_x0(row) for row in rows])))
 
     def results(self, jobs: list[Job]) -> list[RowResult]:
         """What each finished job gives back: its latent, its image (decoded, with the base's
@@ -172,6 +188,18 @@ class RowResolver:
             out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
                                  job.preserve, row.keep, row.record))  # fmt: skip
         return out
+
+
+def predicted_x0(row: Row) -> np.ndarray:
+    """A row's estimate of its final latent from the latents before and after its step
+    ``row.previewed`` (``row.preview``). DDIM (eta 0) writes both from the same x_0 and noise:
+    x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) e and x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev) e
+    (Song et al. 2021, eq. 12), two equations whose solution is the x_0 the step predicted."""
+    i = row.previewed
+    a_t, a_p = float(row.schedule.alpha_t[i]), float(row.schedule.alpha_prev[i])
+    x_t, x_p = row.preview
+    det = math.sqrt(a_t) * math.sqrt(1 - a_p) - math.sqrt(a_p) * math.sqrt(1 - a_t)
+    return ((math.sqrt(1 - a_p) * x_t - math.sqrt(1 - a_t) * x_p) / det).astype(np.float32)
 
 
 def mix_kv(base: KV, edit: KV, strength: float) -> KV:

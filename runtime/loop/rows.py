@@ -49,9 +49,21 @@ class Row:
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
     keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds
+    # Previews: every ``preview_every`` steps the latents before and after a step come back
+    # ([2, c, h, w], read with the step's one synchronization), ``previewed`` the step they are of.
+    preview_every: int = 0
+    preview: Optional[np.ndarray] = field(default=None, init=False, repr=False)
+    previewed: int = field(default=-1, init=False)
+    entry: int = field(default=0, init=False)  # the step it entered at
 
     def __post_init__(self) -> None:
         self.guidance = max(self.guidance, 1.0)  # <= 1: no CFG (diffusers), the cond prediction alone
+        self.entry = self.step
+
+    def preview_due(self) -> bool:
+        """Whether the step this row runs next ends with a preview (never its last: that is its result)."""
+        done = self.step + 1
+        return self.preview_every > 0 and done < self.end and (done - self.entry) % self.preview_every == 0
 
     @property
     def end(self) -> int:

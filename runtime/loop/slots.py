@@ -356,6 +356,14 @@ class RowScheduler:
         wants_maps = [row for row in self.active if row.auto is not None and row.auto.wants_maps]
         maps = self.maps_graph is not None and bool(wants_maps)
         binding = self._binding(maps, b, given, m)
+        # previews: a row's latent before this step (after it comes back below); a generation
+        # records both anyway
+        due = [row for row in self.active if row.preview_due()]
+        for row in due:
+            if row.preview is None:
+                row.preview = np.empty((2, *self.latent_shape), dtype=np.float32)
+            if row.record is None:
+                self.dev[sig.latents].read_async(row.preview[0], offset=row.slot * self.latent_elems)
         start = time.perf_counter()
         binding.run()
         self.ran = True
@@ -379,8 +387,16 @@ class RowScheduler:
             if row.step + 1 == row.end:
                 self.dev[sig.latents].read_async(row.latent, offset=r * latent)
                 reads += 1
+        for row in due:
+            if row.record is None:
+                self.dev[sig.latents].read_async(row.preview[1], offset=row.slot * latent)
+                reads += 1
         if reads:
             self._synchronize()
+        for row in due:
+            if row.record is not None:
+                row.preview[:] = row.record.latents[row.step : row.step + 2]
+            row.previewed = row.step
         self.stats.last_seconds = time.perf_counter() - start
         for row in self.active:
             row.step += 1

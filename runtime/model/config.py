@@ -15,12 +15,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
 
 from ..errors import ConfigError
+from .weighting import PromptSyntaxError, prompt_spans
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 
@@ -89,6 +90,10 @@ class Engines:
     # Rows per VAE call: its activations at full image size are far larger per row than the
     # UNet's (SDXL at 1024x1024), so it has its own profile and decodes in chunks of it.
     vae_max_batch: Rows = 8
+    # Image sizes `edit-rt serve` takes ("WxH"), besides base.width x base.height (always
+    # served, and the default): one step loop each, on the same engines where their spatial
+    # axes are dynamic (ONNX Runtime); uploads are resized to the base's size.
+    sizes: list[Annotated[Str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$")]] = field(default_factory=list)
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -191,6 +196,15 @@ class RunConfig:
     serve: Serve = field(default_factory=Serve)
     source: Optional[Path] = None
 
+    def served_sizes(self) -> list[tuple[int, int]]:
+        """(width, height) of every size served: the base's first, then engines.sizes."""
+        sizes = [(self.base.width, self.base.height)]
+        for text in self.engines.sizes:
+            size = tuple(int(v) for v in text.split("x"))
+            if size not in sizes:
+                sizes.append(size)
+        return sizes
+
     @property
     def model_name(self) -> str:
         return self.model.resolve().name
@@ -220,6 +234,12 @@ class RunConfig:
                 f"{where}cache.window_start: must be below base.steps ({self.base.steps}), "
                 f"got {self.cache.window_start}"
             )
+        for name, text in (("prompt", self.base.prompt), ("negative_prompt", self.base.negative_prompt)):
+            try:
+                if text is not None:
+                    prompt_spans(text, negative=name == "negative_prompt")
+            except PromptSyntaxError as err:
+                raise ConfigError(f"{where}base.{name}: {err}") from None
         for i, edit in enumerate(self.edits):
             self.tail_row(edit, f"{where}edits[{i}]")
 

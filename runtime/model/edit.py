@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import numpy as np
 from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator, with_config
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
@@ -32,6 +33,7 @@ from .schema import (
     between,
     Float,
 )
+from .weighting import prompt_spans
 
 STRICT = ConfigDict(extra="forbid")
 
@@ -91,6 +93,7 @@ class Edit:
     def _not_blank(cls, prompt: str) -> str:
         if not prompt.strip():
             raise ValueError("must not be empty")
+        prompt_spans(prompt)  # A1111 syntax edit-rt does not run: refused here, naming the field
         return prompt
 
     @model_validator(mode="after")
@@ -192,6 +195,15 @@ class TailRow:
     # Structure keeping: the first fraction of the tail takes its self-attention pattern from
     # the base's own tail (a reference row in the same call); 0: off.
     structure: float = 0.0
+    # A mask of any shape: [H, W] float32 in [0, 1] at the base's image size, how much of the
+    # edit each pixel shows (1: may change; 0: the backdrop's pixel exactly). Its latent pixels
+    # follow the base's latents wherever all of their pixels are 0 (as the rectangle: a latent
+    # pixel may change where any of its pixels may). With ``mask`` too, both hold.
+    pixel_mask: Optional[np.ndarray] = None
+    # What a masked edit is composited onto outside its mask: [H, W, 3] float32 in [0, 1] at the
+    # image size (an img2img init image that is not its base's own picture). None: the base's
+    # image (an inverted base's own uploaded pixels; a generation's decoded image).
+    backdrop: Optional[np.ndarray] = None
 
 
 def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaults, where: str = "edit") -> TailRow:

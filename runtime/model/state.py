@@ -66,6 +66,9 @@ class BaseState:
     # An inverted image's base (pipeline.invert): [T - window_start, c, h, w], added to every
     # row of this base after its step i, so that the base's own row retraces x_{i+1} exactly
     corrections: Optional[np.ndarray] = None
+    # An inverted image's base: the pixels it was inverted from, [H, W, 3] uint8 (what its key's
+    # sha256 names). A masked edit shows these outside its mask, not their VAE round trip.
+    source: Optional[np.ndarray] = None
 
     def latent(self, i: int) -> np.ndarray:
         """x_i as a [1, c, h, w] view into the cache (no copy)."""
@@ -87,5 +90,5 @@ class BaseState:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(a.nbytes for a in (self.uncond_out, self.corrections) if a is not None)
+        extra = sum(a.nbytes for a in (self.uncond_out, self.corrections, self.source) if a is not None)
         return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes + extra

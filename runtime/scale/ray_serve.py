@@ -45,7 +45,8 @@ from ..metrics import merged
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit
 from ..serving.errors import ApiError
-from ..serving.service import Event, Generated, Service, is_base_id, until_done
+from ..serving.results import Generated
+from ..serving.service import Event, Service, is_base_id, until_done
 from ..storage.store import base_id
 from ..uploads import Upload
 from ..web.server import create_app
@@ -93,10 +94,17 @@ class EditWorker:
                      guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
         return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
 
-    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id",
-                          route: Optional[dict] = None) -> AsyncIterator[Event]:  # fmt: skip
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
+                          route: Optional[dict] = None, **masks) -> AsyncIterator[Event]:  # fmt: skip
         try:
-            async for event in self.service.edit_events(bid, specs, param):
+            async for event in self.service.edit_events(bid, specs, param, previews, **masks):
+                yield event
+        except ApiError as err:
+            yield "refused", {"error": err}
+
+    async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None) -> AsyncIterator[Event]:
+        try:
+            async for event in self.service.generate_events(base, previews):
                 yield event
         except ApiError as err:
             yield "refused", {"error": err}
@@ -224,9 +232,13 @@ class RayService(Service):
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
                                                                   clip_skip, route=route))  # fmt: skip
 
-    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id") -> AsyncIterator[Event]:
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
+                          **masks) -> AsyncIterator[Event]:  # fmt: skip
+        """On the replica holding ``bid``; ``masks``: Service.edit_events' pixel masks, backdrops,
+        PNG fields and mask parameter (numpy arrays travel as Ray objects)."""
         for attempt in range(2):
-            stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, route={"base": bid})
+            stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, previews, route={"base": bid},
+                                                                          **masks)  # fmt: skip
             started = finished = False
             try:
                 async for kind, data in stream:
@@ -247,16 +259,36 @@ class RayService(Service):
                 if not finished:
                     stream.cancel()  # the client left, or a row failed: the worker drops its rows
 
-    async def edit_base(self, bid: str, specs: list[Edit], http=None, param: str = "base_id"):
+    async def edit_base(self, bid: str, specs: list[Edit], http=None, param: str = "base_id", **masks):
         """As the local one; a replica lost midway is tried once more (nothing was sent yet)."""
         try:
-            return await super().edit_base(bid, specs, http, param)
+            return await super().edit_base(bid, specs, http, param, **masks)
         except ApiError as err:
             if err.code != "replica_lost":
                 raise
             log.warning("a replica died under an edit; sending it again")
             self.resent.inc()
-            return await super().edit_base(bid, specs, http, param)
+            return await super().edit_base(bid, specs, http, param, **masks)
+
+    async def generate_events(self, base: Base, previews: int = 0) -> AsyncIterator[Event]:
+        """A streamed generation on the replica it is routed to (previews, then "generated")."""
+        bid = base_id(self.fingerprint, base)
+        stream = self.workers.options(stream=True).generate_events.remote(base, previews, route={"base": bid, "new": True})
+        finished = False
+        try:
+            async for kind, data in stream:
+                if kind == "refused":
+                    finished = True
+                    raise data["error"]
+                yield kind, data
+            finished = True
+        except ApiError:
+            raise
+        except Exception as err:
+            raise unwrap(err) from None
+        finally:
+            if not finished:
+                stream.cancel()
 
     async def _on_owner(self, method: str, bid: str):
         if not is_base_id(bid):  # no replica can hold it: the worker answers 404 all the same

@@ -16,59 +16,43 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Optional
+from dataclasses import replace
+from typing import Any, AsyncIterator, Optional, Sequence
 
+import numpy as np
 from starlette.requests import Request as HttpRequest
 
 from ..assemble import pipeline_of, store_of
-from ..images import png_bytes
+from ..errors import ConfigError
+from ..images import checked_pixel_mask, png_bytes
 from ..loop.batcher import Batcher
 from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownError
-from ..metrics import Metrics
+from ..metrics import Metrics, timed
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
 from ..model.state import BaseState
+from ..model.weighting import PromptSyntaxError, prompt_spans
 from ..pipeline import EditPipeline
-from ..pnginfo import base_fields, edit_fields, parameters_text
+from ..pnginfo import edit_fields, parameters_text
 from ..storage.store import BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, base_id
-from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
 from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id, queue_errors, row_error, store_busy,
                      until_done)  # fmt: skip
+from .generation import Generation
+from .inversion import Uploads
+from .job_control import JobControl
+from .results import Edited
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Generated:
-    id: str
-    base: Base
-    png: bytes
-    seconds: float
-    tier: Optional[str] = None  # the store tier that holds it ("ram", "disk")
-
-
-@dataclass
-class Edited:
-    index: int
-    png: bytes
-    seconds: float
-    preserve: str
-    tail_steps: int
-    strength: float
-
-    def info(self) -> dict:
-        return {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
-                "preserve": self.preserve}  # fmt: skip
-
-
-# An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress" and
-# one "image_edit.completed" (data: index, png, info) or "error" (data: index, error: ApiError),
-# then "edit_rt.done". The SSE stream sends them as they come; the JSON answer collects them.
+# An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress"
+# (and, when asked for, "edit_rt.preview": index, step, of, png) and one "image_edit.completed"
+# (data: index, png, info) or "error" (data: index, error: ApiError), then "edit_rt.done".
+# The SSE stream sends them as they come; the JSON answer collects them.
 Event = tuple[str, dict]
 
 
-class Service:
+class Service(Generation, Uploads, JobControl):
     """The loaded engines, store and batcher, and the operations every route uses."""
 
     def __init__(self, cfg: RunConfig, engines: bool = True):
@@ -78,12 +62,16 @@ class Service:
         self.metrics = Metrics(lambda: self.store.stats() if self.store is not None else None, engines)
         self.pipe: Optional[EditPipeline] = None
         self.store: Optional[BaseStore] = None
-        self.batcher: Optional[Batcher] = None
+        self.batcher: Optional[Batcher] = None  # the first served size's
+        self.batchers: dict[tuple[int, int], Batcher] = {}  # (width, height) -> its step loop
         self.ready = threading.Event()
         self.draining = threading.Event()
         self.load_error: Optional[str] = None
         self.model_name = cfg.model_name
         self.started = int(time.time())
+        self.last_preview: Optional[bytes] = None  # the latest preview's PNG (A1111's current_image)
+        self.interrupts = 0  # interrupt() calls so far: a cancelled request tells an interrupt by it
+        self.interrupted_at = 0.0  # time.monotonic() of the last interrupt()
         # Uploads decode in a pool of their own: a burst of big images waits its turn there and
         # never takes the threads that store reads and the event loop's other work use.
         self.image_pool = ThreadPoolExecutor(max_workers=cfg.serve.image_workers, thread_name_prefix="edit-rt-images")
@@ -98,12 +86,25 @@ class Service:
         try:
             cfg, base = self.cfg, self.cfg.base
             pipe = pipeline_of(cfg).activate()
+            pipe.metrics = self.metrics  # the pipeline's stages (text encode, decode, inversion) time themselves here
             self.store = store_of(cfg, pipe.manifest.fingerprint)
-            batcher = pipe.batcher(pipe.latent_shape(base))
-            batcher.queue_limit = cfg.serve.queue_limit
-            batcher.metrics = self.metrics
-            self.batcher = batcher.start()
+            sizes = cfg.served_sizes()
+            if len(sizes) > 1 and pipe.graph_set.backend in ("trt", "ort-tensorrt"):
+                raise ConfigError(f"engines.sizes: the {pipe.graph_set.backend} engines are built for one size; "
+                                  "serve one size per server there (one profile per size is not built yet)")  # fmt: skip
+            for k, (width, height) in enumerate(sizes):  # a step loop per size, all on the one engine thread
+                try:
+                    shape = pipe.latent_shape(replace(base, width=width, height=height))
+                except ConfigError as err:
+                    raise ConfigError(f"engines.sizes: {width}x{height}: {err}" if k else str(err)) from None
+                batcher = pipe.batcher(shape)
+                batcher.queue_limit = cfg.serve.queue_limit
+                batcher.metrics = self.metrics
+                self.batchers[(width, height)] = batcher.start()
+            self.batcher = self.batchers[sizes[0]]
             self.pipe = pipe
+            self.metrics.loaded(pipe.graph_set.backend, self.model_name, pipe.manifest.fingerprint,
+                                [b.scheduler for b in self.batchers.values()])  # fmt: skip
             self.ready.set()
             self.metrics.ready.set(1)
             log.info("ready: backend %s (%s)", pipe.graph_set.backend, pipe.graph_set.reason)
@@ -115,22 +116,22 @@ class Service:
         """Stop admitting: new requests get 503 + Retry-After; rows in flight go on."""
         self.draining.set()
         self.metrics.ready.set(0)
-        if self.batcher is not None:
-            self.batcher.close()
+        for batcher in self.batchers.values():
+            batcher.close()
 
     def drained(self) -> bool:
-        return self.batcher is None or self.batcher.idle
+        return all(batcher.idle for batcher in self.batchers.values())
 
     def finish(self) -> None:
         """Fail what is still running with a clear error (a 503, or an error event)."""
-        if self.batcher is not None:
-            self.batcher.stop(timeout=0)
+        for batcher in self.batchers.values():
+            batcher.stop(timeout=0)
 
     def shutdown(self) -> None:
         self.ready.clear()
         self.metrics.ready.set(0)
-        if self.batcher is not None:
-            self.batcher.stop(timeout=30)
+        for batcher in self.batchers.values():
+            batcher.stop(timeout=30)
         if self.pipe is not None:
             self.pipe.deactivate()
         for pool in (self.image_pool, self.store_pool):
@@ -147,6 +148,10 @@ class Service:
         limit = self.cfg.serve.max_prompt_chars
         if len(prompt) > limit:
             raise ApiError(400, f"{param}: longer than {limit} characters", param=param, code="too_long")
+        try:  # A1111's emphasis syntax is run; what edit-rt does not run is refused here, by field
+            prompt_spans(prompt, negative=param.endswith("negative_prompt"))
+        except PromptSyntaxError as err:
+            raise ApiError(400, f"{param}: {err}", param=param, code="prompt_syntax") from None
 
     def base_of(self, prompt: str, negative_prompt: Optional[str] = None, size: Optional[str] = None, steps: Optional[int] = None,
                 guidance: Optional[float] = None, seed: int = -1, clip_skip: Optional[int] = None,
@@ -157,9 +162,11 @@ class Service:
         self.check_prompt(prompt, "prompt")
         if negative_prompt is not None:  # None: the family's default (SDXL: zeros)
             self.check_prompt(negative_prompt, "negative_prompt")
-        served = f"{default.width}x{default.height}"
-        if (size or served) != served:
-            raise ApiError(400, f"size: this server's engines serve {served} only", param="size", code="unsupported_size")
+        served = [f"{w}x{h}" for w, h in self.cfg.served_sizes()]
+        if (size or served[0]) not in served:
+            raise ApiError(400, f"size: {size[:16]} is not served; this server's engines serve {', '.join(served)}",
+                           param="size", code="unsupported_size")  # fmt: skip
+        width, height = map(int, (size or served[0]).split("x"))
         steps = steps or default.steps
         if steps > serve.max_steps:
             raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
@@ -179,17 +186,34 @@ class Service:
         for name, value in given.items():
             if not 0 <= value <= 16384:
                 raise ApiError(400, f"{name}: must lie in [0, 16384]", param=name, code="out_of_range")
-        return replace(default, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
+        return replace(default, width=width, height=height, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
                        clip_skip=clip_skip, image=None, **given)  # fmt: skip
 
-    def row_of(self, i: int, state: BaseState, edit: Edit) -> TailRow:
+    def row_of(self, i: int, state: BaseState, edit: Edit, pixel_mask: Optional[np.ndarray] = None,
+               backdrop: Optional[np.ndarray] = None, mask_param: Optional[str] = None) -> TailRow:  # fmt: skip
         """Edit ``i`` of a request as a row of ``state``'s tail (edit.resolve_edit: the config's
-        defaults filled in, its tail and mask checked against the base)."""
+        defaults filled in, its tail and mask checked against the base), with its pixel mask
+        ([H, W] in [0, 1], 1 = may change) and the backdrop it is composited onto outside it
+        ([H, W, 3] in [0, 1]; None: the base's image) checked against the base's size (400
+        naming ``mask_param``, by default ``edits[i].pixel_mask``)."""
         self.check_prompt(edit.prompt, f"edits[{i}].prompt")
         try:
-            return resolve_edit(edit, state.base, state.window_start, self.cfg.edit_defaults(), f"edits[{i}]")
+            row = resolve_edit(edit, state.base, state.window_start, self.cfg.edit_defaults(), f"edits[{i}]")
         except EditError as err:
             raise ApiError(400, str(err), param=err.field, code="out_of_range") from None
+        hw = (state.base.height, state.base.width)
+        param = mask_param or f"edits[{i}].pixel_mask"
+        if pixel_mask is not None:
+            try:
+                row.pixel_mask = checked_pixel_mask(pixel_mask, hw)
+            except ValueError as err:
+                raise ApiError(400, f"{param}: {err}", param=param, code="invalid_mask") from None
+        if backdrop is not None:
+            if np.shape(backdrop) != (*hw, 3):
+                raise ApiError(400, f"{param}: its image is {list(np.shape(backdrop))}, the base {hw[1]}x{hw[0]} RGB; "
+                               "send the image at the base's size", param=param, code="invalid_mask")  # fmt: skip
+            row.backdrop = np.ascontiguousarray(backdrop, dtype=np.float32)
+        return row
 
     # --- work ---------------------------------------------------------------------------------
 
@@ -198,7 +222,16 @@ class Service:
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
         with queue_errors():
-            self.batcher.submit(request, jobs)
+            self.batcher_of(jobs[0].base).submit(request, jobs)
+
+    def batcher_of(self, base: Base) -> Batcher:
+        """The step loop of ``base``'s size (a stored base of a size no longer served: 400)."""
+        batcher = self.batchers.get((base.width, base.height))
+        if batcher is None:
+            served = ", ".join(f"{w}x{h}" for w, h in self.batchers)
+            raise ApiError(400, f"base_id: this base is {base.width}x{base.height}; this server serves {served} "
+                           "(engines.sizes)", param="base_id", code="unsupported_size")  # fmt: skip
+        return batcher
 
     async def keep(self, state: BaseState) -> None:
         """Put a new base in the store: 503 ``store_full`` when every base there is pinned, 507
@@ -227,35 +260,32 @@ class Service:
             if any(not f.done() for f in futures):
                 request.cancelled.set()
 
-    async def generate(self, base: Base, http: Optional[HttpRequest] = None) -> Generated:
-        """Generate ``base``, keep it in the store, return its PNG (with its parameters)."""
-        pipe = self.pipe
-        bid = base_id(pipe.manifest.fingerprint, base)
-        request = self._new_request()
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
-        self.submit(request, [job])
-        (result,) = await self.wait(http, request, [job])
-        await self.keep(result.state)
-        self.metrics.inc("edit_rt_bases_generated_total")
-        fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
-        png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, result.seconds, self.store.tier(bid))
+    @timed("store_load")
+    def _pin(self, bid: str) -> BaseState:
+        """``store.pin``: from RAM, or read and verified from the disk tier."""
+        return self.store.pin(bid)
 
     async def pinned(self, bid: str, param: str = "base_id") -> BaseState:
         """Pin ``bid`` (in a thread: a disk load may read a file). A caller cancelled meanwhile
         (its client left) never sees the pin, so the pin is let go when it lands."""
         with base_errors(bid, param):
-            pin = asyncio.get_running_loop().run_in_executor(self.store_pool, self.store.pin, check_base_id(bid))
+            pin = asyncio.get_running_loop().run_in_executor(self.store_pool, self._pin, check_base_id(bid))
             try:
                 return await asyncio.shield(pin)
             except asyncio.CancelledError:
                 pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.store.unpin(bid))
                 raise
 
-    def edit_png(self, state: BaseState, row: TailRow, image, preserve: str) -> bytes:
+    def edit_png(self, state: BaseState, row: TailRow, image, preserve: str, extra: Optional[dict] = None) -> bytes:
+        """An edit's PNG with its parameters; ``extra``: a door's own fields, added after them
+        (AUTOMATIC1111's ``Mask blur``, say)."""
         bid = base_id(state.fingerprint, state.base)
         fields = edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve)
-        return png_bytes(image, parameters_text(row.prompt, state.base.negative_prompt, fields))
+        if row.pixel_mask is not None:
+            fields["Pixel mask"] = f"{int(np.count_nonzero(row.pixel_mask))} of {row.pixel_mask.size} px may change"
+        fields.update(extra or {})
+        with self.metrics.stage("png_encode"):
+            return png_bytes(image, parameters_text(row.prompt, state.base.negative_prompt, fields))
 
     def check_edit_count(self, n: int) -> None:
         limit = self.cfg.serve.max_edits_per_request
@@ -267,28 +297,43 @@ class Service:
         request = self._new_request()
         return request, [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
 
-    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id") -> AsyncIterator[Event]:
+    async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0, *,
+                          pixel_masks: Optional[Sequence[Optional[np.ndarray]]] = None,
+                          backdrops: Optional[Sequence[Optional[np.ndarray]]] = None,
+                          png_fields: Optional[Sequence[Optional[dict]]] = None,
+                          mask_param: Optional[str] = None) -> AsyncIterator[Event]:  # fmt: skip
         """Edits of the stored base ``bid`` as one batched tail (with whatever else runs), as
         events. Everything a request can be refused for (an unknown base, a bad edit, a full
-        queue) is raised before the first event; the base stays pinned until the last."""
+        queue) is raised before the first event; the base stays pinned until the last.
+        ``previews``: that many "edit_rt.preview" events per row, spread over its tail.
+        ``pixel_masks``, ``backdrops``, ``png_fields``: per edit (None entries for none), its
+        pixel mask, what it is composited onto outside it, and extra PNG parameters (see
+        ``row_of``, ``edit_png``); ``mask_param`` names the mask in a refusal."""
         tier = self.store.tier(bid) if is_base_id(bid) else None
         state = await self.pinned(bid, param)
         self.metrics.edit_requests.labels(tier or "disk").inc()
         request = None
         try:
-            rows = [self.row_of(i, state, spec) for i, spec in enumerate(specs)]
+            per = lambda given, i: None if given is None else given[i]  # noqa: E731
+            rows = [self.row_of(i, state, spec, per(pixel_masks, i), per(backdrops, i), mask_param)
+                    for i, spec in enumerate(specs)]  # fmt: skip
             request, jobs = self.edit_jobs(state, rows)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()  # from the batcher's thread to this loop
             request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
                 events.put_nowait, ("edit_rt.progress", {"index": i, "step": step, "of": of}))  # fmt: skip
+            self._send_previews(request, events, previews, max(state.base.steps - row.start_step for row in rows))
             for job in jobs:
                 job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
             self.submit(request, jobs)
-            yield "edit_rt.queue", {"position": self.batcher.queue_position(request), "queue_size": self.batcher.queued_rows}
+            batcher = self.batcher_of(state.base)
+            yield "edit_rt.queue", {"position": batcher.queue_position(request), "queue_size": batcher.queued_rows}
             remaining = len(jobs)
             while remaining:
                 kind, payload = await events.get()
+                if kind == "preview":
+                    yield "edit_rt.preview", await self._preview_event(payload)
+                    continue
                 if kind != "done":
                     yield kind, payload
                     continue
@@ -298,8 +343,8 @@ class Service:
                     yield "error", {"index": job.index, "error": row_error(job.future.exception())}
                     continue
                 r, row = job.future.result(), job.row
-                edited = Edited(job.index, self.edit_png(state, row, r.image, r.preserve), r.seconds, r.preserve,
-                                state.base.steps - row.start_step, row.strength)  # fmt: skip
+                png = self.edit_png(state, row, r.image, r.preserve, per(png_fields, job.index))
+                edited = Edited(job.index, png, r.seconds, r.preserve, state.base.steps - row.start_step, row.strength)
                 yield "image_edit.completed", {"index": job.index, "png": edited.png, "info": edited.info()}
             yield "edit_rt.done", {"base_id": bid}
         finally:
@@ -308,10 +353,11 @@ class Service:
             self.store.unpin(bid)
 
     async def edit_base(self, bid: str, specs: list[Edit], http: Optional[HttpRequest] = None,
-                        param: str = "base_id") -> list[Edited]:  # fmt: skip
-        """``edit_events`` collected: the edits in order, or the first row's error."""
+                        param: str = "base_id", **masks) -> list[Edited]:  # fmt: skip
+        """``edit_events`` collected: the edits in order, or the first row's error. ``masks``:
+        edit_events' pixel_masks, backdrops, png_fields, mask_param."""
         out = []
-        async for kind, data in watch(self.edit_events(bid, specs, param), http):
+        async for kind, data in watch(self.edit_events(bid, specs, param, **masks), http):
             if kind == "error":
                 raise data["error"]
             if kind == "image_edit.completed":
@@ -334,11 +380,6 @@ class Service:
     async def _store_read(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.store_pool, fn, *args)
 
-    async def progress(self) -> dict[str, int]:
-        """Rows running and rows queued (AUTOMATIC1111's /progress)."""
-        batcher = self.batcher
-        return {"active": len(batcher.scheduler.active) if batcher else 0, "queued": batcher.queued_rows if batcher else 0}
-
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
 
@@ -353,54 +394,6 @@ class Service:
     @property
     def family(self) -> dict:
         return self.pipe.family
-
-    async def upload(self, data: bytes, param: str) -> Upload:
-        """An uploaded image as the served size's pixels, or the API's error for it (decoded in
-        the image pool, off the event loop, within ``serve.max_image_pixels``)."""
-        base, s = self.cfg.base, self.cfg.serve
-        decode = lambda: image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes,  # noqa: E731
-                                          s.resize_uploads, s.max_image_pixels)  # fmt: skip
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.image_pool, decode)
-        except ImageInputError as err:
-            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
-
-    async def image_text(self, data: bytes, param: str) -> dict[str, str]:
-        """An uploaded image's text (its PNG ``parameters``, say), read in the image pool without
-        decoding its pixels, within the same limits as an upload."""
-        s = self.cfg.serve
-        read = lambda: text_of_image(data, param, s.max_image_bytes, s.max_image_pixels)  # noqa: E731
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.image_pool, read)
-        except ImageInputError as err:
-            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
-
-    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
-                     guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
-        """A base from an uploaded image (its inversion; kept in the store like a generation).
-
-        ``prompt`` describes the image (the source prompt; empty if not given). The same image
-        with the same settings finds the stored base instead of inverting again."""
-        if prompt:
-            self.check_prompt(prompt, "source_prompt")
-        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
-        pipe = self.pipe
-        bid = base_id(pipe.manifest.fingerprint, base)
-        start = time.perf_counter()
-        if bid not in self.store:
-            with queue_errors():  # the inversion's rows go through the batcher's queue
-                state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start))
-            await self.keep(state)
-        state = await self.pinned(bid)
-        try:
-            image = (await asyncio.wrap_future(pipe.engine.call(pipe.decode, state.final_latent)))[0]  # on the engine thread
-        finally:
-            self.store.unpin(bid)
-        fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
-        fields["Inverted from"] = upload.key
-        png = png_bytes(image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, time.perf_counter() - start, self.store.tier(bid))
-
 
 async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:
     """``events`` while the client is there: a client that disconnects closes them (its rows

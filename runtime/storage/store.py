@@ -127,6 +127,8 @@ class BaseStore:
             tensors.update(encode("uncond_out", state.uncond_out, self.latents_precision, pixels))
         if state.corrections is not None:  # small differences: kept in fp32 whatever the precision
             tensors.update(encode("corrections", state.corrections, "fp32", pixels))
+        if state.source is not None:  # an inverted image's own pixels, as they came (uint8)
+            tensors["source"] = np.ascontiguousarray(state.source, dtype=np.uint8)
         for i, t in enumerate(state.cond_kv.tensors):
             tensors.update(encode(f"cond_{i}", t, self.kv_precision, (_token_axis(i),)))
         uncond = {}
@@ -398,4 +400,5 @@ class BaseStore:
                          {name: uncond[f"uncond_x_{name}"] for name in extras}),
             uncond_out=decode("uncond_out", entry.tensors) if "uncond_out" in entry.tensors else None,
             corrections=decode("corrections", entry.tensors) if "corrections" in entry.tensors else None,
+            source=entry.tensors.get("source"),
         )

@@ -1,10 +1,10 @@
 """The HTTP API's request and response models and its one error shape.
 
-Bodies follow the OpenAI Images API where it has a field (``prompt``, ``n``, ``size``,
-``model``, ``response_format``, ``output_format``; ``quality``, ``style``, ``user``,
-``background`` and ``moderation`` are accepted and ignored: one model, one sampler) and
-AUTOMATIC1111's API otherwise (``negative_prompt``, ``steps``, ``cfg_scale``, ``seed`` with -1
-for random). Types are strict: nothing is coerced. Every error is
+Bodies follow the OpenAI Images API where it has a field (:class:`OpenAiOptions`: ``model``,
+``size``, ``response_format``, ``output_format``, ``quality``, ...; what each does here, honoured,
+refused or accepted and reported, is openai_fields.py's) and AUTOMATIC1111's API otherwise
+(``negative_prompt``, ``steps``, ``cfg_scale``, ``seed`` with -1 for random). Types are strict:
+nothing is coerced, and an unknown field is refused. Every error is
 ``{"error": {"message", "type", "param", "code"}}`` with ``param`` a JSON path such as
 ``edits[3].strength``; an invalid body is 400 ``invalid_request_error``, as OpenAI answers.
 """
@@ -17,23 +17,47 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.edit import Edit
-from ..model.schema import ClipSkip, Guidance, SizeCond, Steps
+from ..model.schema import ClipSkip, Guidance, Int, SizeCond, Steps, between
 from ..serving.errors import ApiError
 from ..uploads import ImageInputError, decode_base64
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-# OpenAI's own image model names: a client that sends one means "the served model".
-OPENAI_MODELS = frozenset({"dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5"})
+BASE64 = {"format": "byte", "contentEncoding": "base64"}  # how OpenAPI says "an image as base64 text"
+SIZE = r"^(\d{1,5}x\d{1,5}|auto)$"
 
 
-class GenerationRequest(BaseModel):
+class OpenAiOptions(BaseModel):
+    """OpenAI's fields on how an image is made or delivered, with the vocabularies of the
+    ``openai`` SDK's own types (so a value outside them is refused like any bad value); what
+    each value does here is openai_fields.py's table."""
+
     model_config = STRICT
 
+    model: Optional[str] = Field(None, description="The served model's name, or one of OpenAI's (meaning the served one).")
+    size: Optional[str] = Field(None, pattern=SIZE, description="WxH in pixels: the served size (or auto, the default).")
+    response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json only: this server hosts no files.")
+    output_format: Literal["png", "jpeg", "webp", "gif", "svg"] = Field(
+        "png", description="png carries the generation parameters (jpeg, webp: as an EXIF UserComment); gif and svg are refused.")
+    output_compression: Optional[between(Int, 0, 100)] = Field(None, description="jpeg, webp: the encoder's quality (100 by default).")
+    background: Optional[Literal["transparent", "opaque", "auto"]] = Field(None, description="auto or opaque (the images are opaque); transparent is refused.")
+    quality: Optional[Literal["low", "medium", "high", "xhigh", "max", "auto", "standard", "hd"]] = Field(
+        None, description="auto or standard: the server's DDIM steps (send steps to change them); others are refused.")
+    moderation: Optional[Literal["low", "auto"]] = Field(None, description="Accepted: this server filters nothing (said in info.accepted).")
+    complexity: Optional[Literal["low", "medium", "high"]] = Field(None, description="Refused: send steps.")
+    frame_count: Optional[int] = Field(None, description="Refused: no GIF output.")
+    frame_duration_ms: Optional[int] = Field(None, description="Refused: no GIF output.")
+    svg: Optional[dict[str, Any]] = Field(None, description="Refused: no SVG output.")
+    partial_images: Optional[between(Int, 0, 3)] = Field(None, description="With stream: that many decoded previews (image_*.partial_image events) before the image.")
+    stream: Optional[bool] = Field(None, description="Server-Sent Events: partial images, then the completed images.")
+    user: Optional[str] = Field(None, max_length=256, description="Metadata: echoed as safety_identifier, neither stored nor logged.")
+    safety_identifier: Optional[str] = Field(None, max_length=256, description="Metadata: echoed, neither stored nor logged.")
+
+
+class GenerationRequest(OpenAiOptions):
     prompt: str = Field(min_length=1, description="The base prompt.")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. Shared by the base and all its edits.")
     n: int = Field(1, ge=1, le=8, description="Bases to generate, from consecutive seeds (seed, seed + 1, ...).")
-    model: Optional[str] = Field(None, description="The served model's name, or one of OpenAI's (meaning the served one).")
-    size: Optional[str] = Field(None, pattern=r"^(\d{1,5}x\d{1,5}|auto)$", description="WxH in pixels; the server's size by default.")
+    style: Optional[Literal["vivid", "natural"]] = Field(None, description="Refused: describe the style in the prompt.")
     steps: Optional[Steps] = Field(None, description="DDIM steps; the server's default if omitted.")
     cfg_scale: Optional[Guidance] = Field(None, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
@@ -42,19 +66,12 @@ class GenerationRequest(BaseModel):
     original_height: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original height.")
     crop_top: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's top.")
     crop_left: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's left.")
-    response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json only: this server hosts no files.")
-    output_format: Literal["png", "jpeg", "webp"] = Field("png", description="png carries the generation parameters.")
-    quality: Optional[str] = Field(None, description="Accepted and ignored.")
-    style: Optional[str] = Field(None, description="Accepted and ignored.")
-    user: Optional[str] = Field(None, description="Accepted and ignored.")
-    background: Optional[str] = Field(None, description="Accepted and ignored.")
-    moderation: Optional[str] = Field(None, description="Accepted and ignored.")
 
 
 class BaseUpload(BaseModel):
     model_config = STRICT
 
-    image: str = Field(min_length=1, description="The image, base64 (PNG, JPEG, WebP); resized to the served size.")
+    image: str = Field(min_length=1, json_schema_extra=BASE64, description="The image, base64 (PNG, JPEG, WebP); resized to the served size.")
     source_prompt: str = Field("", description="What the image shows: the inversion's prompt (and the base's).")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded.")
     steps: Optional[Steps] = None
@@ -66,11 +83,13 @@ class EditsRequest(BaseModel):
     model_config = STRICT
 
     base_id: Optional[str] = Field(None, min_length=1, max_length=64, description="A stored base (or send image).")
-    image: Optional[str] = Field(None, min_length=1, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
+    image: Optional[str] = Field(None, min_length=1, json_schema_extra=BASE64, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
     source_prompt: str = Field("", description="With image: what the image shows (the inversion's prompt).")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. With image: the new base's.")
     edits: list[Edit] = Field(min_length=1, description="The edits: the same schema as a config's edits (edit.py).")
-    stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.completed, done.")
+    n: int = Field(1, ge=1, le=8, description="Variations per edit: n > 1 runs each edit with n seeds (its seed, seed + 1, ..., or random ones), returned in each image's info.")
+    stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.partial_image, image_edit.completed, done.")
+    partial_images: int = Field(0, ge=0, le=3, description="With stream: that many decoded previews per edit (image_edit.partial_image events).")
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -92,13 +111,33 @@ class ImageData(BaseModel):
     revised_prompt: Optional[str] = None
 
 
-class GenerationInfo(BaseModel):
+class Ran(BaseModel):
+    """What ran, where a request's OpenAI fields could have said otherwise."""
+
+    model: Optional[str] = Field(None, description="The served model.")
+    sampler: Optional[str] = Field(None, description="DDIM (eta 0): the one sampler.")
+    steps: Optional[int] = None
+    seeds: Optional[list[Optional[int]]] = Field(None, description="Each image's seed (an edit without one: null, the deterministic edit).")
+    output_compression: Optional[int] = None
+    accepted: dict[str, str] = Field(default_factory=dict, description="OpenAI fields accepted without running as OpenAI's would: field -> what ran instead.")
+
+
+class GenerationInfo(Ran):
     seconds: float
     store_tier: Optional[str]
     base_ids: list[str]
 
 
-class GenerationResponse(BaseModel):
+class OpenAiReply(BaseModel):
+    """OpenAI's top-level ImagesResponse fields: what the images are."""
+
+    background: Optional[str] = None
+    output_format: Optional[str] = None
+    size: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+
+class GenerationResponse(OpenAiReply):
     id: str = Field(description="The (first) base's id: edit it with POST /v1/images/edits.")
     created: int
     seed: int
@@ -112,6 +151,7 @@ class EditInfo(BaseModel):
     tail_steps: int
     strength: float
     preserve: str
+    seed: Optional[int] = Field(None, description="The variation's seed (null: the deterministic edit).")
 
 
 class EditData(ImageData):
@@ -119,10 +159,12 @@ class EditData(ImageData):
     info: EditInfo
 
 
-class EditsResponse(BaseModel):
+class EditsResponse(OpenAiReply):
     created: int
     base_id: str = Field(description="The edited base (for an uploaded image: the new base's id, to edit it again).")
+    base_ids: Optional[list[str]] = Field(None, description="The form's and variations': each uploaded image's base.")
     data: list[EditData]
+    info: Optional[Ran] = None
 
 
 class BaseInfo(BaseModel):

@@ -1,75 +1,51 @@
 """AUTOMATIC1111's API (``/sdapi/v1/*``), so its clients (``webuiapi`` and the tools built on it)
-work unchanged.
+work unchanged, and nothing they send is silently dropped (every field: a1111_fields.py).
 
-- ``txt2img``: ``batch_size x n_iter`` bases from consecutive seeds; ``info`` (a JSON string,
-  as A1111 returns it) names their ids.
+- ``txt2img``: ``batch_size x n_iter`` bases from seeds ``seed, seed + 1, ...`` (-1 picks the
+  first), generated together; ``info`` (a JSON string, as A1111 returns it) has A1111's keys
+  (``all_seeds``, ``all_subseeds``, ``infotexts``, ...) and edit-rt's ``base_id(s)``.
 - ``img2img``: edits of a base: the one the init image's ``parameters`` name (every PNG edit-rt
   writes names its ``Base id``), or, for any other image, the image inverted into a new base;
   ``denoising_strength`` is the tail fraction K/T, as in img2img, ``prompt`` the edit prompt.
-- ``png-info``, ``sd-models``, ``options`` (read), ``progress``.
+  Image ``j`` of ``batch_size x n_iter`` (several init images are the batch, as in A1111)
+  re-enters the chain re-noised with seed ``seed + j``. ``mask`` (white may change; blurred,
+  inverted as A1111 does: a1111_masks.py): outside it the reply's pixels are the init image's
+  own.
+- ``png-info``, ``sd-models``; job control, options and listings are a1111_jobs.py's.
 
-Fields A1111 has and edit-rt does not use (samplers, hires fix, scripts, ...) are accepted and
-ignored: one model, one sampler (DDIM).
+A request that ``POST /sdapi/v1/interrupt`` stops answers with the images that finished (its
+``info.interrupted`` true), or 409 ``interrupted`` when none had.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import secrets
+import time
 from dataclasses import replace
 from typing import Any, Optional
 
 from fastapi import APIRouter, Request as HttpRequest
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from .. import __version__
+from ..loop.jobs import CancelledError
 from ..model.edit import Edit
-from ..model.schema import Guidance, Steps, bounds_of
 from ..pnginfo import base_id_of
-from ..serving.errors import ApiError
-from ..serving.service import Service
+from ..serving.errors import ApiError, row_error, validation_error
+from ..serving.service import Edited, Service, watch
+from ..uploads import ImageInputError
+from .a1111_fields import (RAN_SAMPLER, Common, Img2Img, Settings, Txt2Img, accepted, check_off, override, prompts_of,
+                           refuse)  # fmt: skip
+from .a1111_jobs import job_routes, model_names, vae_names
+from .a1111_masks import a1111_pixel_mask, mask_from_bytes
 from .api import b64, decode_base64_or_400, errors
-
-LAX = ConfigDict(extra="ignore")  # A1111 clients send every field their UI has
-
-
-class Txt2Img(BaseModel):
-    model_config = LAX
-    prompt: str = Field(min_length=1)
-    negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
-    seed: int = Field(-1, ge=-1, le=2**63 - 1)
-    steps: Optional[int] = Field(None, **bounds_of(Steps))
-    cfg_scale: Optional[float] = Field(None, **bounds_of(Guidance))
-    width: Optional[int] = Field(None, ge=1, le=16384)
-    height: Optional[int] = Field(None, ge=1, le=16384)
-    batch_size: int = Field(1, ge=1, le=8)
-    n_iter: int = Field(1, ge=1, le=8)
-    # A1111's per-request settings; edit-rt reads CLIP_stop_at_last_layers (1: the last layer)
-    override_settings: dict[str, Any] = Field(default_factory=dict)
-
-    def clip_skip(self) -> Optional[int]:
-        """A1111's ``CLIP_stop_at_last_layers`` n as diffusers' clip_skip n - 1."""
-        stop = self.override_settings.get("CLIP_stop_at_last_layers")
-        if stop is None:
-            return None
-        if not isinstance(stop, int) or isinstance(stop, bool) or stop < 1:
-            raise ApiError(400, f"override_settings.CLIP_stop_at_last_layers: a whole number >= 1, got {stop!r}",
-                           param="override_settings.CLIP_stop_at_last_layers", code="out_of_range")  # fmt: skip
-        return stop - 1
-
-
-class Img2Img(BaseModel):
-    model_config = LAX
-    init_images: list[str] = Field(min_length=1)
-    prompt: str = Field(min_length=1)
-    negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
-    denoising_strength: float = Field(0.4, gt=0, le=1)
-    cfg_scale: Optional[float] = Field(None, **bounds_of(Guidance))
-    seed: int = Field(-1, ge=-1, le=2**63 - 1)
 
 
 class PngInfoRequest(BaseModel):
-    model_config = LAX
     image: str = Field(min_length=1)
 
 
@@ -81,46 +57,130 @@ class A1111Result(BaseModel):
 
 def a1111_routes(service: Service) -> APIRouter:
     router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
-    common = errors(400, 401, 408, 411, 413, 429, 499, 503, 507)
+    settings = Settings()
+    common = errors(400, 401, 408, 409, 411, 413, 429, 499, 503, 507)
+
+    def clip_skip_of(body: Common) -> tuple[Optional[int], bool]:
+        """(diffusers' clip_skip, whether the request itself set it): A1111's
+        ``CLIP_stop_at_last_layers`` n is clip_skip n - 1; None: the served config's."""
+        names = model_names(service)
+        given = override(body, names, vae_names(service)).get("CLIP_stop_at_last_layers")
+        stop = given if given is not None else settings.clip_stop
+        return (None if stop is None else stop - 1), given is not None
+
+    def size_of(body: Common, served: tuple[int, int], what: str) -> tuple[int, int]:
+        """``width`` x ``height``: ``served`` (their default) or refused naming the field."""
+        for field, value, own in (("width", body.width, served[0]), ("height", body.height, served[1])):
+            if value not in (None, own):
+                raise ApiError(400, f"{field}: {value}, but {what} is {served[0]}x{served[1]}; send width={served[0]}, "
+                               f"height={served[1]}", param=field, code="unsupported_size")  # fmt: skip
+        return served
 
     @router.post("/txt2img", response_model=A1111Result, responses=common, summary="Bases (A1111's txt2img)")
     async def txt2img(body: Txt2Img, http: HttpRequest):
-        served = service.cfg.base
-        size = f"{body.width or served.width}x{body.height or served.height}"
-        first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
-                                body.clip_skip())  # fmt: skip
-        made = [await service.generate(replace(first, seed=first.seed + k), http) for k in range(body.batch_size * body.n_iter)]
-        info = {"prompt": first.prompt, "negative_prompt": first.negative_prompt or "", "seed": first.seed,
-                "all_seeds": [g.base.seed for g in made], "steps": first.steps, "cfg_scale": first.guidance,
-                "width": first.width, "height": first.height, "sampler_name": "DDIM",
-                "sd_model_name": service.model_name, "base_id": made[0].id, "base_ids": [g.id for g in made],
-                "infotexts": [Image.open(io.BytesIO(g.png)).text["parameters"] for g in made]}  # fmt: skip
-        return {"images": [b64(g.png) for g in made], "parameters": body.model_dump(), "info": json.dumps(info)}
+        check_off(body)
+        sent, body, stripped = as_run(body)
+        clip_skip, _ = clip_skip_of(body)
+        want = served_size(body, service.cfg.served_sizes())
+        epoch = service.interrupts
+        first = service.base_of(body.prompt, body.negative_prompt, f"{want[0]}x{want[1]}", body.steps, body.cfg_scale,
+                                body.seed, clip_skip)  # fmt: skip
+        bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
+        results = await together([service.generate(b, http) for b in bases], epoch, service)
+        made = finished(results, epoch, service)
+        info = info_of(service, body, first, [g.base.seed for g in made], [png_text(g.png) for g in made],
+                       interrupted=len(made) < len(bases), clip_skip=first.clip_skip, accepted_=stripped)  # fmt: skip
+        info.update(base_id=made[0].id, base_ids=[g.id for g in made])
+        return {"images": [b64(g.png) for g in made] if body.send_images else [], "parameters": sent.model_dump(),
+                "info": json.dumps(info)}  # fmt: skip
 
-    @router.post("/img2img", response_model=A1111Result, responses={**common, **errors(404, 409)},
-                 summary="Edits of an edit-rt image's base (A1111's img2img)")  # fmt: skip
+    @router.post("/img2img", response_model=A1111Result, responses={**common, **errors(404)},
+                 summary="Edits of an edit-rt image's base, or of any image inverted (A1111's img2img)")  # fmt: skip
     async def img2img(body: Img2Img, http: HttpRequest):
-        service.check_edit_count(len(body.init_images))  # each image is an edit (and maybe an inversion)
-        bids = []
-        for k, data in enumerate(body.init_images):
-            param = f"init_images[{k}]"
+        check_off(body)
+        sent, body, stripped = as_run(body)
+        if body.mask is None:  # what only a mask is for, without one
+            for field, defaults in (("mask_blur", (None, 4)), ("mask_blur_x", (4,)), ("mask_blur_y", (4,)),
+                                    ("inpainting_mask_invert", (0,))):  # fmt: skip
+                if getattr(body, field) not in defaults:
+                    raise refuse(field, getattr(body, field), "applies to an inpainting mask; send mask too, or leave it out")
+        k = len(body.init_images)
+        if k > 1 and 1 < body.batch_size < k:
+            raise refuse("batch_size", body.batch_size, f"{k} init_images are the batch (as in A1111, which takes at most "
+                         f"batch_size images): send batch_size {k} (or 1)")  # fmt: skip
+        per_iter = body.batch_size if k == 1 else k
+        service.check_edit_count(per_iter * body.n_iter)  # before any image is decoded
+        clip_skip, clip_given = clip_skip_of(body)
+        blur = (body.mask_blur, body.mask_blur) if body.mask_blur is not None else (body.mask_blur_x, body.mask_blur_y)
+        binary = None
+        if body.mask is not None:
+            s = service.cfg.serve
+            raw = decode_base64_or_400(body.mask, "mask")
+            binary = await in_pool(service, "mask", mask_from_bytes, raw, "mask", s.max_image_bytes, s.max_image_pixels)
+        seed = body.seed if body.seed >= 0 else secrets.randbelow(2**31)
+        epoch = service.interrupts
+        ran = {**accepted(body), **inpainting_accepted(body), **stripped}
+        bases = []  # per init image: (base id, its Base fields, the init image's pixels when masked)
+        for i, data in enumerate(body.init_images):
+            param = f"init_images[{i}]"
             raw = decode_base64_or_400(data, param)
             parameters = (await service.image_text(raw, param)).get("parameters")
             bid = base_id_of(parameters) if isinstance(parameters, str) else None
-            if bid is None or not await service.has_base(bid):
-                # any other image: inverted into a base (A1111's prompt is the target; the
-                # image's own description is unknown, so the inversion's prompt is empty)
-                made = await service.invert(await service.upload(raw, param), "", body.negative_prompt)
-                bid = made.id
-            bids.append(bid)
-        out = []
-        for k, bid in enumerate(bids):
-            spec = Edit(prompt=body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength)
-            out += await service.edit_base(bid, [spec], http, f"init_images[{k}]")
-        info = {"prompt": body.prompt, "denoising_strength": body.denoising_strength, "base_ids": bids,
-                "tail_steps": [e.tail_steps for e in out],
-                "infotexts": [Image.open(io.BytesIO(e.png)).text["parameters"] for e in out]}  # fmt: skip
-        return {"images": [b64(e.png) for e in out], "parameters": body.model_dump(exclude={"init_images"}), "info": json.dumps(info)}
+            if bid is not None and await service.has_base(bid):
+                found = (await service.base_info(bid))["base"]
+                size_of(body, (found["width"], found["height"]), f"this image's base ({bid})")
+                if clip_given and clip_skip != found["clip_skip"]:
+                    raise refuse("override_settings.CLIP_stop_at_last_layers", clip_skip + 1, f"this image's base ({bid}) "
+                                 f"was made with {found['clip_skip'] + 1}; send that, or leave it out")  # fmt: skip
+                ran.update(kept_by_base(body, found, clip_skip))
+                pixels = (await service.upload(raw, param)).pixels if binary is not None else None
+            else:
+                # any other image: inverted into a base (A1111's prompt is the target; the image's
+                # own description is unknown, so the inversion's prompt is empty)
+                size_of(body, (service.cfg.base.width, service.cfg.base.height), "this server's size")
+                upload = await service.upload(raw, param)
+                made = await inverted(service, upload, body, clip_skip, epoch)
+                found = {"width": made.base.width, "height": made.base.height, "steps": made.base.steps,
+                         "clip_skip": made.base.clip_skip}  # fmt: skip
+                bid, pixels = made.id, upload.pixels
+            bases.append((bid, found, pixels))
+        # image j of batch_size x n_iter: init image j % per_iter (or the one), seed + j
+        where = [(0 if k == 1 else j % per_iter, j) for j in range(per_iter * body.n_iter)]
+        try:
+            specs = [Edit(prompt=body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength, seed=seed + j)
+                     for _, j in where]  # fmt: skip
+        except ValidationError as err:
+            raise validation_error(err.errors(), Edit) from None
+        png_fields = {"Denoising strength": f"{body.denoising_strength:g}", **mask_fields(body, blur)}
+
+        async def edits_of(i: int) -> list[Any]:
+            bid, found, pixels = bases[i]
+            mine = [j for b, j in where if b == i]
+            masks = {}
+            if binary is not None:
+                size, resize = (found["width"], found["height"]), service.cfg.serve.resize_uploads
+                pixel_mask = await in_pool(service, "mask", a1111_pixel_mask, binary, bool(body.inpainting_mask_invert),
+                                           *blur, size, resize)  # fmt: skip
+                masks = {"pixel_masks": [pixel_mask] * len(mine), "backdrops": [pixels] * len(mine),
+                         "png_fields": [png_fields] * len(mine), "mask_param": "mask"}  # fmt: skip
+            return await edits_or_errors(service, bid, [specs[j] for j in mine], http, f"init_images[{i}]", masks)
+
+        done: dict[int, Any] = {}
+        for i, out in enumerate(await together([edits_of(i) for i in range(k)], epoch, service)):
+            mine = [j for b, j in where if b == i]
+            done.update(zip(mine, out if isinstance(out, list) else [out] * len(mine)))
+        made = finished([done[j] for j in range(len(where))], epoch, service)
+        seeds = [seed + j for j in range(len(where)) if isinstance(done[j], Edited)]
+        info = info_of(service, body, None, seeds, [png_text(e.png) for e in made], interrupted=len(made) < len(where),
+                       clip_skip=bases[0][1]["clip_skip"], steps=bases[0][1]["steps"],
+                       size=(bases[0][1]["width"], bases[0][1]["height"]),
+                       accepted_=ran, extra=png_fields if binary is not None else {})  # fmt: skip
+        info.update(base_ids=[b[0] for b in bases], tail_steps=[e.tail_steps for e in made],
+                    denoising_strength=body.denoising_strength)  # fmt: skip
+        keep = None if body.include_init_images else {"init_images", "mask"}
+        parameters = {**sent.model_dump(exclude=keep), **({} if keep is None else {"init_images": None, "mask": None})}
+        return {"images": [b64(e.png) for e in made] if body.send_images else [], "parameters": parameters,
+                "info": json.dumps(info)}  # fmt: skip
 
     @router.post("/png-info", responses=errors(400, 401), summary="An image's generation parameters")
     async def png_info(body: PngInfoRequest):
@@ -133,19 +193,167 @@ def a1111_routes(service: Service) -> APIRouter:
         return [{"title": f"{service.model_name} [{fingerprint[:10]}]", "model_name": service.model_name,
                  "hash": fingerprint[:10], "sha256": fingerprint, "filename": str(service.cfg.model), "config": None}]  # fmt: skip
 
-    @router.get("/options", responses=errors(401), summary="Settings (read only)")
-    async def options():
-        base = service.cfg.base
-        return {"sd_model_checkpoint": service.model_name, "samples_format": "png", "CLIP_stop_at_last_layers": base.clip_skip + 1,
-                "eta_ddim": 0.0, "edit_rt_default_steps": base.steps, "edit_rt_size": f"{base.width}x{base.height}"}  # fmt: skip
-
-    @router.get("/progress", responses=errors(401), summary="The step loop's progress")
-    async def progress():
-        rows = await service.progress()
-        active, queued = rows["active"], rows["queued"]
-        done = 0.0 if active or queued else 1.0
-        return {"progress": done, "eta_relative": 0.0, "current_image": None, "textinfo": f"{active} rows running, {queued} queued",
-                "state": {"job_count": active + queued, "sampling_steps": service.cfg.base.steps, "interrupted": False,
-                          "skipped": False, "job": "", "job_no": 0, "sampling_step": 0}}  # fmt: skip
-
+    router.include_router(job_routes(service, settings))
     return router
+
+
+def as_run(body):
+    """(the body as sent, the body as it runs: its prompts without extra-network tags when
+    ``disable_extra_networks``, what that took out for ``info.accepted``)."""
+    prompt, negative, stripped = prompts_of(body)
+    return body, body.model_copy(update={"prompt": prompt, "negative_prompt": negative}), stripped
+
+
+def served_size(body: Common, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """txt2img's ``width`` x ``height`` (by default the first served size), or 400 naming the
+    field that no served size has."""
+    want = (body.width or sizes[0][0], body.height or sizes[0][1])
+    if want not in sizes:
+        field = "width" if want[0] not in {w for w, _ in sizes} else "height"
+        served = ", ".join(f"{w}x{h}" for w, h in sizes)
+        raise ApiError(400, f"{field}: {want[0]}x{want[1]} is not served; this server's engines serve {served}: send one "
+                       "of them as width and height", param=field, code="unsupported_size")  # fmt: skip
+    return want
+
+
+async def in_pool(service: Service, param: str, fn, *args):
+    """``fn(*args)`` in the image pool (a decode, a blur), its ImageInputError as the API's."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(service.image_pool, fn, *args)
+    except ImageInputError as err:
+        raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+
+
+async def inverted(service: Service, upload, body: Img2Img, clip_skip: Optional[int], epoch: int):
+    """``upload`` inverted into a base at the request's steps and guidance; an interrupt during
+    the inversion is 409 ``interrupted``."""
+    try:
+        return await service.invert(upload, "", body.negative_prompt, body.steps, body.cfg_scale, clip_skip)
+    except CancelledError as err:
+        if service.interrupts != epoch:
+            raise interrupted_error() from None
+        raise row_error(err) from None
+
+
+def kept_by_base(body: Img2Img, found: dict, clip_skip: Optional[int]) -> dict[str, str]:
+    """What a base found by its ``Base id`` runs instead of what the request sent (its chain is
+    what the edit re-enters): ``info.accepted`` entries."""
+    out = {}
+    if body.steps is not None and body.steps != found["steps"]:
+        out["steps"] = f"{found['steps']} (the steps of this image's base, whose chain the edit re-enters)"
+    if body.negative_prompt is not None and body.negative_prompt != found["negative_prompt"]:
+        out["negative_prompt"] = f"{found['negative_prompt']!r} (this image's base's)"
+    if clip_skip is not None and clip_skip != found["clip_skip"]:
+        out["CLIP_stop_at_last_layers"] = f"{found['clip_skip'] + 1} (this image's base's)"
+    return out
+
+
+def inpainting_accepted(body: Img2Img) -> dict[str, str]:
+    """A mask's fields every client sends by default that ran as edit-rt inpaints: reported."""
+    out = {}
+    if body.mask is not None and body.inpainting_fill == 0:
+        out["inpainting_fill"] = "1 (original: the image's own content re-enters its chain under the mask)"
+    if body.mask is not None and body.inpaint_full_res:
+        out["inpaint_full_res"] = ("false (whole picture: the edit re-enters its base's chain over the whole image; "
+                                   f"inpaint_full_res_padding {body.inpaint_full_res_padding} unused)")  # fmt: skip
+    return out
+
+
+def mask_fields(body: Img2Img, blur: tuple[int, int]) -> dict[str, str]:
+    """A1111's infotext fields of an inpainting, as they ran."""
+    if body.mask is None:
+        return {}
+    out = {"Mask blur": f"{blur[0]}" if blur[0] == blur[1] else f"{blur[0]}x{blur[1]}"}
+    if body.inpainting_mask_invert:
+        out["Mask mode"] = "Inpaint not masked"
+    out.update({"Masked content": "original", "Inpaint area": "Whole picture"})
+    return out
+
+
+async def edits_or_errors(service: Service, bid: str, specs: list[Edit], http: Optional[HttpRequest], param: str,
+                          masks: dict) -> list[Any]:  # fmt: skip
+    """Each edit's :class:`Edited` or its row's ApiError, in order (a refusal of the request, an
+    unknown base or a bad mask, is raised)."""
+    out: list[Any] = [None] * len(specs)
+    async for kind, data in watch(service.edit_events(bid, specs, param, **masks), http):
+        if kind == "error":
+            out[data["index"]] = data["error"]
+        elif kind == "image_edit.completed":
+            info = data["info"]
+            out[data["index"]] = Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
+                                        info["strength"])  # fmt: skip
+    return out
+
+
+async def together(calls: list, epoch: int, service: Service) -> list[Any]:
+    """Run ``calls`` (coroutines) at once, each its result or its exception; an interrupt that
+    stops one of them stops the others (A1111's interrupt ends the whole job: parts of it still
+    queued would otherwise go on)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if service.interrupts != epoch and any(_stopped(t.exception() or t.result()) for t in done):
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                pending = set()
+    finally:
+        for task in tasks:  # the client left, or the route failed: nothing goes on without it
+            task.cancel()
+    return [interrupted_error() if t.cancelled() else (t.exception() or t.result()) for t in tasks]
+
+
+def _stopped(result: Any) -> bool:
+    """Whether ``result`` (an error, or a list of edits and errors) holds a cancelled row."""
+    items = result if isinstance(result, list) else [result]
+    return any(isinstance(x, ApiError) and x.code in ("cancelled", "interrupted") for x in items)
+
+
+def finished(results: list[Any], epoch: int, service: Service) -> list[Any]:
+    """The results that finished, in order. A row that failed is the request's error, unless an
+    interrupt stopped it (then the others are the answer; 409 ``interrupted`` if none finished)."""
+    errors_ = [r for r in results if isinstance(r, BaseException)]
+    stopped = service.interrupts != epoch
+    for err in errors_:
+        if not (stopped and _stopped(err)):
+            raise err
+    made = [r for r in results if not isinstance(r, BaseException)]
+    if not made:
+        raise interrupted_error()
+    return made
+
+
+def interrupted_error() -> ApiError:
+    return ApiError(409, "interrupted (POST /sdapi/v1/interrupt or /skip) before any image of this request finished; "
+                    "send it again", code="interrupted")  # fmt: skip
+
+
+def png_text(png: bytes) -> str:
+    return Image.open(io.BytesIO(png)).text["parameters"]
+
+
+def info_of(service: Service, body: Common, base, seeds: list[int], infotexts: list[str], interrupted: bool,
+            clip_skip: Optional[int], steps: Optional[int] = None, size: Optional[tuple[int, int]] = None,
+            accepted_: Optional[dict] = None, extra: Optional[dict] = None) -> dict[str, Any]:  # fmt: skip
+    """A1111's ``info`` of a job (its ``Processed.js()`` keys) as it ran here."""
+    cfg = service.cfg.base
+    steps = steps if steps is not None else (base.steps if base is not None else cfg.steps)
+    width, height = size or ((base.width, base.height) if base is not None else (cfg.width, cfg.height))
+    negative = body.negative_prompt or ""
+    n = len(seeds)
+    return {
+        "prompt": body.prompt, "all_prompts": [body.prompt] * n, "negative_prompt": negative,
+        "all_negative_prompts": [negative] * n, "seed": seeds[0], "all_seeds": seeds, "subseed": -1,
+        "all_subseeds": [-1] * n, "subseed_strength": 0, "width": width, "height": height,
+        "sampler_name": RAN_SAMPLER, "scheduler": "Automatic", "eta": 0.0,
+        "cfg_scale": body.cfg_scale if body.cfg_scale is not None else (base.guidance if base is not None else cfg.guidance),
+        "steps": steps, "batch_size": body.batch_size, "n_iter": body.n_iter, "restore_faces": False,
+        "face_restoration_model": None, "sd_model_name": service.model_name, "sd_model_hash": service.fingerprint[:10],
+        "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1, "seed_resize_from_h": -1,
+        "denoising_strength": getattr(body, "denoising_strength", None), "extra_generation_params": extra or {},
+        "index_of_first_image": 0, "infotexts": infotexts, "styles": [], "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+        "clip_skip": (clip_skip if clip_skip is not None else cfg.clip_skip) + 1, "is_using_inpainting_conditioning": False,
+        "version": f"edit-rt {__version__}", "accepted": {**accepted(body), **(accepted_ or {})}, "interrupted": interrupted,
+    }  # fmt: skip

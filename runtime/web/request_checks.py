@@ -17,8 +17,10 @@ here (DNS rebinding) can read the answers too. So, in this order:
   page's (curl, the openai SDK, webuiapi) and passes: a page cannot leave them out.
 - **JSON on the JSON routes**: a POST's media type is ``application/json`` (which a page cannot
   send cross-site without a preflight, and the preflight fails: CORS is closed);
-  ``multipart/form-data`` only on ``POST /v1/images/edits`` (OpenAI's images.edit form),
-  and there only past the origin check. Else 415.
+  ``multipart/form-data`` only on ``POST /v1/images/edits`` and ``/v1/images/variations``
+  (OpenAI's images.edit and images.create_variation forms),
+  and there only past the origin check; no body at all only on the routes that read none
+  (A1111's ``/sdapi/v1/interrupt`` and ``/skip``, which webuiapi posts empty). Else 415.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from ..serving.errors import ApiError
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # as host_port gives them: no brackets
 SINGLE_HEADERS = (b"host", b"authorization", b"origin", b"content-type", b"sec-fetch-site")
-FORM_ROUTES = frozenset({"/v1/images/edits"})  # POST routes that also take multipart/form-data
+FORM_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})  # POST routes that take multipart/form-data (OpenAI's forms)
 API_PREFIXES = ("/v1/", "/sdapi/")
+# POST routes that read no body: webuiapi's interrupt() and skip() send none, and no type
+BODYLESS_ROUTES = frozenset({"/sdapi/v1/interrupt", "/sdapi/v1/skip"})
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
@@ -120,6 +124,8 @@ def refusal(request: Request, loopback: bool) -> Optional[ApiError]:
     form = path in FORM_ROUTES
     if kind == "application/json" or (form and kind == "multipart/form-data"):
         return None
-    wanted = "application/json" + (" (or multipart/form-data: OpenAI's images.edit form)" if form else "")
+    if path in BODYLESS_ROUTES and not kind and request.headers.get("content-length", "0") == "0":
+        return None  # nothing to read (and past the origin check, as every POST)
+    wanted = "application/json" + (" (or multipart/form-data: OpenAI's images forms)" if form else "")
     return ApiError(415, f"Content-Type: {kind or 'none'} is not taken here; send {wanted}", param="content-type",
                     code="unsupported_media_type")  # fmt: skip

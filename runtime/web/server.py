@@ -3,7 +3,8 @@
 Route families, one app: edit-rt's own and the OpenAI Images API's (api_openai.py:
 ``/v1/images/generations``, ``/v1/images/edits``, ``/v1/models``), AUTOMATIC1111's
 (api_a1111.py: ``/sdapi/v1/*``), and here ``GET``/``DELETE /v1/bases/{id}``, ``GET /health``,
-``GET /metrics`` (Prometheus), ``GET /`` (the editing page), ``GET /openapi.json``. The routes
+``GET /metrics`` (Prometheus), ``GET /`` (the editing page), ``GET /openapi.json`` and its pages
+``GET /docs``, ``GET /redoc`` (docs.py: offline). The routes
 validate and wait; the service's one batcher worker owns the engines (service.py). What a
 request's headers must say to be let in (Host, origin, content type) is request_checks.py's;
 how deep its JSON may nest, json_depth.py's.
@@ -36,6 +37,8 @@ from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
+from .docs import docs_routes
+from .openapi_bodies import body_schemas
 from .json_depth import JsonDepthLimit
 from .request_checks import SAFE_METHODS, refusal
 
@@ -78,7 +81,8 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         yield
         await asyncio.to_thread(service.shutdown)
 
-    app = FastAPI(title="edit-rt", version=__version__, lifespan=lifespan,
+    # docs_url/redoc_url None: FastAPI's pages load from a CDN; docs.py serves them offline
+    app = FastAPI(title="edit-rt", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Batched edit tails for Stable Diffusion: generate a base once, edit it many times.")  # fmt: skip
     app.state.service = service
     # innermost first: the depth check reads the body through BodyTimeout's timed receive
@@ -162,6 +166,8 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     async def page():
         return page_html(service)
 
+    app.include_router(docs_routes(app.title))
+
     @app.get("/v1/bases/{bid}", response_model=BaseInfo, responses=errors(401, 404, 409, 503))
     async def get_base(bid: str):
         return await service.base_info(bid)
@@ -198,6 +204,7 @@ def openapi_schema(app: FastAPI) -> dict:
     schemas = schema["components"].get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+    schemas.update(body_schemas(app.state.service.cfg))  # the bodies read by hand (openapi_bodies.py)
     app.openapi_schema = schema
     return schema
 

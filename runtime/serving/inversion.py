@@ -1,0 +1,77 @@
+"""Images a client uploads, read off the event loop, and their inversion into a base.
+
+Decoding runs in the service's image pool (``serve.image_workers`` threads) within
+``serve.max_image_pixels`` (runtime/uploads.py reads and checks); inversion runs on the engine
+thread, its rows through the batcher's queue; the base is kept in the store like a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import Optional
+
+from ..images import png_bytes
+from ..loop.jobs import CancelledError, RowError, ShuttingDownError, StepError
+from ..pnginfo import base_fields, parameters_text
+from ..storage.store import base_id
+from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
+from .errors import ApiError, queue_errors, row_error
+from .results import Generated
+
+
+class Uploads:
+    """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its cfg, pipe, store,
+    image pool, metrics and base_of / keep / pinned)."""
+
+    async def upload(self, data: bytes, param: str) -> Upload:
+        """An uploaded image as the served size's pixels, or the API's error for it (decoded in
+        the image pool, off the event loop, within ``serve.max_image_pixels``)."""
+        base, s = self.cfg.base, self.cfg.serve
+        decode = lambda: image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes,  # noqa: E731
+                                          s.resize_uploads, s.max_image_pixels)  # fmt: skip
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.image_pool, decode)
+        except ImageInputError as err:
+            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+
+    async def image_text(self, data: bytes, param: str) -> dict[str, str]:
+        """An uploaded image's text (its PNG ``parameters``, say), read in the image pool without
+        decoding its pixels, within the same limits as an upload."""
+        s = self.cfg.serve
+        read = lambda: text_of_image(data, param, s.max_image_bytes, s.max_image_pixels)  # noqa: E731
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.image_pool, read)
+        except ImageInputError as err:
+            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+
+    async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
+                     guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
+        """A base from an uploaded image (its inversion; kept in the store like a generation).
+
+        ``prompt`` describes the image (the source prompt; empty if not given). The same image
+        with the same settings finds the stored base instead of inverting again."""
+        if prompt:
+            self.check_prompt(prompt, "source_prompt")
+        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
+        pipe = self.pipe
+        bid = base_id(pipe.manifest.fingerprint, base)
+        start = time.perf_counter()
+        if bid not in self.store:
+            with queue_errors():  # the inversion's rows go through the batcher's queue
+                try:
+                    state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start))
+                except (CancelledError, ShuttingDownError, RowError, StepError) as err:  # interrupted, say
+                    raise row_error(err) from None
+            await self.keep(state)
+        state = await self.pinned(bid)
+        try:
+            image = (await asyncio.wrap_future(pipe.engine.call(pipe.decode, state.final_latent)))[0]  # on the engine thread
+        finally:
+            self.store.unpin(bid)
+        fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)
+        fields["Inverted from"] = upload.key
+        with self.metrics.stage("png_encode"):
+            png = png_bytes(image, parameters_text(base.prompt, base.negative_prompt, fields))
+        return Generated(bid, base, png, time.perf_counter() - start, self.store.tier(bid))

@@ -1,0 +1,72 @@
+"""What the step loops are doing, and stopping it: AUTOMATIC1111's ``/progress`` and
+``/interrupt`` over the service's batchers (one per served size). Read from the event loop
+while the engine thread steps: snapshots, a step behind at most.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class JobControl:
+    """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its ``batchers``,
+    ``interrupts`` and ``interrupted_at``)."""
+
+    async def progress(self) -> dict[str, int]:
+        """Rows running and rows queued (AUTOMATIC1111's /progress)."""
+        batchers = self.batchers.values()
+        return {"active": sum(len(b.scheduler.active) for b in batchers), "queued": sum(b.queued_rows for b in batchers)}
+
+    def in_flight(self) -> dict[str, Any]:
+        """What the step loops hold now (AUTOMATIC1111's /progress): ``running`` requests (a row
+        in a slot), ``queued`` ones (rows waiting only), the row-steps ``done`` of the ``total``
+        their rows run, ``started`` (time.monotonic() of the oldest running row's admission, or
+        None) and ``current`` (step, of) of that row. Read from the event loop while the engine
+        thread steps: a snapshot, a step behind at most."""
+        running, queued, done, total, oldest = {}, {}, 0, 0, None
+        for batcher in list(self.batchers.values()):
+            s = batcher.scheduler
+            for row in _snapshot(s.active) + _snapshot(s.pending):
+                job = row.owner
+                if row.reference or job is None:
+                    continue
+                entry = 0 if job.kind == "invert" else job.row.start_step
+                running[id(job.request)] = job.request
+                done, total = done + row.step - entry, total + row.end - entry
+                if oldest is None or job.started < oldest[0]:
+                    oldest = (job.started, row.step - entry, row.end - entry)
+            for request in _snapshot(batcher.queue):
+                for job in _snapshot(request.pending):
+                    total += 1 if job.kind == "correct" else job.base.steps - job.row.start_step
+                if id(request) not in running:
+                    queued[id(request)] = request
+        started = None if oldest is None else time.monotonic() - (time.perf_counter() - oldest[0])
+        return {"running": len(running), "queued": len(queued), "done": done, "total": total, "started": started,
+                "current": None if oldest is None else oldest[1:]}  # fmt: skip
+
+    def interrupt(self) -> int:
+        """Cancel every request that has a row in a step loop now (AUTOMATIC1111's interrupt:
+        the current job stops, what waits wholly in the queue goes on): their rows leave at the
+        next step, rows already finished stay finished. Returns how many requests."""
+        found = {}
+        for batcher in list(self.batchers.values()):
+            s = batcher.scheduler
+            for row in _snapshot(s.active) + _snapshot(s.pending):
+                if not row.reference and row.owner is not None:
+                    found[id(row.owner.request)] = row.owner.request
+        self.interrupts += 1
+        self.interrupted_at = time.monotonic()
+        for request in found.values():
+            request.cancelled.set()
+        return len(found)
+
+
+def _snapshot(items) -> list:
+    """A list copy of a deque or list another thread changes (a copy that raced is retried)."""
+    for _ in range(16):
+        try:
+            return list(items)
+        except RuntimeError:  # "deque mutated during iteration"
+            continue
+    return []

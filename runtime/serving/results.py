@@ -1,0 +1,31 @@
+"""What the service's operations answer: a generated (or inverted) base, an edit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..model.edit import Base
+
+
+@dataclass
+class Generated:
+    id: str
+    base: Base
+    png: bytes
+    seconds: float
+    tier: Optional[str] = None  # the store tier that holds it ("ram", "disk")
+
+
+@dataclass
+class Edited:
+    index: int
+    png: bytes
+    seconds: float
+    preserve: str
+    tail_steps: int
+    strength: float
+
+    def info(self) -> dict:
+        return {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
+                "preserve": self.preserve}  # fmt: skip

@@ -1,0 +1,289 @@
+"""AUTOMATIC1111's txt2img and img2img request bodies, every field of them, and what each does
+here: implemented, refused (400 naming the field and the fix), or, where every client sends it
+by default, accepted and reported as what ran (issue 24: nothing a client sends is dropped).
+
+The fields are those of A1111 1.10's ``StableDiffusionTxt2ImgProcessingAPI`` and
+``...Img2ImgProcessingAPI`` (its ``modules/api/models.py``), which ``webuiapi`` sends; a field
+A1111 does not have is refused as unknown.
+
+==============================  ================================================================
+field                           here
+==============================  ================================================================
+prompt, negative_prompt,        implemented (txt2img: the bases; img2img: ``prompt`` is the edit
+cfg_scale, seed, batch_size,    prompt, ``cfg_scale`` its guidance; image ``j`` of
+n_iter, steps, width, height,   ``batch_size x n_iter`` is seeded ``seed + j``, ``-1`` picks one)
+send_images, denoising_strength width x height: a served size, else 400; img2img ``steps``: an
+                                inverted image's (a base found by its ``Base id`` runs its own,
+                                reported in ``info.accepted``)
+override_settings               ``CLIP_stop_at_last_layers`` implemented; ``sd_model_checkpoint``
+                                the served model (another: 400), ``sd_vae`` its own VAE,
+                                ``eta_ddim`` 0, ``samples_format`` png; any other key 400
+sampler_name, sampler_index,    accepted, reported as what ran: DDIM, its own timesteps
+scheduler                       (``info.accepted``; the PNG says ``Sampler: DDIM``)
+eta                             0 (what DDIM runs) or 1 (webuiapi's default: reported as 0)
+mask, mask_blur(_x, _y),        implemented (a1111_masks.py): white may change, blurred as A1111
+inpainting_mask_invert,         blurs, the reply's pixels outside it are the init image's own;
+mask_round                      ``mask_round`` true only (edit-rt's latent mask is binary)
+inpainting_fill                 1 (original) implemented; 0 (fill, every client's default)
+                                accepted and reported as original; 2, 3 400
+inpaint_full_res,               accepted and reported: the whole picture is inpainted (a mask's
+inpaint_full_res_padding        crop cannot re-enter its base's chain)
+include_init_images             implemented: ``parameters`` echoes ``init_images`` and ``mask``
+resize_mode                     0 (just resize: what uploads of another size get); others 400
+override_settings_restore_      true; false with settings to keep 400 (POST /sdapi/v1/options)
+afterwards
+do_not_save_samples, _grid      accepted, honoured: nothing is saved (save_images true: 400)
+the rest                        their defaults (A1111's, and the clients' where those differ)
+                                accepted; any other value 400: hires fix (``enable_hr``,
+                                ``hr_*``, ``firstphase_*``), ``restore_faces``, ``tiling``,
+                                ``subseed``/``subseed_strength``, ``seed_resize_from_*``,
+                                ``styles``, ``script_name``/``script_args``,
+                                ``alwayson_scripts``, ``refiner_*``, ``s_*``, ``latent_mask``,
+                                ``image_cfg_scale``, ``initial_noise_multiplier``,
+                                ``firstpass_image``, ``comments``, ``force_task_id``, ``infotext``
+==============================  ================================================================
+
+Extra networks in a prompt (``<lora:name:1>``) are refused (the prompt's own syntax check:
+this server has none); with ``disable_extra_networks`` their tags are taken out of the prompt
+unused, as A1111 does (and ``info.accepted`` says so).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..model.schema import Guidance, Steps, bounds_of
+from ..serving.errors import ApiError
+
+A1111 = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+SEED = {"ge": -1, "le": 2**63 - 1}
+RAN_SAMPLER, RAN_SCHEDULER = "DDIM", "Automatic"
+EXTRA_NETWORK = re.compile(r"<(\w+):([^>]+)>")  # A1111's re_extra_net
+
+
+class Common(BaseModel):
+    """The fields txt2img and img2img share."""
+
+    model_config = A1111
+
+    prompt: str = Field(min_length=1)
+    negative_prompt: Optional[str] = None  # omitted or null: the family's default; "" is encoded
+    styles: Optional[list[str]] = None
+    seed: int = Field(-1, **SEED)
+    subseed: int = Field(-1, **SEED)
+    subseed_strength: float = Field(0.0, ge=0, le=1)
+    seed_resize_from_h: int = Field(-1, ge=-1, le=16384)
+    seed_resize_from_w: int = Field(-1, ge=-1, le=16384)
+    sampler_name: Optional[str] = Field(None, max_length=100)
+    scheduler: Optional[str] = Field(None, max_length=100)
+    sampler_index: Optional[str] = Field(None, max_length=100)
+    batch_size: int = Field(1, ge=1, le=8)
+    n_iter: int = Field(1, ge=1, le=8)
+    steps: Optional[int] = Field(None, **bounds_of(Steps))
+    cfg_scale: Optional[float] = Field(None, **bounds_of(Guidance))
+    width: Optional[int] = Field(None, ge=1, le=16384)
+    height: Optional[int] = Field(None, ge=1, le=16384)
+    restore_faces: Optional[bool] = None
+    tiling: Optional[bool] = None
+    do_not_save_samples: bool = False
+    do_not_save_grid: bool = False
+    eta: Optional[float] = None
+    s_min_uncond: Optional[float] = None
+    s_churn: Optional[float] = None
+    s_tmax: Optional[float] = None
+    s_tmin: Optional[float] = None
+    s_noise: Optional[float] = None
+    override_settings: Optional[dict[str, Any]] = None
+    override_settings_restore_afterwards: bool = True
+    refiner_checkpoint: Optional[str] = None
+    refiner_switch_at: Optional[float] = None
+    disable_extra_networks: bool = False
+    firstpass_image: Optional[str] = None
+    comments: Optional[dict[str, Any]] = None
+    force_task_id: Optional[str] = None
+    script_name: Optional[str] = None
+    script_args: list[Any] = Field(default_factory=list)
+    send_images: bool = True
+    save_images: bool = False
+    alwayson_scripts: dict[str, Any] = Field(default_factory=dict)
+    infotext: Optional[str] = None
+
+
+class Txt2Img(Common):
+    enable_hr: bool = False
+    denoising_strength: Optional[float] = Field(None, ge=0, le=1)  # hires fix's; inert without it, as in A1111
+    firstphase_width: int = 0
+    firstphase_height: int = 0
+    hr_scale: float = 2.0
+    hr_upscaler: Optional[str] = None
+    hr_second_pass_steps: int = 0
+    hr_resize_x: int = 0
+    hr_resize_y: int = 0
+    hr_checkpoint_name: Optional[str] = None
+    hr_sampler_name: Optional[str] = None
+    hr_scheduler: Optional[str] = None
+    hr_prompt: str = ""
+    hr_negative_prompt: str = ""
+
+
+class Img2Img(Common):
+    init_images: list[str] = Field(min_length=1)
+    denoising_strength: float = Field(0.75, gt=0, le=1)  # the tail fraction K/T
+    resize_mode: int = 0
+    image_cfg_scale: Optional[float] = None
+    mask: Optional[str] = None
+    mask_blur_x: int = Field(4, ge=0, le=64)
+    mask_blur_y: int = Field(4, ge=0, le=64)
+    mask_blur: Optional[int] = Field(None, ge=0, le=64)
+    mask_round: bool = True
+    inpainting_fill: int = Field(0, ge=0, le=3)
+    inpaint_full_res: bool = True
+    inpaint_full_res_padding: int = Field(0, ge=0, le=16384)
+    inpainting_mask_invert: int = Field(0, ge=0, le=1)
+    initial_noise_multiplier: Optional[float] = None
+    latent_mask: Optional[str] = None
+    include_init_images: bool = False
+
+
+HIRES = "hires fix is not run here (one pass at the served size)"
+# field -> (the values that mean "off": A1111's default and the clients', what to do instead)
+OFF: dict[str, tuple[tuple, str]] = {
+    "enable_hr": ((False,), HIRES + "; send false"),
+    "firstphase_width": ((0,), HIRES + "; send 0"),
+    "firstphase_height": ((0,), HIRES + "; send 0"),
+    "hr_scale": ((2.0,), HIRES + "; send 2 (the default) or leave it out"),
+    "hr_upscaler": ((None, "Latent"), HIRES + "; leave it out"),
+    "hr_second_pass_steps": ((0,), HIRES + "; send 0"),
+    "hr_resize_x": ((0,), HIRES + "; send 0"),
+    "hr_resize_y": ((0,), HIRES + "; send 0"),
+    "hr_checkpoint_name": ((None, "Use same checkpoint"), HIRES + "; leave it out"),
+    "hr_sampler_name": ((None, "Use same sampler"), HIRES + "; leave it out"),
+    "hr_scheduler": ((None, "Use same scheduler"), HIRES + "; leave it out"),
+    "hr_prompt": (("",), HIRES + "; send \"\""),
+    "hr_negative_prompt": (("",), HIRES + "; send \"\""),
+    "restore_faces": ((None, False), "no face restorer runs here; send false"),
+    "tiling": ((None, False), "tiling (seamless) is not supported; send false"),
+    "styles": ((None, []), "this server has no saved prompt styles; write the style into the prompt"),
+    "subseed": ((-1,), "variation seeds (subseed) are not supported: send -1, and vary seed instead"),
+    "subseed_strength": ((0.0,), "variation seeds (subseed) are not supported: send 0, and vary seed instead"),
+    "seed_resize_from_h": ((-1, 0), "resizing a seed's noise is not supported; send -1"),
+    "seed_resize_from_w": ((-1, 0), "resizing a seed's noise is not supported; send -1"),
+    "eta": ((None, 0.0, 1.0), "this server's DDIM runs eta 0 (deterministic); send 0 or leave it out"),
+    "s_min_uncond": ((None, 0.0), "k-diffusion's s_min_uncond does not apply to DDIM; leave it out"),
+    "s_churn": ((None, 0.0), "k-diffusion's s_churn does not apply to DDIM; leave it out"),
+    "s_tmax": ((None, 0.0), "k-diffusion's s_tmax does not apply to DDIM; leave it out"),
+    "s_tmin": ((None, 0.0), "k-diffusion's s_tmin does not apply to DDIM; leave it out"),
+    "s_noise": ((None, 1.0), "k-diffusion's s_noise does not apply to DDIM; leave it out"),
+    "refiner_checkpoint": ((None, "", "None"), "no refiner model runs here; leave it out"),
+    "refiner_switch_at": ((None, 0.8), "no refiner model runs here; leave it out"),
+    "firstpass_image": ((None,), "a first pass image is hires fix's; leave it out"),
+    "comments": ((None, {}), "infotext comments are not written here; leave it out"),
+    "force_task_id": ((None,), "tasks have no ids here (GET /sdapi/v1/progress reports what runs); leave it out"),
+    "infotext": ((None, ""), "applying an infotext is not supported; send its fields instead"),
+    "script_name": ((None, "", "None"), "this server runs no scripts (GET /sdapi/v1/scripts); leave it out"),
+    "script_args": (([],), "this server runs no scripts; send []"),
+    "save_images": ((False,), "this server keeps no outputs folder; save the returned images yourself"),
+    "resize_mode": ((0,), "only 0 (just resize) is done to an image of another size; send 0"),
+    "image_cfg_scale": ((None, 1.5), "image CFG is instruct-pix2pix's; this model is not one: leave it out"),
+    "initial_noise_multiplier": ((None, 1.0), "the noise an edit re-enters with is not scaled here; send 1"),
+    "latent_mask": ((None,), "a separate latent mask is not supported; send mask alone"),
+    "mask_round": ((True,), "edit-rt's latent mask is binary (a latent pixel may change where any pixel may); send true"),
+    "inpainting_fill": ((0, 1), "only the image's own content (1, original) re-enters the chain; send 1"),
+}
+
+
+def refuse(field: str, value: Any, why: str) -> ApiError:
+    shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:61] + "..."
+    return ApiError(400, f"{field}: {shown}: {why}", param=field, code="unsupported")
+
+
+def check_off(body: Common) -> None:
+    """Refuse the first field whose value asks for what this server does not run."""
+    for field in type(body).model_fields:
+        if field in OFF:
+            value = getattr(body, field)
+            allowed, why = OFF[field]
+            if not any(_same(value, a) for a in allowed):
+                raise refuse(field, value, why)
+    if not body.override_settings_restore_afterwards and body.override_settings:
+        raise refuse("override_settings_restore_afterwards", False, "override_settings apply to this request only; "
+                     "to keep a setting, POST it to /sdapi/v1/options")  # fmt: skip
+    for name, value in body.alwayson_scripts.items():
+        raise refuse(f"alwayson_scripts.{name}", value, "this server runs no scripts or extensions; leave it out")
+
+
+def prompts_of(body: Common) -> tuple[str, Optional[str], dict[str, str]]:
+    """The prompt and negative prompt as they run: with ``disable_extra_networks``, without
+    their extra-network tags (as A1111 parses them out and activates none); and what that took
+    out, for ``info.accepted``."""
+    prompt, negative, out = body.prompt, body.negative_prompt, {}
+    if body.disable_extra_networks:
+        for field in ("prompt", "negative_prompt"):
+            text = getattr(body, field)
+            if text and EXTRA_NETWORK.search(text):
+                kept = EXTRA_NETWORK.sub("", text)
+                out[field] = f"{kept!r} (extra networks disabled: their tags taken out, none loaded)"
+                prompt, negative = (kept, negative) if field == "prompt" else (prompt, kept)
+    return prompt, negative, out
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value`` is ``default``: 0 is 0.0, but true is not 1 (nor false 0)."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return value == default
+
+
+def accepted(body: Common) -> dict[str, str]:
+    """The fields every client sends by default that ran as this server's own: field -> what
+    ran (``info.accepted``)."""
+    out = {}
+    for field in ("sampler_name", "sampler_index"):
+        if getattr(body, field) not in (None, RAN_SAMPLER):
+            out[field] = RAN_SAMPLER
+    if body.scheduler not in (None, RAN_SCHEDULER, RAN_SCHEDULER.lower()):
+        out["scheduler"] = f"{RAN_SCHEDULER} (DDIM's own timesteps)"
+    if body.eta not in (None, 0):
+        out["eta"] = "0 (DDIM, deterministic)"
+    return out
+
+
+@dataclass
+class Settings:
+    """What ``POST /sdapi/v1/options`` may set, held for this door's requests (A1111 keeps its
+    options for every later request; here they are the defaults of the A1111 routes only)."""
+
+    clip_stop: Optional[int] = None  # CLIP_stop_at_last_layers; None: the served config's
+    last_stop: str = ""  # "interrupt" or "skip": what /progress reports the stopped requests as
+
+
+def override(body: Common, model_names: tuple[str, ...], vae_names: tuple[str, ...]) -> dict[str, Any]:
+    """``override_settings`` checked: the known keys' values (``CLIP_stop_at_last_layers``
+    validated); 400 naming ``override_settings.<key>`` for another model, VAE, eta or format,
+    or a key this server has no setting for."""
+    out = {}
+    for key, value in (body.override_settings or {}).items():
+        out[key] = checked_option(key, value, model_names, vae_names, f"override_settings.{key}")
+    return out
+
+
+def checked_option(key: str, value: Any, model_names: tuple[str, ...], vae_names: tuple[str, ...], param: str) -> Any:
+    """One A1111 option (``override_settings`` or ``POST /options``), or its refusal."""
+    if key == "CLIP_stop_at_last_layers":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ApiError(400, f"{param}: a whole number >= 1, got {value!r}", param=param, code="out_of_range")
+        return value
+    allowed = {"sd_model_checkpoint": model_names, "sd_vae": vae_names, "eta_ddim": (0, 0.0), "samples_format": ("png",)}
+    if key not in allowed:
+        raise ApiError(400, f"{param}: not a setting this server has (GET /sdapi/v1/options lists them); leave it out",
+                       param=param, code="unknown_setting")  # fmt: skip
+    if value not in allowed[key] or isinstance(value, bool):
+        fix = {"sd_model_checkpoint": f"this server serves {model_names[0]!r} only",
+               "sd_vae": f"this server runs its model's own VAE ({', '.join(map(repr, vae_names))})",
+               "eta_ddim": "this server's DDIM runs eta 0", "samples_format": "this server returns PNG"}[key]  # fmt: skip
+        raise ApiError(400, f"{param}: {value!r}: {fix}", param=param, code="unsupported")
+    return value
