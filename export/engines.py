@@ -62,9 +62,12 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
 def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precision: str,
                 done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
     """Build a TensorRT plan per graph with Polygraphy (needs TensorRT and a GPU): strongly
-    typed networks, the precision carried by the ONNX graph itself (see fp16.py), one profile
-    per graph (the VAE's own, smaller one)."""
+    typed networks, the precision carried by the ONNX graph itself (see fp16.py), an
+    optimization profile per served latent size for the graphs with spatial axes (the runtime
+    picks the one its shapes fit: backend_trt.TrtGraph.use_profile), the VAE's rows its own."""
     from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
+
+    from edit_rt.runtime.engine.profiles import spatial
 
     if precision == "bf16":
         raise ConfigError("engines.precision: bf16 strongly typed plans need a bf16 ONNX export, which edit-rt "
@@ -73,13 +76,17 @@ def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precis
     timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
     graphs = {}
     for graph in GRAPHS:
-        trt_profile = Profile()
-        for name, (lo, opt, hi) in profile.shapes(manifest.graphs[graph].inputs, graph).items():
-            trt_profile.add(name, min=lo, opt=opt, max=hi)
+        inputs = manifest.graphs[graph].inputs
+        trt_profiles = []
+        for size in profile.latent_sizes() if spatial(inputs) else profile.latent_sizes()[:1]:
+            trt_profile = Profile()
+            for name, (lo, opt, hi) in profile.at(size).shapes(inputs, graph).items():
+                trt_profile.add(name, min=lo, opt=opt, max=hi)
+            trt_profiles.append(trt_profile)
         own = graph_precision(manifest, graph, precision)
         source = typed_onnx(manifest, graph, own, staging)
         network = network_from_onnx_path(str(source), strongly_typed=True)
-        config = CreateConfig(profiles=[trt_profile], load_timing_cache=str(timing_cache) if timing_cache.exists() else None)
+        config = CreateConfig(profiles=trt_profiles, load_timing_cache=str(timing_cache) if timing_cache.exists() else None)
         plan = engine_bytes_from_network(network, config=config, save_timing_cache=str(timing_cache))
         target = staging / f"{graph}.plan"
         target.write_bytes(plan)

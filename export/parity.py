@@ -179,7 +179,7 @@ def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) ->
         engine_sets["ort-cpu"] = load_engines(cfg.engines_dir / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
     trt_reason = trt_unavailable_reason()
     if trt_reason is None and (cfg.engines_dir / "trt" / "engines.json").is_file():
-        engine_sets["trt"] = load_engines(cfg.engines_dir / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), (hw, hw))
+        engine_sets["trt"] = load_engines(cfg.engines_dir / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), [(hw, hw)])
 
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy logs every tensor at INFO
     rows = []

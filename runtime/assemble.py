@@ -26,7 +26,7 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     e = cfg.engines
     options = dict(
         threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
-        image_size=(cfg.base.height, cfg.base.width), max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
+        image_size=(cfg.base.height, cfg.base.width), extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
         precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
     )  # fmt: skip
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))

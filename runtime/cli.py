@@ -120,7 +120,8 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     e = cfg.engines
     profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
-                               e.max_uncond_sets, scale, e.vae_max_batch)  # fmt: skip
+                               e.max_uncond_sets, scale, e.vae_max_batch,
+                               tuple((h // scale, w // scale) for w, h in cfg.served_sizes()[1:]))  # fmt: skip
     from .engine.backend_trt import trt_unavailable_reason
     from .engine.engines import GRAPHS
 

@@ -64,6 +64,7 @@ class EditPipeline:
         precision: str = "fp16",
         buckets: str = "auto",
         vae_max_batch: int = 8,
+        extra_image_sizes: Sequence[tuple[int, int]] = (),
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
         pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
@@ -98,7 +99,8 @@ class EditPipeline:
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch)
+        extra = tuple((eh // self.scale, ew // self.scale) for eh, ew in extra_image_sizes)  # (height, width) each
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra)
         self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
                                                          cuda_graphs, precision)  # fmt: skip
         self.graphs = self.graph_set.graphs

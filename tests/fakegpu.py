@@ -415,10 +415,11 @@ class FakeCudart:
 
 
 def write_plan(path: Path, onnx_path: Path, dtypes: Optional[dict[str, str]] = None,
-               profile: Optional[dict[str, list]] = None) -> None:  # fmt: skip
+               profiles: Optional[list[dict[str, list]]] = None) -> None:  # fmt: skip
     """A simulated plan: the ONNX graph it computes, the engine's tensor dtypes where they
-    differ from the graph's (an fp16 engine's K/V inputs, say), and its profile shapes."""
-    spec = {"onnx": str(onnx_path), "dtypes": dtypes or {}, "profile": profile or {}}
+    differ from the graph's (an fp16 engine's K/V inputs, say), and its optimization profiles'
+    shapes (one per served latent size where the graph has spatial axes)."""
+    spec = {"onnx": str(onnx_path), "dtypes": dtypes or {}, "profiles": profiles or [{}]}
     Path(path).write_bytes(PLAN_MAGIC + json.dumps(spec).encode())
 
 
@@ -486,10 +487,10 @@ class FakeEngine:
         self.inputs = [v.name for v in self.session.get_inputs()]
         self.outputs = [v.name for v in self.session.get_outputs()]
         self.onnx_shape = {v.name: v.shape for v in [*self.session.get_inputs(), *self.session.get_outputs()]}
-        self.profile = {n: [tuple(s) for s in shapes] for n, shapes in spec["profile"].items()}
+        self.profiles = [{n: [tuple(s) for s in shapes] for n, shapes in profile.items()} for profile in spec["profiles"]]
         self.num_io_tensors = len(self.inputs) + len(self.outputs)
         self.device_memory_size_v2 = self.DEVICE_MEMORY
-        self.num_optimization_profiles = 1
+        self.num_optimization_profiles = len(self.profiles)
         self._out_shapes: dict[tuple, dict[str, tuple]] = {}
 
     def get_tensor_name(self, i: int) -> str:
@@ -505,10 +506,13 @@ class FakeEngine:
         return tuple(d if isinstance(d, int) else -1 for d in self.onnx_shape[name])
 
     def get_tensor_profile_shape(self, name: str, profile_index: int):
-        if name not in self.profile:
+        if not 0 <= profile_index < self.num_optimization_profiles:
+            raise RuleViolation(f"{self.name}: no optimization profile {profile_index} ({self.num_optimization_profiles} built)")
+        profile = self.profiles[profile_index]
+        if name not in profile:
             shape = self.get_tensor_shape(name)
             return [shape, shape, shape]
-        return self.profile[name]
+        return profile[name]
 
     def get_device_memory_size_for_profile_v2(self, profile_index: int) -> int:
         return self.DEVICE_MEMORY
@@ -539,6 +543,7 @@ class FakeContext:
         self.addresses: dict[str, int] = {}
         self.device_memory: Optional[tuple[int, int]] = None
         self.enqueues = 0
+        self.profile_index = 0  # a new context starts on profile 0 (TensorRT's default)
 
     def _owned(self, call: str) -> None:
         if threading.get_ident() != self.owner:
@@ -547,10 +552,21 @@ class FakeContext:
                 f"{threading.current_thread().name!r}; it belongs to {self.owner_name!r} (a context is not thread-safe)"
             )
 
+    def set_optimization_profile_async(self, index: int, stream_handle: int) -> bool:
+        """TensorRT: select profile ``index`` (shapes set before are invalidated); a profile
+        the engine lacks is an error."""
+        self._owned("set_optimization_profile_async")
+        if not 0 <= index < self.engine.num_optimization_profiles:
+            raise RuleViolation(f"{self.engine.name}: set_optimization_profile_async({index}) of "
+                                f"{self.engine.num_optimization_profiles} profiles")  # fmt: skip
+        self.profile_index = index
+        self.shapes.clear()
+        return True
+
     def set_input_shape(self, name: str, shape) -> bool:
         self._owned("set_input_shape")
         shape = tuple(int(d) for d in shape)
-        lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
+        lo, _, hi = self.engine.get_tensor_profile_shape(name, self.profile_index)
         if len(shape) != len(lo) or any(not a <= d <= b for a, d, b in zip(lo, shape, hi)):
             return False  # TensorRT logs an error and returns false outside the profile
         self.shapes[name] = shape
@@ -621,13 +637,16 @@ def write_trt_engines(manifest, out: Path, profile, dtypes: Optional[dict[str, d
     """A ``trt`` engines folder of simulated plans for ``manifest``'s graphs, with the
     engines.json `make engines` writes (same profile, per graph ``dtypes`` overrides)."""
     from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, write_engines_json
+    from edit_rt.runtime.engine.profiles import spatial
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     graphs = {}
     for graph in GRAPHS:
-        shapes = profile.shapes(manifest.graphs[graph].inputs, graph)
-        write_plan(out / f"{graph}.plan", manifest.path(graph), (dtypes or {}).get(graph), {n: list(s) for n, s in shapes.items()})
+        sizes = profile.latent_sizes() if spatial(manifest.graphs[graph].inputs) else profile.latent_sizes()[:1]
+        shapes = [profile.at(size).shapes(manifest.graphs[graph].inputs, graph) for size in sizes]
+        write_plan(out / f"{graph}.plan", manifest.path(graph), (dtypes or {}).get(graph),
+                   [{n: list(s) for n, s in one.items()} for one in shapes])  # fmt: skip
         graphs[graph] = {"file": f"{graph}.plan", "source_onnx": str(manifest.path(graph)),
                          "source_sha256": manifest.data["graphs"][graph]["sha256"]}  # fmt: skip
     write_engines_json(EngineSet(out, "trt", profile, "fp16", {"tensorrt": version}, device, graphs))

@@ -47,7 +47,7 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
     manifest = load_manifest(onnx_dir)
     assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
     assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16,
-                               "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8}  # fmt: skip
+                               "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8, "extra_sizes": []}  # fmt: skip
     assert data["tools"] == engine_tools("ort-cpu")
     for graph, entry in data["graphs"].items():
         assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
@@ -93,7 +93,7 @@ def test_trt_engines_for_another_latent_size_are_refused(engines_dir, onnx_dir, 
     copy = tmp_path / "engines"
     shutil.copytree(engines_dir / "ort-cpu", copy / "ort-cpu")
     with pytest.raises(ArtifactError, match="built for 16x16 latents, this run needs 32x32"):
-        load_engines(copy / "ort-cpu", load_manifest(onnx_dir), "ort-cpu", engine_tools("ort-cpu"), cpu_name(), (32, 32))
+        load_engines(copy / "ort-cpu", load_manifest(onnx_dir), "ort-cpu", engine_tools("ort-cpu"), cpu_name(), [(32, 32)])
 
 
 def test_more_rows_than_the_profile_join_as_slots_free_up(onnx_dir, pipeline, base_state):

@@ -24,7 +24,7 @@ import yaml
 from PIL import Image
 
 from edit_rt.runtime.engine import backend, backend_ort, cuda, graph_set
-from edit_rt.runtime.errors import ConfigError
+from edit_rt.runtime.errors import ArtifactError, ConfigError
 from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.engine.profiles import EditBatchProfile
@@ -243,6 +243,30 @@ def test_exactness_holds_on_the_simulated_gpu(gpu, trt_dirs, onnx_dir, pipeline,
         batched = pipe.run_tail(state, sample_rows())
         alone = np.concatenate([pipe.run_tail(state, [row]) for row in sample_rows()])
         np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
+def test_a_plan_serves_each_size_from_its_own_optimization_profile(gpu, onnx_dir, pipeline, tmp_path):
+    """engines.sizes on `trt`: one optimization profile per latent size in the spatial graphs;
+    each binding (and the VAE's infer) selects the profile its shapes fit, before its shapes,
+    and a generation at either size equals ort-cpu's at that size. Plans built without a size
+    the run needs are refused in one line."""
+    import dataclasses
+
+    manifest = load_manifest(onnx_dir)
+    wide = dataclasses.replace(PROFILE, extra_sizes=((16, 32),))  # 32x64 images besides 32x32
+    fakegpu.write_trt_engines(manifest, tmp_path / "two" / "trt", wide)
+    fakegpu.write_trt_engines(manifest, tmp_path / "one" / "trt", PROFILE)
+    base = dataclasses.replace(TEST_BASE, width=64, height=32)
+    with _trt(onnx_dir, tmp_path / "two", extra_image_sizes=[(32, 64)]) as pipe:
+        for b in (TEST_BASE, base):
+            state = pipe.generate_base(b)
+            np.testing.assert_allclose(state.latents, pipeline.generate_base(b).latents, atol=1e-5)
+            assert pipe.decode(state.final_latent).shape == (1, b.height, b.width, 3)
+    used = {(c.engine.name, c.profile_index) for c in gpu.trt.contexts}
+    assert ("unet_step", 0) in used and ("unet_step", 1) in used and ("vae_decoder", 1) in used, used
+    assert all(c.engine.num_optimization_profiles == 1 for c in gpu.trt.contexts if c.engine.name == "text_encoder")
+    with pytest.raises(ArtifactError, match="was built for 16x16 latents, this run needs 16x32 too"):
+        _trt(onnx_dir, tmp_path / "one", extra_image_sizes=[(32, 64)])
 
 
 # --- ONNX Runtime's CUDA provider ------------------------------------------------------------------

@@ -107,6 +107,7 @@ class TrtBinding:
                  cuda_graph: bool = True):  # fmt: skip
         self.graph = graph
         self.context = graph.new_context()
+        graph.use_profile(self.context, {name: view.shape for name, view in inputs.items()})
         for name, view in inputs.items():
             if not self.context.set_input_shape(name, view.shape):
                 raise RuntimeError(f"{graph.path.name}: {name} {view.shape} is outside the engine's profile; {graph.rebuild}")
@@ -151,6 +152,7 @@ class TrtGraph:
         self.output_names: list[str] = []
         self._trt: Any = None
         self._context: Any = None  # infer()'s own context
+        self._context_profile = 0  # the optimization profile infer()'s context is on
         self._buffers: dict[str, Any] = {}  # infer()'s device buffers, per tensor, grown only
         self.contexts_made = 0
 
@@ -207,6 +209,24 @@ class TrtGraph:
         self.contexts_made += 1
         return context
 
+    def profile_for(self, shapes: Mapping[str, tuple]) -> int:
+        """The engine's optimization profile (one per served latent size) whose ranges hold
+        every input shape; a shape no profile holds is the engine's refusal."""
+        for k in range(self.engine.num_optimization_profiles):
+            if all(_within(self.engine.get_tensor_profile_shape(name, k), shape) for name, shape in shapes.items()):
+                return k
+        name, shape = next(iter(shapes.items()))
+        raise RuntimeError(f"{self.path.name}: {name} {tuple(shape)} is outside every profile of the engine; {self.rebuild}")
+
+    def use_profile(self, context: Any, shapes: Mapping[str, tuple]) -> int:
+        """Put ``context`` on the profile for ``shapes`` (before its shapes are set: a switch
+        invalidates them), on the one stream. A single-profile engine needs no call."""
+        k = self.profile_for(shapes)
+        if self.engine.num_optimization_profiles > 1:
+            if not context.set_optimization_profile_async(k, self.device.stream.ptr):
+                raise RuntimeError(f"{self.path.name}: set_optimization_profile_async({k}) failed")
+        return k
+
     def synchronize(self) -> None:
         self.device.synchronize()
 
@@ -232,6 +252,9 @@ class TrtGraph:
         if self._context is None:
             self._context = self.new_context()
         context = self._context
+        shapes = {name: array.shape for name, array in feeds.items()}
+        if self.engine.num_optimization_profiles > 1 and self.profile_for(shapes) != self._context_profile:
+            self._context_profile = self.use_profile(context, shapes)  # another size than the last call's
         for name, array in feeds.items():
             if not context.set_input_shape(name, array.shape):
                 raise RuntimeError(f"{self.path.name}: {name} {array.shape} is outside the engine's profile; {self.rebuild}")
@@ -251,3 +274,8 @@ class TrtGraph:
             self._buffers[name].read_async(out)
         self.device.synchronize()
         return [outputs[name] for name in self.output_names]
+
+
+def _within(profile_shape, shape) -> bool:
+    lo, _, hi = profile_shape
+    return len(shape) == len(lo) and all(a <= d <= b for a, d, b in zip(lo, shape, hi))

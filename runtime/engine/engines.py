@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import ArtifactError
 from .manifest import Manifest
@@ -80,7 +80,7 @@ def load_engines(
     backend: str,
     tools: Mapping[str, str],
     device: str,
-    latent_hw: tuple[int, int] | None = None,
+    latent_sizes: Sequence[tuple[int, int]] = (),
 ) -> EngineSet:
     """Read ``root/engines.json`` and check it against the ONNX manifest and this machine."""
     path = Path(root) / "engines.json"
@@ -110,11 +110,12 @@ def load_engines(
             raise ArtifactError(
                 f"{path} was built with {tool} {engines.tools.get(tool)}, this is {version}; {REBUILD}"
             )
-    if latent_hw is not None and (engines.profile.latent_height, engines.profile.latent_width) != latent_hw:
-        built = f"{engines.profile.latent_height}x{engines.profile.latent_width}"
+    missing = [size for size in latent_sizes if size not in engines.profile.latent_sizes()]
+    if missing:  # engines of fixed size (TensorRT): one optimization profile per latent size
+        built = ", ".join(f"{h}x{w}" for h, w in engines.profile.latent_sizes())
         raise ArtifactError(
-            f"{path} was built for {built} latents, this run needs {latent_hw[0]}x{latent_hw[1]}; "
-            f"{REBUILD} with this config's size"
+            f"{path} was built for {built} latents, this run needs {missing[0][0]}x{missing[0][1]} too; "
+            f"{REBUILD} with this config's sizes (base and engines.sizes)"
         )
     sources = manifest.data["graphs"]
     for graph in GRAPHS:

@@ -90,13 +90,13 @@ def graphs_from_artifacts(
         built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
     chosen, reason = select_backend(backend, built)
     log.info("backend %s: %s", chosen, reason)
-    latent_hw = (profile.latent_height, profile.latent_width)
 
     stepping = lambda g: g.startswith("unet_step") or g == "latent_blend"  # noqa: E731  (the loop's graphs)
     if chosen == "trt":
         from .backend_trt import TrtDevice, TrtGraph
 
-        engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"), latent_hw)
+        engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"),
+                               profile.latent_sizes())  # fmt: skip
         files = {g: engines.path(g) for g in GRAPHS}
         device = TrtDevice()
         graphs = {g: TrtGraph(f, device, cuda_graphs=cuda_graphs and stepping(g)) for g, f in files.items()}

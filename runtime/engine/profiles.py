@@ -11,7 +11,7 @@ CUDA graph) for every later step of that shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 Shape = tuple[int, ...]
@@ -33,6 +33,21 @@ class EditBatchProfile:
     # Rows per VAE call: its activations at full image size dwarf the UNet's per row (SDXL at
     # 1024x1024: ~3 GB a row in fp16), so it has its own, smaller profile; decode chunks by it.
     vae_max_batch: int = 8
+    # More latent sizes (height, width) the engines serve (engines.sizes): a TensorRT plan has
+    # one optimization profile per size, each fixed in its spatial dims; ONNX Runtime's graphs
+    # take any size.
+    extra_sizes: tuple = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_sizes", tuple(tuple(int(d) for d in size) for size in self.extra_sizes))  # from JSON: lists
+
+    def latent_sizes(self) -> list[tuple[int, int]]:
+        """Every served latent size, (height, width): the profile's own first."""
+        return [(self.latent_height, self.latent_width), *[s for s in self.extra_sizes if s != (self.latent_height, self.latent_width)]]
+
+    def at(self, size: tuple[int, int]) -> "EditBatchProfile":
+        """This profile at one latent size (one TensorRT optimization profile)."""
+        return replace(self, latent_height=size[0], latent_width=size[1], extra_sizes=())
 
     def rows(self, which: str, graph: str = "") -> int:
         rows = getattr(self, f"{which}_batch")
@@ -66,6 +81,14 @@ class EditBatchProfile:
                 for which in ("min", "opt", "max")
             )
         return out
+
+
+SPATIAL = frozenset({"H", "W", "IH", "IW"})
+
+
+def spatial(inputs: Sequence[Any]) -> bool:
+    """Whether a graph's inputs have spatial axes (one TensorRT profile per latent size then)."""
+    return any(isinstance(d, str) and d in SPATIAL for spec in inputs for d in spec.shape)
 
 
 def ort_trt_profile_options(profile: EditBatchProfile, inputs: Sequence[Any], graph: str = "") -> dict[str, str]:

@@ -89,9 +89,10 @@ class Service(Generation, Uploads, JobControl):
             pipe.metrics = self.metrics  # the pipeline's stages (text encode, decode, inversion) time themselves here
             self.store = store_of(cfg, pipe.manifest.fingerprint)
             sizes = cfg.served_sizes()
-            if len(sizes) > 1 and pipe.graph_set.backend in ("trt", "ort-tensorrt"):
-                raise ConfigError(f"engines.sizes: the {pipe.graph_set.backend} engines are built for one size; "
-                                  "serve one size per server there (one profile per size is not built yet)")  # fmt: skip
+            if len(sizes) > 1 and pipe.graph_set.backend == "ort-tensorrt":
+                # its provider options take one profile per session; native `trt` plans hold one per size
+                raise ConfigError("engines.sizes: the ort-tensorrt backend builds one size per session; serve one "
+                                  "size there, or use backend trt (an optimization profile per size)")  # fmt: skip
             for k, (width, height) in enumerate(sizes):  # a step loop per size, all on the one engine thread
                 try:
                     shape = pipe.latent_shape(replace(base, width=width, height=height))
