@@ -124,6 +124,30 @@ def test_every_replica_reports_with_its_label(server):
     assert {dict(k)["replica"] for k in stored} == replicas  # every replica's, labelled
 
 
+def test_a1111_progress_and_interrupt_reach_every_replica(server):
+    """webuiapi's wait and interrupt through the ingress: idle is 0 jobs; a running job is
+    seen, with its steps, and an interrupt stops it on the replica that runs it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    idle = httpx.get(server.url + "/sdapi/v1/progress", timeout=30).json()
+    assert idle["progress"] == 0.0 and idle["state"]["job_count"] == 0, idle
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, server.url + "/sdapi/v1/txt2img", json={"prompt": "a long one", "steps": 150},
+                              timeout=300)  # fmt: skip
+        seen = None
+        for _ in range(200):
+            seen = httpx.get(server.url + "/sdapi/v1/progress", timeout=30).json()
+            if seen["state"]["job_count"] and seen["state"]["sampling_steps"]:
+                break
+            time.sleep(0.05)
+        assert seen["state"]["job_count"] >= 1 and seen["state"]["sampling_steps"] == 150, seen
+        stopped = httpx.post(server.url + "/sdapi/v1/interrupt", timeout=30).json()
+        assert stopped["interrupted"] >= 1, stopped
+        answer = running.result()
+    assert answer.status_code in (200, 409), answer.text  # its finished images, or none finished
+    assert httpx.get(server.url + "/sdapi/v1/progress", timeout=30).json()["state"]["job_count"] == 0
+
+
 def test_32_clients_over_8_bases_get_their_own_images_from_their_bases_owner(server, pipeline):
     bases = [Base(prompt=f"a red circle {k}", negative_prompt="blurry", seed=20 + k, steps=STEPS, guidance=7.5,
                   width=32, height=32) for k in range(8)]  # fmt: skip

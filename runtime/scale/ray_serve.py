@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional
 
@@ -121,7 +122,12 @@ class EditWorker:
     async def status(self, route: Optional[dict] = None) -> dict:
         """This replica's id, process, backend, rows and metrics (the ingress's scrape)."""
         return {"replica": self.replica, "pid": os.getpid(), "backend": self.service.backend,
-                **(await self.service.progress()), "metrics": await self.service.metrics_text()}  # fmt: skip
+                **(await self.service.progress()), "in_flight": self.service.in_flight(),
+                "metrics": await self.service.metrics_text()}  # fmt: skip
+
+    async def interrupt(self, route: Optional[dict] = None) -> dict:
+        """AUTOMATIC1111's interrupt on this replica: its running requests stop at the next step."""
+        return {"replica": self.replica, "interrupted": self.service.interrupt()}
 
     def check_health(self) -> None:
         """Ray Serve's health check: a worker whose step loop died is replaced."""
@@ -304,12 +310,12 @@ class RayService(Service):
     async def delete_base(self, bid: str) -> None:
         await self._on_owner("delete_base", bid)
 
-    async def replicas(self) -> list[dict]:
-        """Every worker's status (one call per replica, in id order; a replica lost meanwhile is
-        left out)."""
+    async def replicas(self, method: str = "status") -> list[dict]:
+        """Every worker's answer to ``method`` (its status by default; one call per replica, in
+        id order; a replica lost meanwhile is left out)."""
         n, out = self.cfg.serve.ray.replicas, {}
         for k in range(0, 4 * n, n):  # the affinity router answers in one round; Ray's own picks at random
-            calls = [self.workers.status.remote(route={"replica": k + i}) for i in range(n)]
+            calls = [getattr(self.workers, method).remote(route={"replica": k + i}) for i in range(n)]
             for status in await asyncio.gather(*(self._result(c) for c in calls), return_exceptions=True):
                 if isinstance(status, dict):
                     out[status["replica"]] = status
@@ -323,6 +329,21 @@ class RayService(Service):
 
     async def metrics_text(self) -> bytes:
         return merged(self.metrics.registry, {s["replica"]: s["metrics"] for s in await self.replicas()})
+
+    async def job_status(self) -> dict:
+        """The replicas' step loops as one (A1111's /progress): their requests and row-steps
+        summed, the oldest running row's step (time.monotonic() is one clock per machine)."""
+        parts = [s["in_flight"] for s in await self.replicas()]
+        started = [p for p in parts if p["started"] is not None]
+        oldest = min(started, key=lambda p: p["started"]) if started else None
+        return {**{key: sum(p[key] for p in parts) for key in ("running", "queued", "done", "total")},
+                "started": oldest["started"] if oldest else None, "current": oldest["current"] if oldest else None}
+
+    async def stop_jobs(self) -> int:
+        """A1111's interrupt on every replica."""
+        self.interrupts += 1
+        self.interrupted_at = time.monotonic()
+        return sum(answer["interrupted"] for answer in await self.replicas("interrupt"))
 
 
 class Ingress:

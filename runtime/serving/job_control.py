@@ -45,6 +45,14 @@ class JobControl:
         return {"running": len(running), "queued": len(queued), "done": done, "total": total, "started": started,
                 "current": None if oldest is None else oldest[1:]}  # fmt: skip
 
+    async def job_status(self) -> dict[str, Any]:
+        """``in_flight()`` for a route (Ray Serve's ingress gathers its replicas')."""
+        return self.in_flight()
+
+    async def stop_jobs(self) -> int:
+        """``interrupt()`` for a route (Ray Serve's ingress sends it to every replica)."""
+        return self.interrupt()
+
     def interrupt(self) -> int:
         """Cancel every request that has a row in a step loop now (AUTOMATIC1111's interrupt:
         the current job stops, what waits wholly in the queue goes on): their rows leave at the

@@ -53,7 +53,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
 
     @router.get("/progress", responses=errors(400, 401), summary="The step loops' progress (A1111's)")
     async def progress(skip_current_image: bool = False):
-        now = service.in_flight()
+        now = await service.job_status()
         rows = await service.progress()  # row counts: with Ray Serve, the replicas'
         jobs = now["running"] + now["queued"] or int(rows["active"] + rows["queued"] > 0)
         fraction = now["done"] / now["total"] if now["total"] else 0.0
@@ -75,7 +75,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
     @router.post("/interrupt", responses=errors(401), summary="Stop the requests running now")
     async def interrupt():
         settings.last_stop = "interrupt"
-        return {"interrupted": service.interrupt()}
+        return {"interrupted": await service.stop_jobs()}
 
     @router.post("/skip", responses=errors(401), summary="As interrupt (a request's images run as one batch)")
     async def skip():
