@@ -50,7 +50,7 @@ TEXT_CHUNKS = {b"tEXt", b"zTXt", b"iTXt"}
 WHITESPACE = str.maketrans("", "", " \t\r\n")
 
 # Pillow's bomb check is a process-wide constant: past 89 M pixels it *prints* a warning, past
-# 179 M it raises, whatever serve.max_image_pixels says. _opened checks that limit instead.
+# 179 M it raises, whatever serve.max_image_pixels says. opened_image checks that limit instead.
 Image.MAX_IMAGE_PIXELS = None
 
 
@@ -90,7 +90,7 @@ def decode_base64(data: str, param: str) -> bytes:
 def image_from_bytes(data: bytes, size: tuple[int, int], param: str, max_bytes: int, resize: bool, max_pixels: int) -> Upload:
     """``data`` (PNG, JPEG, WebP, GIF, TIFF, BMP) as the served ``size`` (width, height) RGB
     pixels; at most ``max_bytes`` bytes and ``max_pixels`` pixels, checked before decoding."""
-    image, notes = _opened(data, param, max_bytes, max_pixels), []
+    image, notes = opened_image(data, param, max_bytes, max_pixels), []
     try:
         if getattr(image, "is_animated", False):
             notes.append(f"took the first frame of an animated or multi-page {image.format}")
@@ -117,7 +117,7 @@ def text_of_image(data: bytes, param: str, max_bytes: int, max_pixels: int) -> d
     info, a JPEG's comment), with ``parameters`` taken, as AUTOMATIC1111 does, from the EXIF
     UserComment or the comment when no PNG chunk holds it. No pixel is decoded: damage in the
     pixel data goes unnoticed here (``image_from_bytes`` finds it)."""
-    image = _opened(data, param, max_bytes, max_pixels)
+    image = opened_image(data, param, max_bytes, max_pixels)
     text = {k: v for k, v in image.info.items() if isinstance(v, str)}
     try:
         if image.format == "PNG":
@@ -135,7 +135,7 @@ def text_of_image(data: bytes, param: str, max_bytes: int, max_pixels: int) -> d
     return text
 
 
-def _opened(data: bytes, param: str, max_bytes: int, max_pixels: int) -> Image.Image:
+def opened_image(data: bytes, param: str, max_bytes: int, max_pixels: int) -> Image.Image:
     """``data`` opened (its header read, no pixel decoded) and its declared size checked."""
     if len(data) > max_bytes:
         raise ImageInputError(f"{param}: {len(data)} bytes, at most {max_bytes} (serve.max_image_bytes)", 413)

@@ -19,25 +19,18 @@ image pool, within the upload limits.
 
 from __future__ import annotations
 
-import io
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..uploads import DAMAGED, FORMATS, ImageInputError
+from ..uploads import DAMAGED, FORMATS, ImageInputError, opened_image
 
 
 def mask_from_bytes(data: bytes, param: str, max_bytes: int, max_pixels: int) -> np.ndarray:
     """Steps 1 of the module's docstring: ``data`` (any image this server reads) as A1111's
     binary mask, [h, w] uint8 at its own size (255: may change), upright by its EXIF orientation."""
-    if len(data) > max_bytes:
-        raise ImageInputError(f"{param}: {len(data)} bytes, at most {max_bytes} (serve.max_image_bytes)", 413)
+    image = opened_image(data, param, max_bytes, max_pixels)  # the upload's own checks: bytes, declared size
     try:
-        image = Image.open(io.BytesIO(data), formats=FORMATS)
-        width, height = image.size
-        if width * height > max_pixels:
-            raise ImageInputError(f"{param}: {width}x{height} is {width * height} pixels, at most {max_pixels} "
-                                  "(serve.max_image_pixels)", 413)  # fmt: skip
         image = ImageOps.exif_transpose(image)
         if image.mode == "RGBA" and image.getextrema()[-1] != (255, 255):
             alpha = np.asarray(image.getchannel("A"))

@@ -17,7 +17,7 @@ import io
 import numpy as np
 from PIL import ExifTags, Image
 
-from ..uploads import DAMAGED, FORMATS, ImageInputError
+from ..uploads import DAMAGED, FORMATS, ImageInputError, opened_image
 
 UPRIGHT_SWAPS = {5, 6, 7, 8}  # EXIF orientations that turn the image a quarter
 
@@ -27,14 +27,9 @@ def mask_from_bytes(data: bytes, image: bytes, served: tuple[int, int], max_byte
     """``data`` (a PNG or WebP with alpha) as [H, W] float32 at ``served`` (width, height): 1
     where its alpha is 0 (the image may change there), 0 elsewhere. ``image``: the bytes of the
     image it masks, whose size (upright) it must have."""
-    if len(data) > max_bytes:
-        raise ImageInputError(f"{param}: {len(data)} bytes, at most {max_bytes} (serve.max_image_bytes)", 413)
+    mask = opened_image(data, param, max_bytes, max_pixels)  # the upload's own checks: bytes, declared size
+    width, height = mask.size
     try:
-        mask = Image.open(io.BytesIO(data), formats=FORMATS)
-        width, height = mask.size
-        if width * height > max_pixels:
-            raise ImageInputError(f"{param}: {width}x{height} is {width * height} pixels, at most {max_pixels} "
-                                  "(serve.max_image_pixels)", 413)  # fmt: skip
         target = _upright_size(image)
         if (width, height) != target:
             raise ImageInputError(f"{param}: {width}x{height}, but its image is {target[0]}x{target[1]}; send a "
