@@ -155,10 +155,13 @@ def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops
         p = api.get_progress()
         if 0.0 < p["progress"] < 1.0:
             seen.append(p)
-            if p["progress"] > 0.1:
+            if p["progress"] > 0.1 and p["current_image"]:
                 break
         time.sleep(0.02)
     assert seen and seen[-1]["state"]["job_count"] >= 1 and seen[-1]["state"]["sampling_steps"] == 120
+    # A1111's live preview (every 10 steps): the image the step predicts, at the job's size
+    preview = Image.open(io.BytesIO(base64.b64decode(seen[-1]["current_image"])))
+    assert preview.size == (32, 32) and preview.format == "PNG"
     assert seen[-1]["eta_relative"] >= 0  # (the fraction may fall as more rows join: it is of the rows in flight)
     assert api.interrupt()["interrupted"] >= 1  # webuiapi posts it without a body
     stopped = time.monotonic()

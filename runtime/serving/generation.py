@@ -17,7 +17,7 @@ from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownErro
 from ..model.edit import Base, TailRow
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
-from .errors import row_error
+from .errors import ApiError, row_error
 from .results import Generated
 
 Event = tuple[str, dict]
@@ -27,8 +27,14 @@ class Generation:
     """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its pipe, store, metrics,
     image pool and submit / wait / keep)."""
 
-    async def generate(self, base: Base, http: Optional[HttpRequest] = None) -> Generated:
-        """Generate ``base``, keep it in the store, return its PNG (with its parameters)."""
+    async def generate(self, base: Base, http: Optional[HttpRequest] = None, previews: int = 0) -> Generated:
+        """Generate ``base``, keep it in the store, return its PNG (with its parameters).
+        ``previews``: made while it runs (the latest kept as ``last_preview``), not returned."""
+        if previews > 0:
+            async for kind, data in watch(self.generate_events(base, previews), http):
+                if kind == "generated":
+                    return data
+            raise RuntimeError("a generation's events ended without its result")  # generate_events raises first
         pipe = self.pipe
         bid = base_id(pipe.manifest.fingerprint, base)
         request = self._new_request()
@@ -88,3 +94,23 @@ class Generation:
         png = await asyncio.get_running_loop().run_in_executor(self.image_pool, png_bytes, image, f"preview: step {step} of {of}")
         self.last_preview = png
         return {"index": index, "step": step, "of": of, "png": png}
+
+
+async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:
+    """``events`` while the client is there: a client that disconnects closes them (its rows
+    leave the batch at the next step) and gets 499."""
+    try:
+        while True:
+            task = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait([task], timeout=0.25))[0]:
+                if http is not None and await http.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)  # the events' own cleanup runs
+                    raise ApiError(499, "client disconnected", code="client_closed")
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        await events.aclose()

@@ -37,7 +37,7 @@ from ..pnginfo import edit_fields, parameters_text
 from ..storage.store import BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, base_id
 from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id, queue_errors, row_error, store_busy,
                      until_done)  # fmt: skip
-from .generation import Generation
+from .generation import Generation, watch
 from .inversion import Uploads
 from .job_control import JobControl
 from .results import Edited
@@ -354,11 +354,12 @@ class Service(Generation, Uploads, JobControl):
             self.store.unpin(bid)
 
     async def edit_base(self, bid: str, specs: list[Edit], http: Optional[HttpRequest] = None,
-                        param: str = "base_id", **masks) -> list[Edited]:  # fmt: skip
+                        param: str = "base_id", previews: int = 0, **masks) -> list[Edited]:  # fmt: skip
         """``edit_events`` collected: the edits in order, or the first row's error. ``masks``:
-        edit_events' pixel_masks, backdrops, png_fields, mask_param."""
+        edit_events' pixel_masks, backdrops, png_fields, mask_param; ``previews`` are made (the
+        latest kept as ``last_preview``) but not returned."""
         out = []
-        async for kind, data in watch(self.edit_events(bid, specs, param, **masks), http):
+        async for kind, data in watch(self.edit_events(bid, specs, param, previews, **masks), http):
             if kind == "error":
                 raise data["error"]
             if kind == "image_edit.completed":
@@ -395,22 +396,3 @@ class Service(Generation, Uploads, JobControl):
     @property
     def family(self) -> dict:
         return self.pipe.family
-
-async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:
-    """``events`` while the client is there: a client that disconnects closes them (its rows
-    leave the batch at the next step) and gets 499."""
-    try:
-        while True:
-            task = asyncio.ensure_future(events.__anext__())
-            while not (await asyncio.wait([task], timeout=0.25))[0]:
-                if http is not None and await http.is_disconnected():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)  # the events' own cleanup runs
-                    raise ApiError(499, "client disconnected", code="client_closed")
-            try:
-                item = task.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        await events.aclose()

@@ -86,7 +86,7 @@ def a1111_routes(service: Service) -> APIRouter:
         first = service.base_of(body.prompt, body.negative_prompt, f"{want[0]}x{want[1]}", body.steps, body.cfg_scale,
                                 body.seed, clip_skip)  # fmt: skip
         bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
-        results = await together([service.generate(b, http) for b in bases], epoch, service)
+        results = await together([service.generate(b, http, previews=live_previews(b.steps)) for b in bases], epoch, service)
         made = finished(results, epoch, service)
         info = info_of(service, body, first, [g.base.seed for g in made], [png_text(g.png) for g in made],
                        interrupted=len(made) < len(bases), clip_skip=first.clip_skip, accepted_=stripped)  # fmt: skip
@@ -270,12 +270,22 @@ def mask_fields(body: Img2Img, blur: tuple[int, int]) -> dict[str, str]:
     return out
 
 
+# A1111 shows a live preview every 10 steps by default (show_progress_every_n_steps); the
+# latest is /progress's current_image. Each costs one VAE decode of its row (docs/serving.md).
+PREVIEW_EVERY = 10
+
+
+def live_previews(steps: int) -> int:
+    """How many previews a job of ``steps`` makes: one per PREVIEW_EVERY steps, the last excepted."""
+    return max(0, (steps - 1) // PREVIEW_EVERY)
+
+
 async def edits_or_errors(service: Service, bid: str, specs: list[Edit], http: Optional[HttpRequest], param: str,
                           masks: dict) -> list[Any]:  # fmt: skip
     """Each edit's :class:`Edited` or its row's ApiError, in order (a refusal of the request, an
     unknown base or a bad mask, is raised)."""
     out: list[Any] = [None] * len(specs)
-    async for kind, data in watch(service.edit_events(bid, specs, param, **masks), http):
+    async for kind, data in watch(service.edit_events(bid, specs, param, live_previews(service.cfg.base.steps), **masks), http):
         if kind == "error":
             out[data["index"]] = data["error"]
         elif kind == "image_edit.completed":
