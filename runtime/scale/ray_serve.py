@@ -225,7 +225,9 @@ class RayService(Service):
             raise value.error
         return value
 
-    async def generate(self, base: Base, http=None) -> Generated:
+    async def generate(self, base: Base, http=None, previews: int = 0) -> Generated:
+        """On a replica. ``previews`` (A1111's live previews) are not made here: the ingress could
+        not show a replica's (its /progress current_image stays None on Ray Serve)."""
         bid = base_id(self.fingerprint, base)
         return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}), http)
 

@@ -99,6 +99,7 @@ class Generation:
 async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> AsyncIterator[Event]:
     """``events`` while the client is there: a client that disconnects closes them (its rows
     leave the batch at the next step) and gets 499."""
+    task = None
     try:
         while True:
             task = asyncio.ensure_future(events.__anext__())
@@ -113,4 +114,9 @@ async def watch(events: AsyncIterator[Event], http: Optional[HttpRequest]) -> As
                 return
             yield item
     finally:
+        if task is not None and not task.done():
+            # this watch was cancelled (its caller's task) while the events ran their step: stop
+            # that first, or closing them would find them still running
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await events.aclose()
