@@ -28,7 +28,7 @@ from .images import contact_sheet, save_png
 from .model.config import RunConfig
 from .model.edit import Edit, TailRow
 from .pnginfo import base_fields, edit_fields, parameters_text
-from .storage.store import base_id
+from .storage.store import DamagedBaseError, base_id
 from .uploads import ImageInputError, Upload, image_from_bytes
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,11 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         counted = [dataclasses.replace(stats)]
         with timer.stage("base_generation"):
             tier = store.tier(bid)
-            state = store.get(bid) if tier else None
+            try:
+                state = store.get(bid) if tier else None
+            except DamagedBaseError as err:  # set aside by the store (an older version's file, say): made again
+                log.warning("%s", err)
+                state = None
             if state is not None and state.window_start <= cfg.cache.window_start:
                 base_source = f"store ({tier})"
             elif upload is not None:

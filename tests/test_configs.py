@@ -63,3 +63,26 @@ def test_the_estimate_grows_with_the_square_of_the_pixels():
     assert big == 16 * small
     # down_blocks.1 sees 16x16 of a 32x32 latent: 256 tokens, 8 heads, 2 x 4 rows, scores + softmax
     assert small == 2 * 4 * 8 * 256**2 * 4 * 2
+
+
+def test_a_stored_base_the_store_refuses_is_generated_again_by_run(tmp_path, model_dir, onnx_dir):
+    """`edit-rt run` after an upgrade: the store's old-format file is set aside and the base is
+    generated again (exit 0, one warning), not the end of the run."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    cfg = _config(model_dir, onnx_dir, tmp_path, store={"ram_mb": 64, "disk_dir": str(tmp_path / "store"), "disk_mb": 64})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    run = lambda: subprocess.run([*CLI, "run", str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=300)  # noqa: E731
+    assert run().returncode == 0
+    (path,) = (tmp_path / "store" / "bases").glob("*.safetensors")
+    with open(path, "rb") as f:  # the same tensors under an older format's header
+        head = f.read(8)
+        meta = json.loads(f.read(int.from_bytes(head, "little")))["__metadata__"]
+    save_file(load_file(path), path, metadata={**meta, "format": "edit-rt-base/3"})
+    again = run()
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert "set aside" in again.stderr or "damaged" in again.stderr, again.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["base_source"] == "generated"
