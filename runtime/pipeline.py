@@ -1,4 +1,4 @@
-"""The edit pipeline: the compiled graphs, text -> K/V, base generation and batched edit tails.
+"""The edit pipeline: the compiled graphs, text -> K/V (text.py), base generation and batched edit tails.
 
 Generation and tails are rows of one :class:`~edit_rt.runtime.loop.slots.RowScheduler` (one per
 latent size), driven by its :class:`~edit_rt.runtime.loop.batcher.Batcher`: ``generate_base`` and
@@ -36,7 +36,8 @@ from .model.automask import AutoMask
 from .model.edit import Base, Mask, Preserve, TailRow
 from .model.scheduler_ddim import DDIMConfig
 from .model.state import KV, BaseState
-from .model.weighting import SpanTokenizer, WeightedIds, emphasize, encoder_widths, prompt_spans
+from .model.weighting import SpanTokenizer
+from .text import PromptEncoding
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int], None]  # called with the number of row-steps just completed
 
 
-class EditPipeline:
+class EditPipeline(PromptEncoding):
     """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
     def __init__(
@@ -148,87 +149,6 @@ class EditPipeline:
 
     def __exit__(self, *exc) -> None:
         self.deactivate()
-
-    # --- text -------------------------------------------------------------------------------
-
-    def input_ids(self, prompts: Sequence[str], tokenizer: Optional[Tokenizer] = None) -> np.ndarray:
-        """CLIP ids [B, 77]: BOS, the prompt's tokens, EOS, padding (as diffusers tokenizes), of
-        the prompts' text without their weighting syntax (``a (red:1.3) car``: ``a red car``)."""
-        k = self.tokenizers.index(tokenizer) if tokenizer is not None else 0
-        return np.stack([self.span_tokenizers[k].encode(prompt_spans(p)).ids for p in prompts])
-
-    def weighted_ids(self, prompts: Sequence[str], negative: bool = False) -> list[list[WeightedIds]]:
-        """Per tokenizer, each prompt's ids and their weights (AUTOMATIC1111's emphasis syntax,
-        model/weighting.py); a syntax edit-rt does not run raises PromptSyntaxError."""
-        spans = [prompt_spans(p, negative) for p in prompts]
-        return [[tokenizer.encode(s) for s in spans] for tokenizer in self.span_tokenizers]
-
-    def text_widths(self, width: int) -> list[int]:
-        """Each text encoder's columns of the ``width`` hidden-state columns, in order: the
-        emphasis restores each encoder's own mean (A1111 weights SDXL's two encoders apart).
-        The manifest records only the sum; weighting.encoder_widths finds them from the text
-        graph, once."""
-        if self._text_widths is None:
-            if len(self.tokenizers) == 1:
-                self._text_widths = [width]
-            else:
-                names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
-                plain = {name: self.input_ids([""], t) for name, t in zip(names, self.tokenizers)}
-                encode = lambda feeds: self.graphs["text_encoder"].infer(feeds)[0][0, 0]  # noqa: E731
-                changed = [encode({**plain, name: self.input_ids(["a photo"], t)})
-                           for name, t in zip(names, self.tokenizers)]  # fmt: skip
-                self._text_widths = encoder_widths(encode(plain), changed)
-        return self._text_widths
-
-    @timed("text_encode")
-    def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False) -> KV:
-        """Every cross-attention layer's K/V for each prompt, and the family's extras (SDXL's
-        pooled embedding), batched (max_batch prompts a call).
-
-        ``clip_skip`` picks the text encoder's layer (0: the family's default). ``negative``
-        prompts keep the default layer; a negative prompt of None (none given) is zeros where
-        the family says so (SDXL's ``force_zeros_for_empty_prompt``) and the empty prompt
-        elsewhere, while ``""`` is always the empty prompt encoded, as diffusers forms them.
-        """
-        skips = self.family.get("clip_skips", 1)
-        if not 0 <= clip_skip < skips:
-            raise ConfigError(f"base.clip_skip: {clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
-        layer = 0 if negative and not self.family.get("negative_clip_skip") else clip_skip
-        parts = []
-        for lo in range(0, len(prompts), self.max_batch):
-            given = list(prompts[lo : lo + self.max_batch])
-            chunk = ["" if p is None else p for p in given]
-            names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]  # one per tokenizer
-            tokens = self.weighted_ids(chunk, negative)  # every prompt parsed before anything runs
-            feeds = {name: np.stack([w.ids for w in ws]) for name, ws in zip(names, tokens)}
-            outputs = self.graphs["text_encoder"].infer(feeds)
-            hidden = np.ascontiguousarray(outputs[0][:, layer])
-            for b in range(len(chunk)):  # A1111's emphasis on the weighted prompts' hidden states
-                if any(ws[b].weighted for ws in tokens):
-                    weights = [ws[b].weights for ws in tokens]
-                    hidden[b] = emphasize(hidden[b], weights, self.text_widths(hidden.shape[-1]))
-            pooled = outputs[1] if len(outputs) > 1 else None
-            if negative and self.family.get("zero_empty_negative"):
-                empty = np.array([p is None for p in given])
-                hidden[empty] = 0.0
-                if pooled is not None:
-                    pooled[empty] = 0.0
-            kv = list(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
-            parts.append((kv, {name: pooled for name in self.pooled}))
-        tensors = [np.concatenate(ts) for ts in zip(*(kv for kv, _ in parts))]
-        extras = {k: np.concatenate([e[k] for _, e in parts]) for k in parts[0][1]}
-        return KV(tensors, extras)
-
-    def row_conds(self, base: Base, kv: KV) -> dict[str, np.ndarray]:
-        """A row's values of the family's per-row conditioning (none for SD 1.x/2.x): the
-        pooled embedding from ``kv`` (already mixed by strength), the size ids from ``base``."""
-        out = {}
-        for cond in self.conds:
-            if cond["source"] == "pooled":
-                out[cond["name"]] = np.ascontiguousarray(kv.extras[cond["name"]][0], dtype=np.float32)
-            elif cond["source"] == "time_ids":
-                out[cond["name"]] = np.array(base.time_ids(), dtype=np.float32)
-        return out
 
     # --- the chain --------------------------------------------------------------------------
 

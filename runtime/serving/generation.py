@@ -35,13 +35,16 @@ class Generation:
                 if kind == "generated":
                     return data
             raise RuntimeError("a generation's events ended without its result")  # generate_events raises first
-        pipe = self.pipe
-        bid = base_id(pipe.manifest.fingerprint, base)
-        request = self._new_request()
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
+        bid, request, job = self._generation(base)
         self.submit(request, [job])
         (result,) = await self.wait(http, request, [job])
         return await self._generated(base, bid, result)
+
+    def _generation(self, base: Base) -> tuple[str, Request, Job]:
+        """``base``'s id, and its generation as a request of one row from its initial noise."""
+        request = self._new_request()
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=self.pipe.initial_noise(base))
+        return base_id(self.pipe.manifest.fingerprint, base), request, job
 
     async def _generated(self, base: Base, bid: str, result) -> Generated:
         """A finished generation kept in the store, as its reply."""
@@ -56,10 +59,7 @@ class Generation:
         """``generate`` as events: ``previews`` x "edit_rt.preview" (index, step, of, png: the
         decoded x_0 the step predicts) spread over the steps, then ("generated", Generated).
         Wrap it in :func:`watch` for a client that may leave."""
-        pipe = self.pipe
-        bid = base_id(pipe.manifest.fingerprint, base)
-        request = self._new_request()
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=pipe.initial_noise(base))
+        bid, request, job = self._generation(base)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._send_previews(request, events, previews, base.steps)

@@ -29,20 +29,20 @@ class Uploads:
         """An uploaded image as the served size's pixels, or the API's error for it (decoded in
         the image pool, off the event loop, within ``serve.max_image_pixels``)."""
         base, s = self.cfg.base, self.cfg.serve
-        decode = lambda: image_from_bytes(data, (base.width, base.height), param, s.max_image_bytes,  # noqa: E731
-                                          s.resize_uploads, s.max_image_pixels)  # fmt: skip
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.image_pool, decode)
-        except ImageInputError as err:
-            raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+        return await self.in_image_pool(param, image_from_bytes, data, (base.width, base.height), param, s.max_image_bytes,
+                                        s.resize_uploads, s.max_image_pixels)  # fmt: skip
 
     async def image_text(self, data: bytes, param: str) -> dict[str, str]:
         """An uploaded image's text (its PNG ``parameters``, say), read in the image pool without
         decoding its pixels, within the same limits as an upload."""
         s = self.cfg.serve
-        read = lambda: text_of_image(data, param, s.max_image_bytes, s.max_image_pixels)  # noqa: E731
+        return await self.in_image_pool(param, text_of_image, data, param, s.max_image_bytes, s.max_image_pixels)
+
+    async def in_image_pool(self, param: str, fn, *args):
+        """``fn(*args)`` (a decode, a mask, a blur) in the image pool, off the event loop; its
+        ImageInputError as the API's error for ``param``."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.image_pool, read)
+            return await asyncio.get_running_loop().run_in_executor(self.image_pool, fn, *args)
         except ImageInputError as err:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 

@@ -348,43 +348,49 @@ class DiskTier:
         """(tensors, meta) of ``bid``, verified: ``recorded_id(meta)`` is the id the file's own
         key gives. Raises UnknownBaseError when the file is gone (evicted, maybe by another
         process), DamagedBaseError when it fails (and was set aside where it could be)."""
-        path = self.path(bid)
-        try:
-            data, seen = read_regular(path, self.budget)
-        except FileNotFoundError:
+
+        def gone() -> Exception:
             with self._mem:
                 self.bases.pop(bid, None)
-            raise UnknownBaseError(f"unknown base id {bid!r}: never stored, deleted or evicted; generate it again") from None
-        except NotAFileError as err:
-            raise self._refused(path, bid, f"{path.name} {err}", err.identity, err.movable) from None
-        try:
-            tensors, meta = from_bytes(data, self.fingerprint, str(path))
-            recorded = recorded_id(meta)
-            if recorded != bid:
-                raise ArtifactError(f"{path}: the file records the key of base {recorded}, not {bid} (copied or renamed)")
-        except (ArtifactError, KeyError, ValueError, TypeError) as err:
-            raise self._refused(path, bid, err, seen) from None
-        return tensors, meta
+            return UnknownBaseError(f"unknown base id {bid!r}: never stored, deleted or evicted; generate it again")
+
+        return self._verified(bid, bid, recorded_id, gone,
+                              lambda path, recorded: f"{path}: the file records the key of base {recorded}, not {bid} "
+                                                     "(copied or renamed)")  # fmt: skip
 
     def load_uncond(self, uid: str, bid: str, recorded_id: Callable[[dict], str]) -> dict:
         """The unconditional K/V of ``uid`` for base ``bid``, verified like :meth:`load`: a
         file holding another negative prompt's K/V (or another precision's) is refused."""
-        path = self.path(uid)
+
+        def gone() -> Exception:
+            return DamagedBaseError(f"base {bid} is damaged: its negative prompt's file {self.path(uid).name} is missing; "
+                                    "generate the base again")  # fmt: skip
+
+        tensors, _ = self._verified(uid, bid, recorded_id, gone,
+                                    lambda path, recorded: f"it records the key of {recorded}, another negative prompt "
+                                                           "or precision (copied or renamed)")  # fmt: skip
+        return tensors
+
+    def _verified(self, key: str, bid: str, recorded_id: Callable[[dict], str], gone: Callable[[], Exception],
+                  mismatch: Callable[[Path, str], str]) -> tuple[dict, dict]:  # fmt: skip
+        """The file of ``key`` (a base's or an uncond's id) read as a regular file and verified,
+        its recorded key hashing to ``key``; ``gone()`` is the error of a missing file,
+        ``mismatch(path, recorded)`` the words for a file that records another key."""
+        path = self.path(key)
         try:
             data, seen = read_regular(path, self.budget)
         except FileNotFoundError:
-            raise DamagedBaseError(f"base {bid} is damaged: its negative prompt's file {path.name} is missing; "
-                                   "generate the base again") from None  # fmt: skip
+            raise gone() from None
         except NotAFileError as err:
             raise self._refused(path, bid, f"{path.name} {err}", err.identity, err.movable) from None
         try:
             tensors, meta = from_bytes(data, self.fingerprint, str(path))
             recorded = recorded_id(meta)
-            if recorded != uid:
-                raise ArtifactError(f"it records the key of {recorded}, another negative prompt or precision (copied or renamed)")
+            if recorded != key:
+                raise ArtifactError(mismatch(path, recorded))
         except (ArtifactError, KeyError, ValueError, TypeError) as err:
             raise self._refused(path, bid, err, seen) from None
-        return tensors
+        return tensors, meta
 
     def _refused(self, path: Path, bid: str, err: object, seen: Optional[tuple[int, int]] = None,
                  movable: bool = True) -> DamagedBaseError:  # fmt: skip

@@ -37,7 +37,6 @@ from ..model.edit import Edit
 from ..pnginfo import base_id_of
 from ..serving.errors import ApiError, row_error, validation_error
 from ..serving.service import Edited, Service, watch
-from ..uploads import ImageInputError
 from .a1111_fields import (RAN_SAMPLER, Common, Img2Img, Settings, Txt2Img, accepted, check_off, override, prompts_of,
                            refuse)  # fmt: skip
 from .a1111_jobs import job_routes, model_names, vae_names
@@ -116,7 +115,7 @@ def a1111_routes(service: Service) -> APIRouter:
         if body.mask is not None:
             s = service.cfg.serve
             raw = decode_base64_or_400(body.mask, "mask")
-            binary = await in_pool(service, "mask", mask_from_bytes, raw, "mask", s.max_image_bytes, s.max_image_pixels)
+            binary = await service.in_image_pool("mask", mask_from_bytes, raw, "mask", s.max_image_bytes, s.max_image_pixels)
         seed = body.seed if body.seed >= 0 else secrets.randbelow(2**31)
         epoch = service.interrupts
         ran = {**accepted(body), **inpainting_accepted(body), **stripped}
@@ -159,7 +158,7 @@ def a1111_routes(service: Service) -> APIRouter:
             masks = {}
             if binary is not None:
                 size, resize = (found["width"], found["height"]), service.cfg.serve.resize_uploads
-                pixel_mask = await in_pool(service, "mask", a1111_pixel_mask, binary, bool(body.inpainting_mask_invert),
+                pixel_mask = await service.in_image_pool("mask", a1111_pixel_mask, binary, bool(body.inpainting_mask_invert),
                                            *blur, size, resize)  # fmt: skip
                 masks = {"pixel_masks": [pixel_mask] * len(mine), "backdrops": [pixels] * len(mine),
                          "png_fields": [png_fields] * len(mine), "mask_param": "mask"}  # fmt: skip
@@ -214,14 +213,6 @@ def served_size(body: Common, sizes: list[tuple[int, int]]) -> tuple[int, int]:
         raise ApiError(400, f"{field}: {want[0]}x{want[1]} is not served; this server's engines serve {served}: send one "
                        "of them as width and height", param=field, code="unsupported_size")  # fmt: skip
     return want
-
-
-async def in_pool(service: Service, param: str, fn, *args):
-    """``fn(*args)`` in the image pool (a decode, a blur), its ImageInputError as the API's."""
-    try:
-        return await asyncio.get_running_loop().run_in_executor(service.image_pool, fn, *args)
-    except ImageInputError as err:
-        raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 
 
 async def inverted(service: Service, upload, body: Img2Img, clip_skip: Optional[int], epoch: int):

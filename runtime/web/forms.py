@@ -12,7 +12,6 @@ is openai_fields.py's.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Awaitable, Callable, Literal, Optional
@@ -25,7 +24,6 @@ from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
 from ..serving.errors import ApiError, echo, validation_error
 from ..serving.service import Service
-from ..uploads import ImageInputError
 from .api import OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
 from .openai_mask import mask_from_bytes
@@ -210,12 +208,8 @@ async def edit_stream(service: Service, bids: list[str], specs: list[Edit], mask
 async def mask_of(service: Service, data: bytes, image: bytes) -> np.ndarray:
     """OpenAI's mask as the edit's pixel mask, decoded in the image pool (openai_mask.py)."""
     cfg = service.cfg
-    decode = lambda: mask_from_bytes(data, image, (cfg.base.width, cfg.base.height), cfg.serve.max_image_bytes,  # noqa: E731
-                                     cfg.serve.max_image_pixels)  # fmt: skip
-    try:
-        return await asyncio.get_running_loop().run_in_executor(service.image_pool, decode)
-    except ImageInputError as err:
-        raise ApiError(err.status, str(err), param="mask", code="invalid_image") from None
+    return await service.in_image_pool("mask", mask_from_bytes, data, image, (cfg.base.width, cfg.base.height),
+                                       cfg.serve.max_image_bytes, cfg.serve.max_image_pixels)  # fmt: skip
 
 
 async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
