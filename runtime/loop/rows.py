@@ -90,7 +90,13 @@ class SchedulerStats:
     set_writes: int = 0  # rewrites of the negative-prompt sets (new or dropped sets)
     last_rows: int = 0
     last_joined: int = 0  # rows placed into slots at the start of the last call
-    last_seconds: float = 0.0
+    # The last call's seconds, in a preallocated float64: a float attribute would be a new
+    # object every step, and the loop keeps no new object per step (tests/test_slots.py).
+    seconds: np.ndarray = field(default_factory=lambda: np.zeros(1), repr=False)
+
+    @property
+    def last_seconds(self) -> float:
+        return float(self.seconds[0])
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -397,7 +397,7 @@ class RowScheduler:
             if row.record is not None:
                 row.preview[:] = row.record.latents[row.step : row.step + 2]
             row.previewed = row.step
-        self.stats.last_seconds = time.perf_counter() - start
+        self.stats.seconds[0] = time.perf_counter() - start
         for row in self.active:
             row.step += 1
         for row in self.joined:
