@@ -36,6 +36,7 @@ from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.assemble import pipeline_of
 from edit_rt.runtime.model.edit import TailRow
 
+from .bench_sliders import slider_cost
 from .bench_side import (bucket_cost, entry_reuse, inversion_cost, preserve_cost, server_vs_run, structure_cost,
                          _timed)  # fmt: skip
 
@@ -51,10 +52,13 @@ def run_bench(
     repeats: int = 3,
     say: Callable[[str], None] = print,
     progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
+    sliders: Optional[dict] | bool = None,
 ) -> dict[str, Any]:
     """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report.
 
-    ``progress(total, description)`` gives an ``advance(n)`` for the measured points."""
+    ``progress(total, description)`` gives an ``advance(n)`` for the measured points;
+    ``sliders``: the LoRA slots' section's options (bench_sliders.py: slots, rank, points;
+    None: its defaults; False: no section)."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
 
@@ -178,6 +182,8 @@ def run_bench(
     say("bench: padded row buckets (the GPU backends' pow2) against exact row counts")
     report["bucket_cost"] = bucket_cost(rt, state, prompts, min(ks.values()), repeats)
     advance(1)
+    if sliders is not False:
+        report["sliders"] = slider_cost(cfg, rt, state, pipe, max(ns), max(ks.values()), repeats, say, **(sliders or {}))
     rt.deactivate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

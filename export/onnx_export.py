@@ -24,7 +24,7 @@ import torch
 from edit_rt.runtime.errors import ModelError
 from edit_rt.runtime.engine.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
-from . import family_sd
+from . import adapter_slots, family_sd
 from .families import family_module
 from .family import family_of
 from .graphs import (
@@ -132,13 +132,17 @@ class StepIO:
         return {name: role for name, role, _, _ in self.inputs} | dict(self.outputs)
 
 
-def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None) -> StepIO:
+def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None,
+            adapters: Optional[tuple[list, int, int]] = None) -> StepIO:  # fmt: skip
     """The step graph's inputs with their roles (runtime/step_signature.py reads them back):
     ``latents``, ``step_scalar:<schedule attribute>`` (changes every step),
     ``row_scalar:<row attribute>`` (fixed per row), ``set_index`` (the row's negative-prompt
     set), ``entry_uncond`` (rows at their entry step), ``row_ref`` (the row whose self-attention
     pattern it takes), ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative
-    prompts' K/V); outputs ``next_latents``, ``uncond_out`` and (the maps variant) ``attn_maps``."""
+    prompts' K/V), and with ``adapters`` ((adapter layers, slots, rank): adapter_slots.py)
+    ``row_adapters`` (the row's scale per adapter slot) and ``adapter_weight`` (the slots' LoRA
+    matrices, resident); outputs ``next_latents``, ``uncond_out`` and (the maps variant)
+    ``attn_maps``."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
     # or set count of 1 gets frozen into the graph as a broadcast.
     n, e, sets = 3, 1, 2
@@ -170,6 +174,10 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
             (f"uncond_k_{i}", "set_kv", torch.randn(layer.heads, d, sets * TEXT_LEN), {2: "S"}),
             (f"uncond_v_{i}", "set_kv", torch.randn(layer.heads, sets * TEXT_LEN, d), {1: "S"}),
         ]
+    if adapters is not None:
+        adapter_layers, slots, rank = adapters
+        for name, example, axes in adapter_slots.example_inputs(adapter_layers, "unet_step", n, slots, rank):
+            inputs.append((name, "row_adapters" if name == "adapter_scale" else "adapter_weight", example, axes))
     outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out")]
     axes = {name: latent_axes for name, _ in outputs}
     if maps:
@@ -188,11 +196,14 @@ def _write_tokenizer(tokenizer, out: Path) -> None:
 
 
 def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0,
-                progress: Optional[Callable[[str], None]] = None, variant: Optional[str] = None) -> Path:  # fmt: skip
+                progress: Optional[Callable[[str], None]] = None, variant: Optional[str] = None,
+                adapter_slots_n: int = 0, adapter_rank: int = 16) -> Path:  # fmt: skip
     """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path.
 
     ``progress`` is called with each graph's name as it is done (``EXPORT_STAGES`` in all);
-    ``variant`` picks diffusers' variant weights (``fp16``: cast to fp32 for the graphs)."""
+    ``variant`` picks diffusers' variant weights (``fp16``: cast to fp32 for the graphs);
+    ``adapter_slots_n`` > 0 gives the text encoder, kv_proj and step graphs that many resident
+    LoRA slots of rank up to ``adapter_rank`` (export/adapter_slots.py); 0: none."""
     done = progress or (lambda name: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     family = family_module(family_of(model_dir))  # refuses what edit-rt cannot run, in one line
@@ -218,21 +229,34 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     conds = family.conds(components)
     n2 = 2  # trace with B=2 so no batch-1 broadcast gets frozen into the graph
     graphs = {}
+    slots, rank = int(adapter_slots_n), int(adapter_rank)
+    adapter_layers, contexts = adapter_slots.install_all(components, rank) if slots else ([], {})
+
+    def adapted(graph: str, module: torch.nn.Module, inputs: int, rows: int):
+        """``module`` with ``graph``'s adapter inputs appended (none without slots)."""
+        if not slots:
+            return module, []
+        extra = adapter_slots.example_inputs(adapter_layers, graph, rows, slots, rank)
+        return adapter_slots.wrap(graph, module, inputs, contexts), extra
 
     log.info("exporting text_encoder (%s)", components.family)
     ids = [torch.zeros(n2, TEXT_LEN, dtype=torch.int64) for _ in family.text_inputs()]
     axes = {name: {0: "B"} for name in family.text_inputs() + family.text_outputs()}
+    module, extra = adapted("text_encoder", family.TextGraph(components), len(ids), n2)
     graphs["text_encoder"] = _export_graph(
-        family.TextGraph(components), tuple(ids), staging / "text_encoder.onnx",
-        family.text_inputs(), family.text_outputs(), axes, opset, threshold,
+        module, (*ids, *(a for _, a, _ in extra)), staging / "text_encoder.onnx",
+        family.text_inputs() + [name for name, _, _ in extra], family.text_outputs(),
+        {**axes, **{name: ax for name, _, ax in extra if ax}}, opset, threshold,
     )  # fmt: skip
     done("text_encoder")
     log.info("exporting kv_proj (%d cross-attention layers)", len(layers))
     kv_names = [f"{kind}_{i}" for i in range(len(layers)) for kind in ("k", "v")]
+    module, extra = adapted("kv_proj", KVProjGraph(unet), 1, n2)
     graphs["kv_proj"] = _export_graph(
-        KVProjGraph(unet), (torch.randn(n2, TEXT_LEN, d_text),), staging / "kv_proj.onnx",
-        ["hidden_states"], kv_names,
-        {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}}, opset, threshold,
+        module, (torch.randn(n2, TEXT_LEN, d_text), *(a for _, a, _ in extra)), staging / "kv_proj.onnx",
+        ["hidden_states"] + [name for name, _, _ in extra], kv_names,
+        {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}, **{name: ax for name, _, ax in extra if ax}},
+        opset, threshold,
     )  # fmt: skip
 
     done("kv_proj")
@@ -240,7 +264,10 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
         log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
         step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN, map_layers if maps else None, map_factor, conds).eval()
-        io = step_io(layers, c, h, w, maps, conds)
+        io = step_io(layers, c, h, w, maps, conds, (adapter_layers, slots, rank) if slots else None)
+        fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
+        if slots:
+            step = adapter_slots.wrap(graph, step, fixed, contexts)
         graphs[graph] = _export_graph(
             step, tuple(a for _, _, a, _ in io.inputs), staging / f"{graph}.onnx",
             [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
@@ -314,6 +341,12 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         },
         "family": description,
         "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
+        # LoRA slots (adapter_slots.py): resident inputs of text_encoder, kv_proj and unet_step
+        # (a layer whose output no graph output depends on, the last CLIP layer of a family that
+        # reads the penultimate one, loses its inputs in the export: "used": false)
+        "adapters": {"slots": slots, "rank": rank if slots else 0,
+                     "layers": [l.manifest() | {"used": l.down in {t["name"] for t in graphs[l.graph]["inputs"]}}
+                                for l in adapter_layers]},  # fmt: skip
         # K of a layer is [B, heads, head_dim, 77] (transposed per head), V [B, heads, 77, head_dim]
         "kv_layout": "heads-major",
         "graphs": graphs,

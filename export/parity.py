@@ -31,6 +31,7 @@ from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_too
 from edit_rt.runtime.engine.manifest import Manifest, load_manifest
 from edit_rt.runtime.model.scheduler_ddim import DDIMConfig, DDIMSchedule
 
+from . import adapter_slots
 from .families import family_module
 from .family import family_of
 from .graphs import KVProjGraph, LatentBlendGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
@@ -98,6 +99,10 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
             feeds[spec.name] = np.asarray(getattr(schedule, role.split(":", 1)[1])[picks], dtype=np.float32)
         elif role == "row_scalar:guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
+        elif spec.name == "adapter_scale":  # a slider's range
+            feeds[spec.name] = rng.uniform(-2.0, 2.0, size=shape).astype(np.float32)
+        elif "_lora_" in spec.name:  # LoRA matrices: small, as trained ones are
+            feeds[spec.name] = (0.05 * rng.standard_normal(shape)).astype(np.float32)
         elif spec.name == "images":
             feeds[spec.name] = rng.random(shape).astype(np.float32)
         elif spec.name == "keep":  # latent_blend: 1 where the base's latent is kept
@@ -111,6 +116,15 @@ def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Mo
     """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
     family = family_module(family_of(model_dir))
     components = family.load_components(model_dir, manifest.data["model"].get("variant"))
+    spec = manifest.adapters
+    if spec["slots"] and graph in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps"):
+        _, contexts = adapter_slots.install_all(components, spec["rank"])
+        own = [t for t in manifest.graphs[graph].inputs if t.name != "adapter_scale" and "_lora_" not in t.name]
+        return adapter_slots.wrap(graph, _torch_module(graph, components, family), len(own), contexts)
+    return _torch_module(graph, components, family)
+
+
+def _torch_module(graph: str, components, family) -> torch.nn.Module:
     unet, vae, scheduler = components.unet, components.vae, components.scheduler
     if graph == "text_encoder":
         return family.TextGraph(components)

@@ -5,6 +5,9 @@ Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the be
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .engine.manifest import sha256_file
 from .errors import ArtifactError, ConfigError
 from .model.config import RunConfig
 from .pipeline import EditPipeline
@@ -21,6 +24,22 @@ def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
     return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
 
 
+def adapter_files(cfg: RunConfig) -> dict[str, Path]:
+    """The converted file of each configured adapter (`edit-rt adapters` writes them); one whose
+    source changed since is refused, naming the command that converts it again."""
+    from .model.adapters import adapter_path
+
+    files = {}
+    for name, source in cfg.adapters.items():
+        path = adapter_path(cfg.adapters_dir, name)
+        if not source.exists():
+            raise ConfigError(f"adapters.{name}: {source} not found; fix the path")
+        if not path.is_file():
+            raise ArtifactError(f"adapters.{name}: not converted for this model yet; run `edit-rt adapters {cfg.source or 'CONFIG'}`")
+        files[name] = path
+    return files
+
+
 def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     """The config's pipeline (not activated): its graphs, backend, profile and image size."""
     e = cfg.engines
@@ -29,7 +48,12 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
         image_size=(cfg.base.height, cfg.base.width), extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
         precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
     )  # fmt: skip
+    options["adapters"] = adapter_files(cfg)
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+    for name, adapter in (pipe.adapter_bank.adapters if pipe.adapter_bank else {}).items():
+        if name in cfg.adapters and sha256_file(cfg.adapters[name]) != adapter.source_sha256:
+            raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "
+                                f"`edit-rt adapters {cfg.source or 'CONFIG'}`")  # fmt: skip
     exported = pipe.manifest.data["model"].get("variant")
     if exported != cfg.export.variant:  # the same folder, other weights files
         raise ArtifactError(f"{cfg.onnx_dir} was exported from the {exported or 'default'} weights and export.variant "

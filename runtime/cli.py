@@ -103,10 +103,31 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
         manifest = exporter.export_onnx(
             cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
             external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=lambda graph: advance(1),
-            variant=cfg.export.variant,
+            variant=cfg.export.variant, adapter_slots_n=cfg.adapter_slots, adapter_rank=cfg.export.adapter_rank,
         )  # fmt: skip
     graphs = ", ".join(json.loads(manifest.read_text())["graphs"])
     console.print(f"wrote {manifest.parent} ({graphs}, manifest.json)")
+    if cfg.adapters:
+        _convert_adapters(cfg)
+
+
+def _convert_adapters(cfg) -> None:
+    from edit_rt.runtime.engine.manifest import load_manifest
+
+    converter = _export_module("adapters")
+    written = converter.convert_adapters(cfg.model, load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir)
+    for name, path in written.items():
+        console.print(f"adapter {name}: wrote {path}")
+
+
+@app.command()
+def adapters(config: Path = typer.Argument(..., help="Run config naming `adapters:` (name: LoRA file).")) -> None:
+    """Convert the config's LoRA files for its exported model (seconds; no graph is exported again)."""
+    cfg = load_config(config)
+    if not cfg.adapters:
+        plain(f"{config}: no adapters: configured (adapters: {{name: path/to/lora.safetensors}})")
+        raise typer.Exit(1)
+    _convert_adapters(cfg)
 
 
 @app.command()
@@ -217,6 +238,15 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"padded buckets (pow2, the GPU default), tails of {d['sizes']} rows x {d['tail_steps']} steps: "
             f"{d['rows_computed_pow2']} rows computed for {d['rows_asked']} asked ({d['rows_ratio']:.2f}x), "
             f"{d['seconds_pow2']:.2f} s vs {d['seconds_exact']:.2f} s at exact counts ({d['ratio']:.2f}x)"),
+        "sliders": lambda d: (
+            f"LoRA slots ({d['slots']} x rank {d['rank']}), {d['n']} rows x {d['tail_steps']} steps: idle "
+            f"{d['ratio_slots_idle_over_plain']:.2f}x, 1 adapter {d['ratio_one_adapter_over_plain']:.2f}x, "
+            f"{d['slots']} adapters {d['ratio_all_adapters_over_plain']:.2f}x the graph without slots; a "
+            f"{d['sweep']['points']}-point sweep as one tail {d['sweep']['seconds_edit_rt']:.2f} s vs "
+            f"{d['sweep']['seconds_diffusers']:.2f} s for diffusers' set_adapters + regeneration "
+            f"({d['sweep']['speedup']:.1f}x; rows ideal {d['sweep']['ideal_rows_ratio']:.1f}x); a new LoRA: "
+            f"{d['load']['convert_seconds']:.2f} s to convert, {d['load']['slot_load_seconds'] * 1000:.0f} ms into a slot, "
+            "no rebuild"),
     }  # fmt: skip
     for key, line in extras.items():
         if report.get(key):
@@ -228,9 +258,16 @@ def _print_bench(report: dict, output_dir: Path) -> None:
 def quality(
     config: Path = typer.Argument(..., help="Config of the shapes model (configs/shapes.yaml)."),
     bases: int = typer.Option(50, help="Bases drawn from the shapes world."),
+    sliders: str = typer.Option("with", help="The concept sliders' section (sliders.json): with, only, or without."),
 ) -> None:
     """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
     cfg = load_config(config)
+    if sliders not in ("with", "only", "without"):
+        raise ConfigError(f"--sliders: {sliders!r} is not one of with, only, without")
+    if sliders != "without":
+        _slider_quality(cfg, bases)
+    if sliders == "only":
+        return
     module = _export_module("quality")
     with _progress() as bars:
         report = module.run_quality(cfg, bases=bases, say=lambda text: None, progress=bars)
@@ -247,6 +284,24 @@ def quality(
     following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
     console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")
     console.print(f"wrote {cfg.output_dir}/quality.json and quality.png")
+
+
+def _slider_quality(cfg, bases: int) -> None:
+    module = _export_module("quality_sliders")
+    report = module.slider_quality(cfg, cfg.model / "sliders", bases=bases, say=lambda text: None)
+    table = Table(title=f"concept sliders: {bases} bases, scales -2..2 in {len(report['scales'])}, "
+                        f"{report['tail_steps']}-step tails", title_justify="left")  # fmt: skip
+    for column in ("method", "slider", "UNet steps/image", "rho >= 0.9", "median rho", "range", "preserved", "scene kept"):
+        table.add_column(column)
+    for method, entry in report["methods"].items():
+        for name, m in entry["metrics"].items():
+            kept = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            table.add_row(method, name, str(entry["unet_steps_per_image"]), f"{m['share_rho_ge_0.9']:.2f}",
+                          f"{m['median_rho']:.2f}", f"{m['range']:.3f}", kept(m["preserved"]), kept(m["scene_preserved"]))  # fmt: skip
+    Console().print(table)
+    for key, m in report["two_sliders"].items():
+        console.print(f"two sliders: {key}: rho >= 0.9 on {m['share_rho_ge_0.9']:.2f} of bases (median {m['median_rho']:.2f})")
+    console.print(f"wrote {cfg.output_dir}/sliders.json and sliders.png")
 
 
 @app.command()

@@ -37,7 +37,7 @@ from pydantic import TypeAdapter, ValidationError
 from .errors import EditRtError
 from .images import to_uint8
 from .model.config import RunConfig, config_from_dict, load_config
-from .model.edit import Base, Edit
+from .model.edit import Base, Direction, Edit
 from .pnginfo import parse_fields
 from .run import edit_label
 from .serving import service as service_module
@@ -261,12 +261,12 @@ class Editor:
         """Every edit of the stored ``base`` (a result or its id) as one batched tail, in order.
 
         An edit is an :class:`~edit_rt.runtime.model.edit.Edit`, a mapping of its fields (as a
-        config's ``edits:`` entry: prompt, strength, start_step or tail_steps or tail_fraction,
-        guidance, mask, seed, preserve, structure, label; and, in a mapping only, ``pixel_mask``:
-        an [H, W] array in [0, 1] at the base's size, 1 where the image may change, 0 where it
-        keeps the base's pixel exactly), or a prompt; what it leaves out is the config's default
-        (``cache.default_strength``, ``default_tail_fraction``, ``preserve.mode``,
-        ``preserve.structure``).
+        config's ``edits:`` entry: prompt, strength, directions, start_step or tail_steps or
+        tail_fraction, guidance, mask, seed, preserve, structure, label; and, in a mapping only,
+        ``pixel_mask``: an [H, W] array in [0, 1] at the base's size, 1 where the image may
+        change, 0 where it keeps the base's pixel exactly), or a prompt; what it leaves out is
+        the config's default (``cache.default_strength``, ``default_tail_fraction``,
+        ``preserve.mode``, ``preserve.structure``).
 
         ``on_progress(index, step, of)`` is called as each edit's tail advances, and
         ``on_preview(index, step, of, image)`` ``previews`` times per edit over its tail (both
@@ -313,7 +313,8 @@ class Editor:
     def _edit_result(self, bid: str, specs: list[Edit], data: dict) -> EditResult:
         info, png, i = data["info"], data["png"], data["index"]
         steps = int(_fields(png)["Steps"])  # what ran: the base's steps, from the PNG's own parameters
-        label = edit_label(specs[i], info["strength"], steps - info["tail_steps"], steps, info["preserve"])
+        directions = [Direction(**d) for d in info.get("directions", ())]
+        label = edit_label(specs[i], info["strength"], steps - info["tail_steps"], steps, info["preserve"], directions)
         return EditResult(png, bid, info["seconds"], i, label, info["strength"], info["tail_steps"], info["preserve"])
 
     def _run(self, operation: Coroutine[Any, Any, T]) -> T:

@@ -9,7 +9,7 @@ collector), not copied per request; the process's CPU and memory are prometheus_
 
 Where each stage is timed (``edit_rt_stage_seconds{stage}``): ``text_encode``, ``decode`` and
 ``inversion`` around the pipeline's ``kv_from_prompts``, ``decode`` and ``invert``
-(:func:`timed`); ``kv_mix`` around a row's strength mix (resolve.py); ``step`` per
+(:func:`timed`); ``kv_mix`` around a row's K/V mix (resolve.py); ``step`` per
 ``unet_step`` call (batcher.py); ``png_encode`` and ``store_load`` in the service. Stages nest
 (an inversion holds its own text encodes and steps); a stage that raises is not observed.
 """

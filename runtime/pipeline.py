@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -31,7 +31,8 @@ from .loop.resolve import RowResolver
 from .loop.rows import pow2_buckets
 from .loop.slots import RowScheduler
 from .metrics import Metrics, timed
-from .model.align import token_diff
+from .model.adapters import Adapter, AdapterBank, load_adapter
+from .model.directions import changed_positions, token_permutation, word_end_ids
 from .model.automask import AutoMask
 from .model.edit import Base, Mask, Preserve, TailRow
 from .model.scheduler_ddim import DDIMConfig
@@ -66,6 +67,7 @@ class EditPipeline(PromptEncoding):
         buckets: str = "auto",
         vae_max_batch: int = 8,
         extra_image_sizes: Sequence[tuple[int, int]] = (),
+        adapters: Optional[Mapping[str, Path]] = None,
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
         pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
@@ -75,7 +77,8 @@ class EditPipeline(PromptEncoding):
         ``precision`` what ``ort-tensorrt`` builds in; ``buckets`` the row counts step calls run
         at: ``pow2`` (1, 2, 4, ... max: one captured graph each), ``exact`` (every count: no
         padding), ``auto`` (pow2 on GPU backends, exact on the CPU, where a padded row costs as
-        much as a real one); ``vae_max_batch`` the VAE's rows per call."""
+        much as a real one); ``vae_max_batch`` the VAE's rows per call; ``adapters`` name ->
+        converted LoRA file (export/adapters.py), loaded into the export's adapter slots on use."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -118,11 +121,21 @@ class EditPipeline(PromptEncoding):
         self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
         self.metrics = Metrics()  # the stages' seconds (@timed); the server's own once service.py hands it over
         self.reuse_entry = reuse_entry
+        # LoRA slots (model/adapters.py): the adapters known by name, resident when rows use them
+        spec = self.manifest.adapters
+        self.adapter_bank: Optional[AdapterBank] = AdapterBank(spec) if spec["slots"] else None
+        if adapters and self.adapter_bank is None:
+            raise ConfigError(f"adapters: {', '.join(adapters)} configured, but {onnx_dir} was exported without "
+                              "adapter slots; set export.adapter_slots (e.g. 4) and re-run `make export`")  # fmt: skip
+        for name, path in (adapters or {}).items():
+            self.load_adapter(name, path)
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
         self.latent_channels = self.manifest.latent_channels
         self.map_factor = self.manifest.data["graphs"]["unet_step_maps"]["map_factor"]
         self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
+        # the ids that end a word: an edit's tokens align to its base's by words (model/directions.py)
+        self.word_ends = word_end_ids(self.tokenizer.get_vocab()) or None
         self.preserve = preserve or Preserve()
         # latent shape -> the batcher (and its row scheduler), made on first use and kept
         self.batchers: dict[tuple[int, int, int], Batcher] = {}
@@ -206,6 +219,25 @@ class EditPipeline(PromptEncoding):
         whole latent pixels, a latent pixel may change where any of its pixels may)."""
         return latent_keep(pixel_mask, tuple(latent_shape[1:]))
 
+    def load_adapter(self, name: str, path: Path) -> Adapter:
+        """Make the converted adapter at ``path`` known as ``name`` (resident once a row uses it):
+        no graph is exported or built again."""
+        adapter = load_adapter(path, name, self.manifest)
+        if adapter.rank > self.adapter_bank.rank:
+            raise ArtifactError(f"adapters.{name}: rank {adapter.rank} is above the export's adapter_rank "
+                                f"{self.adapter_bank.rank}; run `edit-rt adapters CONFIG`")  # fmt: skip
+        self.adapter_bank.adapters[name] = adapter  # a resident older file keeps its slot for its rows
+        return adapter
+
+    def held_adapter_slots(self) -> set[int]:
+        """The adapter slots rows of any batcher still read (never reloaded under them)."""
+        held: set[int] = set()
+        for batcher in self.batchers.values():
+            s = batcher.scheduler
+            for row in [*s.active, *s.pending, *(r for unit, _ in batcher.probation for r in unit)]:
+                held |= row.adapter_slots
+        return held
+
     def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None) -> RowScheduler:
         """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
         latents on ``graph`` (this pipeline's step graph)."""
@@ -215,25 +247,30 @@ class EditPipeline(PromptEncoding):
             tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
             maps_graph=self.graphs.get("unet_step_maps"), map_hw=(latent_shape[1] // f, latent_shape[2] // f),
             blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
+            adapters=self.adapter_bank,
         )  # fmt: skip
 
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Optional[AutoMask], str]:
         """The ``preserve: auto`` mask of ``row`` (None when it has none) and what was applied.
 
-        No changed token (same prompt, or a change past CLIP's 77 tokens): the edit is an
-        identity (strength 0 or the same K/V) or a global one (strength, seed, guidance), and no
-        mask is made.
+        The changed words are those of every prompt the row mixes (``row.terms``: with
+        directions, those of non-zero strength), where the mix put them: the base's positions
+        (model/directions.py). No changed token (same prompt, or a change past CLIP's 77
+        tokens): the edit is an identity (strength 0 or the same K/V) or a global one (strength,
+        seed, guidance), and no mask is made.
         """
         if row.preserve != "auto":
             return None, "none"
-        base, edit = self.weighted_ids([base_prompt, row.prompt])[0]  # the first tokenizer's: the maps' positions
-        base_ids, edit_ids = base.ids, edit.ids  # a word's changed weight changes it, its brackets do not
-        diff = token_diff(base_ids, edit_ids, self.special_ids, base.weights, edit.weights)
-        if diff.unchanged:
+        # the first tokenizer's ids (a word's changed weight changes it, its brackets do not),
+        # aligned as the row's K/V are: the maps' positions are the base's (model/directions.py)
+        base, *terms = self.weighted_ids([base_prompt, *(p for p, _ in row.terms)])[0]
+        perms = [token_permutation(base.ids, t.ids, self.special_ids, self.word_ends) for t in terms]
+        changed, content = changed_positions(base.ids, base.weights, [(t.ids, t.weights) for t in terms], perms,
+                                             self.special_ids)  # fmt: skip
+        if not changed:
             return None, "none: no token of the prompt changed (a global edit)"
         p = self.preserve
-        content = tuple(i for i, t in enumerate(edit_ids) if t not in self.special_ids)
-        mask = AutoMask(diff.positions, content, p.steps, p.threshold, p.dilate, self.map_factor,
+        mask = AutoMask(changed, content, p.steps, p.threshold, p.dilate, self.map_factor,
                         tuple(latent_shape[1:]), p.region)  # fmt: skip
         return mask, "auto"
 
@@ -255,7 +292,8 @@ class EditPipeline(PromptEncoding):
         VAE round trip), a generation's decoded final latent (kept for the last few bases)."""
         if state.source is not None:
             return state.source.astype(np.float32) / 255.0
-        key = (state.fingerprint, state.base, state.window_start)
+        # the base's fields as text: a Base with adapters holds a dict, which cannot be hashed
+        key = (state.fingerprint, repr(sorted(dataclasses.asdict(state.base).items())), state.window_start)
         if key not in self._base_images:
             self._base_images[key] = self.decode(state.final_latent)[0]
             while len(self._base_images) > 16:
@@ -284,7 +322,7 @@ class EditPipeline(PromptEncoding):
             self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape), engine=self.engine)
         return self.batchers[latent_shape]
 
-    def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress]) -> list:
+    def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress], errors: bool = False) -> list:
         if progress is not None:
             done = {}
 
@@ -293,7 +331,7 @@ class EditPipeline(PromptEncoding):
                 done[index] = step
 
             request.on_progress = on_progress
-        return self.batcher(shape).run(request, jobs)
+        return self.batcher(shape).run(request, jobs, errors)
 
     def generate_base(
         self,
@@ -363,9 +401,10 @@ class EditPipeline(PromptEncoding):
         return np.stack([r.latent for r in results])
 
     def edit(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None,
-             decode: bool = True) -> list:  # fmt: skip
+             decode: bool = True, errors: bool = False) -> list:  # fmt: skip
         """Run ``rows`` as one batched tail: a RowResult each (images composited with the base
-        outside their masks when ``decode``)."""
+        outside their masks when ``decode``); ``errors``: a failed row's exception in its place
+        (the others run on) instead of raising the first."""
         T = state.base.steps
         for r, row in enumerate(rows):
             if not state.window_start <= row.start_step <= T - 1:
@@ -378,7 +417,7 @@ class EditPipeline(PromptEncoding):
         shape = tuple(state.latents.shape[1:])
         request = Request(uuid.uuid4().hex, decode=decode)
         jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
-        return self._run(jobs, request, shape, progress)
+        return self._run(jobs, request, shape, progress, errors)
 
     @timed("decode")
     def decode(self, latents: np.ndarray) -> np.ndarray:

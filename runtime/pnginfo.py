@@ -11,9 +11,9 @@ server; ``Base id`` names the base, which is how ``/sdapi/v1/img2img`` finds it 
 from __future__ import annotations
 
 import json
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
-from .model.edit import Base, Mask
+from .model.edit import Base, Direction, Mask
 from .model.edit import TailRow
 
 
@@ -44,6 +44,7 @@ def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str,
         **({"Original size": f"{base.original_width or base.width}x{base.original_height or base.height}"}
            if base.original_width or base.original_height else {}),
         **({"Crop": f"{base.crop_left}x{base.crop_top}"} if base.crop_top or base.crop_left else {}),
+        **({"Adapters": adapters_text(base.adapters)} if base.adapters else {}),
         "Model": model,
         "Model hash": fingerprint[:10],
         "Base id": bid,
@@ -55,6 +56,12 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
     fields["CFG scale"] = f"{row.guidance:g}"
     fields.update({"Edit strength": f"{row.strength:g}", "Tail steps": base.steps - row.start_step,
                    "Start step": row.start_step, "Base prompt": base.prompt})  # fmt: skip
+    if row.directions:  # each as the grid labels it; quote() keeps a prompt's commas in one value
+        fields["Edit directions"] = directions_text(row.directions)
+    if row.adapters is not None:  # the row's own (the base's with the edit's over them)
+        fields.pop("Adapters", None)
+        if row.adapters:
+            fields["Adapters"] = adapters_text(row.adapters)
     if row.mask is not None:
         m: Mask = row.mask
         fields["Edit mask"] = f"{m.x} {m.y} {m.width}x{m.height}"
@@ -65,6 +72,21 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
     if row.structure:
         fields["Structure"] = f"{row.structure:g}"
     return fields
+
+
+def adapters_text(adapters: dict) -> str:
+    """``saturation:1.5 stroke:-0.5`` (AUTOMATIC1111's ``<lora:name:w>`` weights; ``name:te/unet``
+    where the two differ)."""
+    parts = []
+    for name, scale in adapters.items():
+        t, u = scale if isinstance(scale, (tuple, list)) else (scale, scale)
+        parts.append(f"{name}:{t:g}" if t == u else f"{name}:{t:g}/{u:g}")
+    return " ".join(parts)
+
+
+def directions_text(directions: Sequence[Direction]) -> str:
+    """``a red car x0.5; a blue car x-0.3``: an edit's directions, as labels and PNGs show them."""
+    return "; ".join(f"{d.prompt} x{d.strength:g}" for d in directions)
 
 
 def base_id_of(parameters: str) -> Optional[str]:

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import onnxruntime
 
@@ -26,8 +26,8 @@ from .assemble import pipeline_of, store_of
 from .errors import ConfigError
 from .images import contact_sheet, save_png
 from .model.config import RunConfig
-from .model.edit import Edit, TailRow
-from .pnginfo import base_fields, edit_fields, parameters_text
+from .model.edit import Direction, Edit, TailRow
+from .pnginfo import base_fields, directions_text, edit_fields, parameters_text
 from .storage.store import DamagedBaseError, base_id
 from .uploads import ImageInputError, Upload, image_from_bytes
 
@@ -52,18 +52,25 @@ class Timer:
         self.stages[name] = round(time.perf_counter() - start, 4)
 
 
-def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserve: str = "none") -> str:
+def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserve: str = "none",
+               directions: Sequence[Direction] = ()) -> str:  # fmt: skip
+    """``edit.label``, else a summary of what ran: ``strength`` and ``directions`` resolved (the
+    defaults filled in), the tail, preserve, mask, seed, then the prompt and its directions."""
     if edit.label:
         return edit.label
     # The fields that tell the cells apart first: the grid cuts long labels.
-    parts = [f"x{strength:g}", f"tail {steps - start_step}"]
+    parts = [f"x{strength:g}"] if edit.prompt is not None else []
+    parts.append(f"tail {steps - start_step}")
     if preserve == "auto":
         parts.append("auto")
     if edit.mask is not None:
         parts.append("masked")
     if edit.seed is not None:
         parts.append(f"seed {edit.seed}")
-    return " ".join(parts) + ": " + edit.prompt
+    prompts = [edit.prompt] if edit.prompt is not None else []
+    if directions:
+        prompts.append(directions_text(directions))
+    return " ".join(parts) + ": " + " + ".join(prompts)
 
 
 def image_of(cfg: RunConfig) -> Upload:
@@ -149,13 +156,14 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             name = f"edit_{k:02d}.png"
             fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve)
             save_png(cfg.output_dir / name, images[k + 1], parameters_text(row.prompt, base.negative_prompt, fields))
-            label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve)
+            label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
             files.append(name)
             labels.append(label)
+            directions = {"directions": [dataclasses.asdict(d) for d in row.directions]} if row.directions else {}
             edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
                                  "start_step": row.start_step, "tail_steps": T - row.start_step,
                                  "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
-                                 "preserve": results[k].preserve})  # fmt: skip
+                                 "preserve": results[k].preserve, **directions})  # fmt: skip
         contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
 
     # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an

@@ -44,14 +44,24 @@ class PromptEncoding:
             else:
                 names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
                 plain = {name: self.input_ids([""], t) for name, t in zip(names, self.tokenizers)}
-                encode = lambda feeds: self.graphs["text_encoder"].infer(feeds)[0][0, 0]  # noqa: E731
+                encode = lambda feeds: self.graphs["text_encoder"].infer({**feeds, **self._adapter_feeds("text_encoder", None, 1)})[0][0, 0]  # noqa: E731
                 changed = [encode({**plain, name: self.input_ids(["a photo"], t)})
                            for name, t in zip(names, self.tokenizers)]  # fmt: skip
                 self._text_widths = encoder_widths(encode(plain), changed)
         return self._text_widths
 
+    def _adapter_feeds(self, graph: str, scales: Optional[np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """``graph``'s adapter inputs (none without slots): the rows' scales per slot and the
+        resident slots' matrices (model/adapters.py)."""
+        bank = self.adapter_bank
+        if bank is None or graph not in bank.weights:
+            return {}
+        scale = np.zeros((rows, bank.slots), dtype=np.float32) if scales is None else scales
+        return {"adapter_scale": scale, **bank.weights[graph]}
+
     @timed("text_encode")
-    def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False) -> KV:
+    def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False,
+                        scales: Optional[tuple[np.ndarray, np.ndarray]] = None) -> KV:  # fmt: skip
         """Every cross-attention layer's K/V for each prompt, and the family's extras (SDXL's
         pooled embedding), batched (max_batch prompts a call).
 
@@ -59,6 +69,9 @@ class PromptEncoding:
         prompts keep the default layer; a negative prompt of None (none given) is zeros where
         the family says so (SDXL's ``force_zeros_for_empty_prompt``) and the empty prompt
         elsewhere, while ``""`` is always the empty prompt encoded, as diffusers forms them.
+        ``scales``: each prompt's adapter scales per slot, (text ``[B, slots]``, UNet ``[B,
+        slots]``): the text encoders take the first, kv_proj (the UNet's attn2.to_k/to_v) the
+        second; None: no adapter.
         """
         skips = self.family.get("clip_skips", 1)
         if not 0 <= clip_skip < skips:
@@ -71,6 +84,8 @@ class PromptEncoding:
             names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]  # one per tokenizer
             tokens = self.weighted_ids(chunk, negative)  # every prompt parsed before anything runs
             feeds = {name: np.stack([w.ids for w in ws]) for name, ws in zip(names, tokens)}
+            text_scale, unet_scale = (None, None) if scales is None else (s[lo : lo + self.max_batch] for s in scales)
+            feeds.update(self._adapter_feeds("text_encoder", text_scale, len(chunk)))
             outputs = self.graphs["text_encoder"].infer(feeds)
             hidden = np.ascontiguousarray(outputs[0][:, layer])
             for b in range(len(chunk)):  # A1111's emphasis on the weighted prompts' hidden states
@@ -83,7 +98,8 @@ class PromptEncoding:
                 hidden[empty] = 0.0
                 if pooled is not None:
                     pooled[empty] = 0.0
-            kv = list(self.graphs["kv_proj"].infer({"hidden_states": hidden}))
+            kv = list(self.graphs["kv_proj"].infer({"hidden_states": hidden,
+                                                    **self._adapter_feeds("kv_proj", unet_scale, len(chunk))}))  # fmt: skip
             parts.append((kv, {name: pooled for name in self.pooled}))
         tensors = [np.concatenate(ts) for ts in zip(*(kv for kv, _ in parts))]
         extras = {k: np.concatenate([e[k] for _, e in parts]) for k in parts[0][1]}

@@ -53,6 +53,17 @@ def onnx_dir(model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def adapter_onnx_dir(model_dir, tmp_path_factory) -> Path:
+    """The tiny model exported with 3 LoRA slots of rank 8, as ``<build>/tiny-sd/onnx`` (its
+    converted adapters go to ``<build>/tiny-sd/adapters``, as `make export` lays them out)."""
+    from edit_rt.export.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("build-adapters") / "tiny-sd" / "onnx"
+    export_onnx(model_dir, out, adapter_slots_n=3, adapter_rank=8)
+    return out
+
+
+@pytest.fixture(scope="session")
 def pipeline(onnx_dir, model_dir):
     from edit_rt.runtime.pipeline import EditPipeline
 

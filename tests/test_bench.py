@@ -29,7 +29,8 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
         "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
         "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 2},
     })  # fmt: skip
-    report = run_bench(cfg, ns=(1, 2), fractions=(0.5,), repeats=1, say=lambda s: None)
+    report = run_bench(cfg, ns=(1, 2), fractions=(0.5,), repeats=1, say=lambda s: None,
+                       sliders={"slots": 2, "rank": 4, "points": 3})  # fmt: skip
     assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     methods = {(p["method"], p["n"], p["tail_fraction"]) for p in report["points"]}
@@ -51,10 +52,14 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     assert inv["rows_backwards"] == inv["rows_forward"] == 4 and inv["seconds_invert"] > 0
     kept = report["structure_cost"]  # 1 row x 2 steps, the first kept with one reference row
     assert kept["n"] == 1 and kept["structure_steps"] == 1 and kept["row_steps_ratio"] == 1.5 and kept["seconds_structure"] > 0
+    sliders = report["sliders"]  # LoRA slots against the graph without, and a sweep as one tail
+    assert sliders["slots"] == 2 and sliders["rank"] == 4 and sliders["sweep"]["points"] == 3
+    assert sliders["ratio_one_adapter_over_plain"] > 0 and sliders["load"]["engine_builds"] == 0
     assert _finite(report)
     from edit_rt.runtime.cli import _print_bench  # the CLI's summary reads every measurement
 
     _print_bench(report, tmp_path)
     printed = " ".join(capsys.readouterr().out.split())
-    for line in ("server, 2 concurrent", "entry-step reuse", "a base from an image", "preserve: auto", "structure keeping, 1 rows"):
+    for line in ("server, 2 concurrent", "entry-step reuse", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
+                 "LoRA slots (2 x rank 4)"):
         assert line in printed, line

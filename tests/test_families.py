@@ -130,13 +130,16 @@ def test_sdxl_edit_mixes_kv_and_pooled_with_its_strength(sdxl, diffusers_sdxl):
     embedding are base + s (edit - base) (K/V are linear in the embeddings): diffusers, fed
     those from its own encode_prompt, is the reference."""
     base, s = TEST_BASE, 0.6
+    # words as long as the base's (in the byte-level test tokens): the tokens line up, and the
+    # aligned mix is this position mix (insertions: tests/test_directions.py)
+    edit = "a tan square on a gray background"
     noise = sdxl.initial_noise(base)
     state = sdxl.generate_base(base, noise=noise)
-    (ours,) = sdxl.run_tail(state, [TailRow("a green square on a white background", s, 0, base.guidance)])
+    (ours,) = sdxl.run_tail(state, [TailRow(edit, s, 0, base.guidance)])
     encode = diffusers_sdxl.encode_prompt
     with torch.no_grad():
         emb_b, neg, pool_b, neg_pool = encode(base.prompt, negative_prompt=base.negative_prompt)
-        emb_e, _, pool_e, _ = encode("a green square on a white background", negative_prompt=base.negative_prompt)
+        emb_e, _, pool_e, _ = encode(edit, negative_prompt=base.negative_prompt)
     embeds = {"prompt_embeds": emb_b + s * (emb_e - emb_b), "pooled_prompt_embeds": pool_b + s * (pool_e - pool_b),
               "negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pool}  # fmt: skip
     expected = _sdxl_reference(diffusers_sdxl, base, noise, **embeds)

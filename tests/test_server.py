@@ -254,7 +254,7 @@ def _port_open(proc) -> bool:
 
 def test_openapi_schema_and_page(server):
     schema = httpx.get(server.url + "/openapi.json").json()
-    assert {"/v1/images/generations", "/v1/images/edits", "/v1/bases/{bid}"} <= set(schema["paths"])
+    assert {"/v1/images/generations", "/v1/images/edits", "/v1/bases/{bid}", "/v1/adapters"} <= set(schema["paths"])
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "edit-rt" in page.text and "/v1/images/edits" in page.text
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ..errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 6  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute
+MANIFEST_VERSION = 7  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
@@ -143,6 +143,12 @@ class Manifest:
         """Each ``unet_step`` input's and output's role, in the graph's order (export's ``step_io``)."""
         return self.data["graphs"]["unet_step"]["roles"]
 
+    @property
+    def adapters(self) -> dict[str, Any]:
+        """The LoRA slots (export/adapter_slots.py): ``slots``, ``rank``, and each adapted layer's
+        name, graph, input names and shape; ``slots`` 0: the graphs take no adapters."""
+        return self.data["adapters"]
+
     def roles(self, graph: str = "unet_step") -> dict[str, str]:
         """Each input's and output's role in a step graph, in the graph's order."""
         return self.data["graphs"][graph]["roles"]
@@ -232,6 +238,23 @@ class _Layer(BaseModel):
     inner_dim: PositiveInt
 
 
+class _AdapterLayer(BaseModel):
+    model_config = _OPEN
+    name: str
+    graph: str
+    down: str
+    up: str
+    in_: PositiveInt = Field(alias="in")
+    out: PositiveInt
+
+
+class _Adapters(BaseModel):
+    model_config = _OPEN
+    slots: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    layers: list[_AdapterLayer]
+
+
 class _Model(BaseModel):
     model_config = _OPEN
     fingerprint: str
@@ -249,6 +272,7 @@ class _Manifest(BaseModel):
     layers: list[_Layer] = Field(min_length=1)
     graphs: dict[str, _Graph]
     family: dict
+    adapters: _Adapters
 
 
 def _check_keys(path: Path, data: dict) -> None:

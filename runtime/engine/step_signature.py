@@ -15,6 +15,8 @@ adapter (a name and a role) and nowhere in the step loop. Roles:
 - ``row_kv`` / ``set_kv``: the rows' and the negative prompts' K/V, in layer order;
 - ``row_cond:<cond>`` / ``set_cond:<cond>``: the family's conditioning (SDXL's pooled
   embedding, size ids);
+- ``row_adapters`` (an export with adapter slots): the row's scale per LoRA slot;
+  ``adapter_weight``: the slots' stacked LoRA matrices, resident (model/adapters.py);
 - outputs ``next_latents``, ``uncond_out`` and, in the maps variant, ``attn_maps``.
 """
 
@@ -43,6 +45,8 @@ class StepSignature:
     next_latents: str
     uncond_out: str
     attn_maps: Optional[str]  # the maps variant's output
+    row_adapters: Optional[str] = None  # [N, slots]: each row's scale per adapter slot
+    adapter_weights: tuple[str, ...] = ()  # the slots' LoRA matrices (static shapes)
 
     @classmethod
     def from_manifest(cls, manifest: Any) -> "StepSignature":
@@ -68,6 +72,8 @@ class StepSignature:
             set_kv=tuple(n for n, r in roles.items() if r == "set_kv"),
             row_cond=tagged("row_cond"), set_cond=tagged("set_cond"),
             next_latents=one("next_latents"), uncond_out=one("uncond_out"), attn_maps=attn[0] if attn else None,
+            row_adapters=next((n for n, r in roles.items() if r == "row_adapters"), None),
+            adapter_weights=tuple(n for n, r in roles.items() if r == "adapter_weight"),
         )  # fmt: skip
 
     @property

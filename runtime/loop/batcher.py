@@ -100,9 +100,10 @@ class Batcher:
             self.metrics.gauge("edit_rt_queue_rows", self.queued_rows)
             self._cv.notify_all()
 
-    def run(self, request: Request, jobs: list[Job]) -> list[RowResult]:
+    def run(self, request: Request, jobs: list[Job], errors: bool = False) -> list[RowResult]:
         """Submit and wait: on the engine thread if one runs, else by driving the loop here (a
-        task on the engine thread drives it too: it must not wait on itself)."""
+        task on the engine thread drives it too: it must not wait on itself). ``errors``: a
+        failed row's exception in its place instead of raising the first."""
         self.submit(request, jobs)
         if self.engine.owns():
             while not all(job.future.done() for job in jobs):
@@ -111,6 +112,8 @@ class Batcher:
                     for job in jobs:  # nothing left that could finish them: never wait forever
                         if not job.future.done():
                             job.future.set_exception(RuntimeError(f"row {job.index} of {request.id} was lost"))
+        if errors:
+            return [job.future.exception() or job.future.result() for job in jobs]
         return [job.future.result() for job in jobs]
 
     def queue_position(self, request: Request) -> int:

@@ -62,7 +62,10 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
         **{name: s.dev[name].view(s._set_shape(name, m)) for name in s.set_kv},
         **{name: s.dev[name].view((n, *s.specs[name][1:])) for name in s.row_cond},
         **{name: s.dev[name].view((m, *s.specs[name][1:])) for name in s.set_cond},
+        **{name: s.dev[name].view(tuple(s.specs[name])) for name in sig.adapter_weights},
     }
+    if sig.row_adapters is not None:
+        views[sig.row_adapters] = s.dev[sig.row_adapters].view((n, *s.specs[sig.row_adapters][1:]))
     missing = set(sig.inputs) - set(views)
     if missing:  # a role this loop does not fill: the manifest is newer than the runtime
         raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")

@@ -5,7 +5,8 @@ thing of the model it sees:
 
 - :meth:`RowResolver.rows`: each job's :class:`~edit_rt.runtime.loop.rows.Row`: its prompt's K/V
   (one batched encoding per kind; a prompt the text encoder refuses fails its own rows only),
-  mixed by strength with the base's (``K_base + s (K_edit - K_base)``), its entry latent (the
+  mixed with the base's by its terms' strengths and aligned tokens (``K_base + sum_i s_i
+  (K_i[pi_i] - K_base)``, model/directions.py), its entry latent (the
   base's x_s, or re-noised for a seeded variation), mask, ``preserve: auto`` maps, structure
   window, and what a generation or an inversion records;
 - :meth:`RowResolver.reference`: the reference row of a group that keeps its base's structure;
@@ -26,9 +27,11 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from ..errors import EditRtError
+from ..model.directions import mixed_kv, token_permutation
 from ..model.edit import TailRow
 from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from ..model.state import KV, BaseState
+from .adapter_rows import NONE, RowAdapters, row_adapters, text_scales
 from .jobs import Job, RowError, RowResult
 from .rows import Recording, Row
 
@@ -42,8 +45,13 @@ class Model(Protocol):
     pooled: list[str]
     manifest: Any
     metrics: Any  # metrics.Metrics: the kv_mix stage is timed here
+    special_ids: set[int]  # BOS, EOS (and padding): tokens that are no word
+    word_ends: Optional[frozenset[int]]  # ids that end a word (directions.word_end_ids)
 
-    def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False) -> KV: ...
+    def input_ids(self, prompts: Sequence[str]) -> np.ndarray: ...
+
+    def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False,
+                        scales: Optional[tuple[np.ndarray, np.ndarray]] = None) -> KV: ...  # fmt: skip
     def row_conds(self, base: Any, kv: KV) -> dict[str, np.ndarray]: ...
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Any, str]: ...
     def keep_mask(self, mask: Any, latent_shape: Sequence[int]) -> Optional[np.ndarray]: ...
@@ -60,55 +68,78 @@ class RowResolver:
 
     def rows(self, jobs: list[Job]) -> tuple[list[tuple[Job, Row]], list[tuple[Job, Exception]]]:
         """Each job's row, or the error that refuses it (the job's input, not the server's)."""
-        # a negative prompt of None (the family's default) sorts apart from every text
-        kv = self._encode(sorted({key for job in jobs for key in self._needs(job)}, key=lambda k: (k[0] is not None, k[0] or "", *k[1:])))
         built, failed = [], []
+        # LoRA first: each job's adapters resident in slots no running row holds
+        bank, held = getattr(self.model, "adapter_bank", None), set()
+        if bank is not None:
+            held = self.model.held_adapter_slots()
+        ads = {}
+        for job in list(jobs):
+            try:
+                ads[id(job)] = row_adapters(job, bank, held)
+            except EditRtError as err:
+                failed.append((job, err))
+        jobs = [job for job in jobs if id(job) in ads]
+        # a negative prompt of None (the family's default) sorts apart from every text
+        keys = {key for job in jobs for key in self._needs(job, ads[id(job)])}
+        kv = self._encode(sorted(keys, key=lambda k: (k[0] is not None, k[0] or "", *k[1:])), bank)
         for job in jobs:
             try:
-                built.append((job, self._row(job, kv)))
+                built.append((job, self._row(job, kv, ads[id(job)])))
             except Exception as err:  # this row's input: fail it alone
                 log.info("row %s/%d refused: %s", job.request.id, job.index, err)
                 failed.append((job, err if isinstance(err, EditRtError) else RowError(f"{type(err).__name__}: {err}")))
         return built, failed
 
-    def _encode(self, keys: list[tuple[Optional[str], int, bool]]) -> dict[tuple, KV | Exception]:
-        """K/V per (prompt, clip_skip, negative), one batched encoding per kind; a prompt that
-        fails is retried alone, so only its own rows fail."""
+    def _encode(self, keys: list[tuple[Optional[str], int, bool, tuple]], bank=None) -> dict[tuple, KV | Exception]:
+        """K/V per (prompt, clip_skip, negative, adapters' text key), one batched encoding per
+        kind (each prompt with its own adapter scales); a prompt that fails is retried alone,
+        so only its own rows fail."""
         out: dict[tuple, KV | Exception] = {}
-        for kind in sorted({(skip, negative) for _, skip, negative in keys}):
-            prompts = [p for p, skip, negative in keys if (skip, negative) == kind]
+        for kind in sorted({(skip, negative) for _, skip, negative, _ in keys}):
+            group = [(p, text) for p, skip, negative, text in keys if (skip, negative) == kind]
+            prompts = [p for p, _ in group]
             try:
-                kv = self.model.kv_from_prompts(prompts, *kind)
-                out.update({(p, *kind): kv.row(k) for k, p in enumerate(prompts)})
+                kv = self.model.kv_from_prompts(prompts, *kind, scales=text_scales(bank, [t for _, t in group]))
+                out.update({(p, *kind, t): kv.row(k) for k, (p, t) in enumerate(group)})
             except Exception:
-                for p in prompts:
+                for p, t in group:
                     try:
-                        out[(p, *kind)] = self.model.kv_from_prompts([p], *kind)
+                        out[(p, *kind, t)] = self.model.kv_from_prompts([p], *kind, scales=text_scales(bank, [t]))
                     except Exception as err:  # the tokenizer or text encoder refused this text
-                        out[(p, *kind)] = err
+                        out[(p, *kind, t)] = err
         return out
 
     @staticmethod
-    def _needs(job: Job) -> list[tuple[Optional[str], int, bool]]:
-        """The encodings a job's row needs: its prompt (at its base's clip_skip) and, for a row
-        that starts a base, the negative prompt."""
-        keys = [(job.row.prompt, job.base.clip_skip, False)]
+    def _needs(job: Job, ad: RowAdapters = NONE) -> list[tuple[Optional[str], int, bool, tuple]]:
+        """The encodings a job's row needs: its prompts (TailRow.terms: its prompt and its
+        directions; at its base's clip_skip, under its adapters' text scales) and, for a row
+        that starts a base, the negative prompt; an edit whose text adapters are not its base's
+        also the base prompt and the negative prompt under them (its cached K/V hold the base's)."""
+        keys = [(p, job.base.clip_skip, False, ad.text) for p, _ in job.row.terms]
         if job.state is None:
-            keys.append((job.base.negative_prompt, 0, True))
+            keys.append((job.base.negative_prompt, 0, True, ad.text))
+        elif ad.text != ad.base_text:
+            keys += [(job.state.base.prompt, job.base.clip_skip, False, ad.text), (job.base.negative_prompt, 0, True, ad.text)]
         return keys
 
-    def _row(self, job: Job, kv: dict) -> Row:
+    def _row(self, job: Job, kv: dict, ad: RowAdapters = NONE) -> Row:
         """The scheduler row of ``job``: its K/V mix, entry latent, mask, what it records."""
-        for key in self._needs(job):
+        for key in self._needs(job, ad):
             if isinstance(kv.get(key), Exception):
                 err = kv[key]
                 raise RowError(f"the prompt {key[0][:40]!r} cannot be encoded ({type(err).__name__}: {err})")
+        row = self._row_kv(job, kv, ad)
+        row.adapter_scale, row.adapter_slots, row.base_adapter_scale = ad.unet_scale, ad.slots, ad.base_unet_scale
+        return row
+
+    def _row_kv(self, job: Job, kv: dict, ad: RowAdapters) -> Row:
         model, base = self.model, job.base
-        edit = kv[(job.row.prompt, base.clip_skip, False)]
-        negative = kv.get((base.negative_prompt, 0, True))
+        edit = kv.get((job.row.prompt, base.clip_skip, False, ad.text))  # None: an edit's, adding nothing (TailRow.terms)
+        negative = kv.get((base.negative_prompt, 0, True, ad.text))
         schedule = DDIMSchedule(model.ddim_config, base.steps)
         shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
-        conds = model.row_conds(base, edit)
+        conds = model.row_conds(base, edit) if edit is not None else {}
         if job.kind == "invert":  # the source prompt's prediction alone, backwards, recording
             inverse = InverseDDIMSchedule(schedule, job.row.start_step, base.steps)
             K = inverse.num_inference_steps
@@ -129,17 +160,30 @@ class RowResolver:
                        record=record, conds=conds, owner=job)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
+        # the base prompt's and the negative prompt's K/V under the row's text adapters
+        own = ad.text == ad.base_text
+        cond_base = state.cond_kv if own else kv[(state.base.prompt, base.clip_skip, False, ad.text)]
+        uncond = state.uncond_kv if own else kv[(base.negative_prompt, 0, True, ad.text)]
         with model.metrics.stage("kv_mix"):
-            mixed = mix_kv(state.cond_kv, edit, tail.strength)
+            mixed = self._mixed(job, kv, cond_base, ad.text)
         structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
-            [t[0] for t in mixed.tensors], state.uncond_kv,
-            entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None else None,
+            [t[0] for t in mixed.tensors], uncond,
+            # the base's u at the entry step holds for the same weights only
+            entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None and ad.same_as_base else None,
             keep=self._keep(tail, shape), base=state, auto=auto,
             corrections=state if state.corrections is not None else None,
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
         )  # fmt: skip
+
+    def _mixed(self, job: Job, kv: dict, cond_base: KV, text: tuple) -> KV:
+        """An edit row's K/V: ``cond_base`` plus each of its terms' difference, token by aligned
+        token (the first tokenizer's ids: SDXL's second tokenizes the same words alike)."""
+        terms, skip = job.row.terms, job.base.clip_skip
+        ids = self.model.input_ids([job.state.base.prompt, *(p for p, _ in terms)])
+        perms = [token_permutation(ids[0], row_ids, self.model.special_ids, self.model.word_ends) for row_ids in ids[1:]]
+        return mixed_kv(cond_base, [(kv[(p, skip, False, text)], s, pi) for (p, s), pi in zip(terms, perms)])
 
     def _keep(self, tail: TailRow, shape: Sequence[int]) -> Optional[np.ndarray]:
         """Where an edit row keeps the base's latent: outside its rectangle and outside its
@@ -155,10 +199,13 @@ class RowResolver:
         base's K/V and guidance, reset to the base's kept latent after every step (exact by
         construction), for as long as the group keeps structure."""
         state = row.base
-        return Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
-                   [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
-                   keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
-                   conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
+        ref = Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
+                  [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
+                  keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
+                  conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
+        # the base's own adapters (resident: its edit's row placed them with its own)
+        ref.adapter_scale, ref.adapter_slots = row.base_adapter_scale, row.adapter_slots
+        return ref
 
     # --- rows -> results ----------------------------------------------------------------------
 
@@ -200,19 +247,6 @@ def predicted_x0(row: Row) -> np.ndarray:
     x_t, x_p = row.preview
     det = math.sqrt(a_t) * math.sqrt(1 - a_p) - math.sqrt(a_p) * math.sqrt(1 - a_t)
     return ((math.sqrt(1 - a_p) * x_t - math.sqrt(1 - a_t) * x_p) / det).astype(np.float32)
-
-
-def mix_kv(base: KV, edit: KV, strength: float) -> KV:
-    """``K_base + strength * (K_edit - K_base)`` per tensor (same for V, and for the family's
-    extras: SDXL's pooled embedding), one prompt (B = 1)."""
-
-    def mix(b: np.ndarray, e: np.ndarray) -> np.ndarray:
-        mixed = e[:1] - b[:1]
-        mixed *= strength
-        mixed += b[:1]
-        return mixed
-
-    return KV([mix(b, e) for b, e in zip(base.tensors, edit.tensors)], {k: mix(base.extras[k], v) for k, v in edit.extras.items()})
 
 
 def entry_latent(state: BaseState, row: TailRow, schedule: DDIMSchedule) -> np.ndarray:

@@ -46,6 +46,11 @@ class Row:
     structure_end: int = 0
     reference: bool = False  # a reference row: nobody's result; it leaves once no row uses it
     owner: Any = None  # the caller's (the batcher's job)
+    # LoRA: the UNet's scale per adapter slot [slots] (None: no adapter), and the slots it
+    # holds (never reloaded while it runs)
+    adapter_scale: Optional[np.ndarray] = None
+    adapter_slots: frozenset = frozenset()
+    base_adapter_scale: Optional[np.ndarray] = None  # its base's (a structure reference row takes them)
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
     keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds

@@ -36,6 +36,7 @@ import numpy as np
 from ..engine.backend import Binding, Graph
 from ..engine.device import DeviceTensor
 from ..engine.step_signature import StepSignature
+from ..model.adapters import AdapterBank
 from .bindings import BindingCache, bind_blend, bind_step
 from .rows import Row, SchedulerStats, _floor_pow2, _Set
 
@@ -58,13 +59,16 @@ class RowScheduler:
         map_hw: tuple[int, int] = (0, 0),
         blend_graph: Graph = None,
         buckets: Optional[Sequence[int]] = None,
+        adapters: Optional[AdapterBank] = None,
     ):
         """``signature`` is the step graph's inputs by role (step_signature.py: read from the
         manifest), with their shapes' symbolic dims (N rows, E entry rows, S negative-prompt tokens).
         ``maps_graph`` is the ``unet_step_maps`` variant (the same inputs, plus the ``attn_maps``
         output: [77, *map_hw] per row), run on a step where a row collects its mask;
         ``blend_graph`` is ``latent_blend`` (next latents, masks and corrections -> latents);
-        ``buckets`` the row counts calls run at (None: exactly the active rows)."""
+        ``buckets`` the row counts calls run at (None: exactly the active rows); ``adapters``
+        the resident LoRA slots (an export with adapter slots), whose matrices the step graph
+        reads from backend memory, rewritten when a slot is loaded."""
         self.graph = graph
         self.maps_graph = maps_graph
         self.blend_graph = blend_graph
@@ -87,6 +91,8 @@ class RowScheduler:
         # The rows the current step placed (a failed step's suspects, batcher.py), and whether
         # its graph ran: before that a failed step has changed no row's latent or step.
         self.joined: list[Row] = []
+        self._wants_maps: list[Row] = []  # this step's rows collecting maps, and due a preview
+        self._due: list[Row] = []
         self.ran = False
         self.references = 0  # active reference rows (structure keeping)
         self.bindings = BindingCache(max_bindings, self.stats)  # the step graphs', per bucket
@@ -101,6 +107,13 @@ class RowScheduler:
                                           **{name: 1 for name in sig.row_scalars}}  # fmt: skip
         for name in [*self.row_kv, *self.row_cond]:
             self.row_elems[name] = math.prod(self.specs[name][1:])
+        self.adapters = adapters
+        self.adapters_version = -1  # the bank's version the backend's copy holds
+        if sig.row_adapters is not None:
+            if adapters is None:
+                raise ValueError("this step graph takes adapter slots: pass the AdapterBank")
+            self.row_elems[sig.row_adapters] = adapters.slots
+            self.zero_scales = np.zeros(adapters.slots, dtype=np.float32)
         # The host's side: the per-step scalars and indices (all slots: padding rows read them).
         self.scalars = {name: np.zeros(max_rows, dtype=self._dtype(name)) for name in sig.step_scalars}
         self.uncond_index = np.zeros(max_rows, dtype=self._dtype(sig.set_index))
@@ -121,7 +134,10 @@ class RowScheduler:
             **{name: alloc(name, max_sets * self._set_elems(name)) for name in self.set_kv},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
             **{name: alloc(name, max_sets * math.prod(self.specs[name][1:])) for name in self.set_cond},
+            **{name: alloc(name, math.prod(self.specs[name])) for name in sig.adapter_weights},
         }
+        if sig.row_adapters is not None:
+            self.dev[sig.row_adapters] = alloc(sig.row_adapters, max_rows * adapters.slots)
         self.latent_elems = latent_elems
         self.map_elems = text_len * math.prod(self.map_hw)
         if maps_graph is not None:
@@ -182,7 +198,17 @@ class RowScheduler:
             raise RuntimeError("no free slot or negative-prompt set for this row; check can_admit() first")
         self.pending.append(row)
 
+    def _write_adapters(self) -> None:
+        """The slots' LoRA matrices, when a slot was loaded since the last step."""
+        if self.adapters is None or self.adapters_version == self.adapters.version:
+            return
+        weights = self.adapters.weights["unet_step"]
+        for name in self.sig.adapter_weights:
+            self.dev[name].write(weights[name])
+        self.adapters_version = self.adapters.version
+
     def _place_pending(self) -> None:
+        self._write_adapters()
         self.stats.last_joined = len(self.pending)
         # Rows whose u is given go last: the graph takes them as the call's last E rows.
         given = lambda row: self.reuse_entry and row.entry_uncond is not None  # noqa: E731
@@ -213,6 +239,9 @@ class RowScheduler:
                 self.dev[name].write(kv, offset=r * self.row_elems[name])
             for name, cond in self.row_cond.items():
                 self.dev[name].write(row.conds[cond], offset=r * self.row_elems[name])
+            if sig.row_adapters is not None:
+                scales = self.zero_scales if row.adapter_scale is None else row.adapter_scale
+                self.dev[sig.row_adapters].write(scales, offset=r * self.row_elems[sig.row_adapters])
             for name, attr in sig.row_scalars.items():
                 self.one[name][0] = getattr(row, attr)
                 self.dev[name].write(self.one[name], offset=r)
@@ -353,12 +382,20 @@ class RowScheduler:
         sig = self.sig
         for r in range(max(first_given, n - e), n):
             self.dev[sig.entry_uncond].write(self.active[r].entry_uncond, offset=(r - first_given) * self.latent_elems)
-        wants_maps = [row for row in self.active if row.auto is not None and row.auto.wants_maps]
+        # reused lists: a step allocates no object it keeps (Python's list free list would
+        # otherwise hand one step's list to whatever asks next)
+        wants_maps, due = self._wants_maps, self._due
+        wants_maps.clear()
+        due.clear()
+        for row in self.active:
+            if row.auto is not None and row.auto.wants_maps:
+                wants_maps.append(row)
+            if row.preview_due():
+                due.append(row)
         maps = self.maps_graph is not None and bool(wants_maps)
         binding = self._binding(maps, b, given, m)
         # previews: a row's latent before this step (after it comes back below); a generation
         # records both anyway
-        due = [row for row in self.active if row.preview_due()]
         for row in due:
             if row.preview is None:
                 row.preview = np.empty((2, *self.latent_shape), dtype=np.float32)

@@ -22,6 +22,8 @@ from pydantic import ConfigDict, StringConstraints, TypeAdapter, ValidationError
 
 from ..errors import ConfigError
 from .weighting import PromptSyntaxError, prompt_spans
+from .lora_tags import config_with_tags
+from .sweep import expand_all
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 
@@ -62,6 +64,14 @@ class Export:
     # Graphs whose weights exceed this are written with external data (*.onnx_data): protobuf
     # cannot serialize a message over 2 GiB, and a fp32 SD 1.5 UNet is ~3.4 GB.
     external_data_threshold_mb: between(Float, 0.0) = 1900.0
+    # LoRA slots: adapters resident in the graphs at once (rows of one call may use them all,
+    # each row its own scales). None: 4 when `adapters:` names any, else 0 (graphs without
+    # adapter inputs). Each slot costs every call two matmuls of width adapter_rank per
+    # adapted layer (docs/adapters.md has the measured cost).
+    adapter_slots: Optional[between(Int, 0, 16)] = None
+    # The highest LoRA rank a slot holds (lower ranks are zero-padded); common SD LoRAs are
+    # rank 4 to 32, sliders 4 to 8.
+    adapter_rank: between(Int, 1, 128) = 16
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -194,6 +204,10 @@ class RunConfig:
     engines: Engines = field(default_factory=Engines)
     store: Store = field(default_factory=Store)
     serve: Serve = field(default_factory=Serve)
+    # LoRA files by name (diffusers/peft or kohya/AUTOMATIC1111 .safetensors; a path relative
+    # to the config): `edit-rt adapters` (and make export) converts them for the model; rows
+    # name them in `adapters: {name: scale}`.
+    adapters: dict[Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Path] = field(default_factory=dict)
     source: Optional[Path] = None
 
     def served_sizes(self) -> list[tuple[int, int]]:
@@ -216,6 +230,16 @@ class RunConfig:
     @property
     def engines_dir(self) -> Path:
         return self.build_dir / self.model_name / "engines"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.build_dir / self.model_name / "adapters"
+
+    @property
+    def adapter_slots(self) -> int:
+        """The export's LoRA slots: export.adapter_slots, or 4 when adapters are configured."""
+        given = self.export.adapter_slots
+        return given if given is not None else (4 if self.adapters else 0)
 
     def validate(self, where: str) -> None:
         """What spans fields or needs the disk; each field's own range is declared on its type."""
@@ -274,7 +298,7 @@ def _type_at(loc: tuple) -> Any:
             continue
         hints = typing.get_type_hints(tp, include_extras=False)
         tp = hints.get(part)
-        while typing.get_origin(tp) in (list, Optional, types.UnionType, typing.Union):
+        while typing.get_origin(tp) in (list, tuple, Optional, types.UnionType, typing.Union):
             tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
         if not dataclasses.is_dataclass(tp):
             return None
@@ -308,18 +332,27 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
             raise ConfigError("source: unknown key; it is set from the file's path")
         if _ADAPTER is None:
             _ADAPTER = TypeAdapter(RunConfig)
+        data, base_tags = config_with_tags(data)  # <lora:name:w> in base.prompt, edits[i].prompt: their adapters
         try:
             cfg = _ADAPTER.validate_python(data)
         except ValidationError as err:
             raise _config_error(err) from None
+        if base_tags:  # a base may take A1111's (te, unet) apart, which base.adapters' scale cannot say
+            cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, adapters={**(cfg.base.adapters or {}), **base_tags}))
         root = source.parent if source is not None else Path.cwd()
         cfg = dataclasses.replace(
             cfg,
             model=_resolve(cfg.model, root),
             build_dir=_resolve(cfg.build_dir, root),
             output_dir=_resolve(cfg.output_dir, root),
+            adapters={name: _resolve(path, root) for name, path in cfg.adapters.items()},
             source=source,
         )
+        if any(edit.sweep is not None for edit in cfg.edits):  # a sweep runs as its rows (model/sweep.py)
+            try:
+                cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if cfg.store.disk_dir is not None:
             cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
         if cfg.base.image is not None:

@@ -1,10 +1,11 @@
 """The edit model, one schema for every door, and the one resolver from an edit to a tail row.
 
-- :class:`Base`, :class:`Mask`, :class:`Edit`, :class:`Preserve`: dataclasses with their bounds
-  declared once (schema.py) and validated by pydantic where a value comes in: the YAML config
-  (config.py) and the HTTP API's bodies (api.py) alike, so an edit the config accepts the API
-  accepts, and the same value is refused with the same words at both doors. ``Edit`` validates
-  on construction too (its checks span fields); the others are plain dataclasses inside.
+- :class:`Base`, :class:`Mask`, :class:`Edit` (its :class:`Direction`), :class:`Preserve`:
+  dataclasses with their bounds declared once (schema.py) and validated by pydantic where a
+  value comes in: the YAML config (config.py) and the HTTP API's bodies (api.py) alike, so an
+  edit the config accepts the API accepts, and the same value is refused with the same words
+  at both doors. ``Edit`` validates on construction too (its checks span fields); the others
+  are plain dataclasses inside.
 - :func:`resolve_edit`: an :class:`Edit` of a base, with the run's defaults filled in and its
   tail and mask checked against the base, as the :class:`TailRow` the step loop runs. Config
   (run.py) and server (service.py) call it; it does no I/O.
@@ -13,13 +14,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
-from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator, with_config
+from pydantic import AliasChoices, ConfigDict, Field, ValidationError, field_validator, model_validator, with_config
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic_core import ArgsKwargs, InitErrorDetails
 
 from .schema import (
+    MAX_DIRECTIONS,
+    Adapters,
     ClipSkip,
     Fraction,
     Guidance,
@@ -33,6 +37,8 @@ from .schema import (
     between,
     Float,
 )
+from .adapters import merged, normalize
+from .sweep import Sweep
 from .weighting import prompt_spans
 
 STRICT = ConfigDict(extra="forbid")
@@ -58,11 +64,51 @@ class Mask:
     height: between(Int, 0, lo_open=True)
 
 
+def _checked_prompt(prompt: Optional[str]) -> Optional[str]:
+    """An edit's (or a direction's) prompt: not blank, and in a syntax edit-rt runs."""
+    if prompt is None:  # an edit of directions alone
+        return None
+    if not prompt.strip():
+        raise ValueError("must not be empty")
+    prompt_spans(prompt)  # A1111 syntax edit-rt does not run: refused here, naming the field
+    return prompt
+
+
 @pydantic_dataclass(frozen=True, config=STRICT)
-class Edit:
-    """One edit of a base (see ARCHITECTURE.md, "Edits"); every field but the prompt optional."""
+class Direction:
+    """One more prompt an edit moves along: its K/V add ``strength * (K_prompt - K_base)``,
+    token by aligned token (model/directions.py)."""
 
     prompt: Str
+    # As an edit's own strength; None: cache.default_strength.
+    strength: Optional[Strength] = None
+
+    _prompt = field_validator("prompt")(_checked_prompt)
+
+
+def _a_string(schema: dict) -> None:
+    """The JSON schema of an edit's prompt: a string (null is refused; left out, none)."""
+    schema.pop("anyOf", None)
+    schema.pop("default", None)  # not a string: schema validators refuse it
+    schema["type"] = "string"
+
+
+def _refusal(kind: str, given: Any) -> ValidationError:
+    return ValidationError.from_exception_data("Edit", [InitErrorDetails(type=kind, loc=("prompt",), input=given)])
+
+
+# A prompt or directions (or both): what the JSON schema can say of _a_prompt's check
+A_PROMPT = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["directions"]}]})
+
+
+@pydantic_dataclass(frozen=True, config=A_PROMPT)
+class Edit:
+    """One edit of a base (see ARCHITECTURE.md, "Edits"); every field optional but a prompt
+    (``prompt`` or ``directions``, or both)."""
+
+    # The edit prompt. Left out, the edit is its directions alone (the base prompt at strength
+    # 0 plus them). In a config or a body null is refused, as before directions came.
+    prompt: Optional[Str] = Field(None, json_schema_extra=_a_string)
     # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
     # further, < 0 away ("less red"). A slider over strengths costs no extra text encoding.
     # None: cache.default_strength.
@@ -85,21 +131,46 @@ class Edit:
     # The first fraction of the tail that takes its layout from the base (structure keeping).
     # None: `preserve.structure`.
     structure: Optional[Fraction] = None
+    # LoRA adapters for this row, {name: scale} (the config's adapters:), over the base's: a
+    # name given replaces the base's scale (0 takes it off), the others stay the base's.
+    adapters: Optional[Adapters] = None
     # Shown in the grid and the report (edit-rt run); defaults to a summary of the fields.
     label: Optional[Str] = None
+    # More prompts to move along at once: K/V = K_base + sum_i s_i (K_i - K_base) over them and
+    # the edit's own prompt, each aligned to the base's tokens (after an inserted word the
+    # base's tokens mix with their own, not with their neighbours': model/directions.py). A
+    # rig of sliders in one row; each prompt is one more text encoding.
+    directions: Optional[Annotated[tuple[Direction, ...], Field(min_length=1, max_length=MAX_DIRECTIONS)]] = None
+    # n positions of one slider (an adapter's scale, a direction's strength, or the edit's own
+    # strength) as n rows of one tail (model/sweep.py); the doors expand it before anything runs.
+    sweep: Optional[Sweep] = None
 
-    @field_validator("prompt")
+    @model_validator(mode="before")
     @classmethod
-    def _not_blank(cls, prompt: str) -> str:
-        if not prompt.strip():
-            raise ValueError("must not be empty")
-        prompt_spans(prompt)  # A1111 syntax edit-rt does not run: refused here, naming the field
-        return prompt
+    def _a_prompt(cls, data: Any) -> Any:
+        # Before the fields, so that what was refused before directions came is refused with
+        # the same words, first among its errors: a null prompt in a config or a body, and an
+        # edit with neither prompt nor directions (a missing prompt).
+        if isinstance(data, ArgsKwargs):  # Python (dataclasses.replace too): prompt=None is none
+            given = {"prompt": data.args[0]} if data.args else (data.kwargs or {})
+        elif isinstance(data, dict):
+            given = data
+            if "prompt" in data and data["prompt"] is None:
+                raise _refusal("string_type", None)
+        else:
+            return data  # not a mapping: the fields refuse it
+        if given.get("prompt") is None and given.get("directions") is None:
+            raise _refusal("missing", given)
+        return data
+
+    _prompt = field_validator("prompt")(_checked_prompt)
 
     @model_validator(mode="after")
-    def _one_tail(self) -> "Edit":
+    def _consistent(self) -> "Edit":
         if sum(v is not None for v in (self.start_step, self.tail_steps, self.tail_fraction)) > 1:
             raise ValueError("give start_step or tail_steps (or tail_fraction), not both")
+        if self.prompt is None and self.strength is not None:
+            raise ValueError("strength is the prompt's: give a prompt with it, or each direction its own strength")
         return self
 
 
@@ -132,6 +203,9 @@ class Base:
     # as its description. In a config, a path (relative to the config); in a stored base's key,
     # "sha256:<hex>" of the pixels it was inverted from.
     image: Optional[Str] = None
+    # LoRA adapters of the generation, {name: scale} (the config's adapters:); its edits start
+    # from these and may change them.
+    adapters: Optional[Adapters] = None
 
     def time_ids(self) -> list[float]:
         """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""
@@ -204,6 +278,21 @@ class TailRow:
     # image size (an img2img init image that is not its base's own picture). None: the base's
     # image (an inverted base's own uploaded pixels; a generation's decoded image).
     backdrop: Optional[np.ndarray] = None
+    # The row's LoRA adapters, name -> (text encoders' scale, UNet's scale): the base's with
+    # the edit's over them (model/adapters.py merged); None: the base's as they are.
+    adapters: Optional[dict] = None
+    # More prompts mixed in, their strengths resolved (model/directions.py); see ``terms``.
+    directions: tuple[Direction, ...] = ()
+
+    @property
+    def terms(self) -> list[tuple[str, float]]:
+        """The row's K/V mix as (prompt, strength): its prompt, then its directions. With
+        directions, a term of strength 0 (it adds exactly nothing) is left out: not encoded,
+        not mixed, none of its words in ``preserve: auto``'s mask."""
+        if not self.directions:
+            return [(self.prompt, self.strength)]
+        terms = [(self.prompt, self.strength), *((d.prompt, d.strength) for d in self.directions)]
+        return [(p, s) for p, s in terms if s != 0]
 
 
 def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaults, where: str = "edit") -> TailRow:
@@ -229,13 +318,21 @@ def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaul
     if m is not None and (m.x + m.width > base.width or m.y + m.height > base.height):
         raise EditError(f"{where}.mask", f"the rectangle ({m.x},{m.y},{m.width}x{m.height}) leaves the "
                                          f"{base.width}x{base.height} image; shrink it")  # fmt: skip
+    directions = tuple(Direction(d.prompt, defaults.strength if d.strength is None else d.strength)
+                       for d in edit.directions or ())  # fmt: skip
+    if edit.prompt is None:  # directions alone: the base's own prompt, adding nothing
+        prompt, strength = base.prompt, 0.0
+    else:
+        prompt, strength = edit.prompt, defaults.strength if edit.strength is None else edit.strength
     return TailRow(
-        edit.prompt,
-        defaults.strength if edit.strength is None else edit.strength,
+        prompt,
+        strength,
         start,
         base.guidance if edit.guidance is None else edit.guidance,
         m,
         edit.seed,
         defaults.preserve if edit.preserve is None else edit.preserve,
         defaults.structure if edit.structure is None else edit.structure,
+        adapters=None if edit.adapters is None else merged(normalize(base.adapters), normalize(edit.adapters)),
+        directions=directions,
     )

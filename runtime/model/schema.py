@@ -12,7 +12,7 @@ from __future__ import annotations
 import typing
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AllowInfNan, Field, Strict
+from pydantic import AllowInfNan, Field, Strict, StringConstraints
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
@@ -40,6 +40,13 @@ Seed = between(Int, 0, 2**63 - 1)
 ClipSkip = between(Int, 0, 8)
 SizeCond = between(Int, 0, 16384)  # SDXL's size and crop conditioning, in pixels
 PreserveMode = Literal["auto", "none"]
+# Prompts one edit mixes in `directions` (besides its own): each is one more text encoding per
+# request and one more K/V copy per row (model/directions.py).
+MAX_DIRECTIONS = 8
+# LoRA adapters by name (the config's adapters:), each with its scale: a slider's position.
+AdapterName = Annotated[str, Strict(), StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+AdapterScale = between(Float, -8.0, 8.0)
+Adapters = dict[AdapterName, AdapterScale]
 StoragePrecision = Literal["fp32", "fp16", "int8"]  # how the store keeps latents and K/V
 
 _TYPES = {
@@ -129,4 +136,8 @@ def refusal(error: dict, owner: Any) -> str:
         return str(error.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
     if kind == "string_too_short":
         return "must not be empty"
+    if kind in ("too_short", "too_long"):
+        ctx = error.get("ctx", {})
+        n = ctx.get("min_length" if kind == "too_short" else "max_length")
+        return f"must hold at {'least' if kind == 'too_short' else 'most'} {n} item{'' if n == 1 else 's'}, got {ctx.get('actual_length')}"
     return _TYPES.get(kind, str(error.get("msg", ""))) + got

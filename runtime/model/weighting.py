@@ -22,7 +22,8 @@ gives a meaning that edit-rt does not run (never taken as text): prompt editing 
 and alternation ``[a|b]`` (a row's K/V are one prompt for all its steps; found with A1111's
 schedule grammar by :func:`schedule_at`), ``AND`` and a prompt's trailing ``:weight``
 (composable diffusion; ``:1`` is the identity and is honoured), ``BREAK`` (a second 75-token
-chunk), extra networks ``<lora:name:0.8>``, and a weight that is not a number (``(a:1.2.3)``,
+chunk), extra networks ``<lora:name:0.8>`` (a door that takes LoRA tags reads them first:
+model/lora_tags.py), and a weight that is not a number (``(a:1.2.3)``,
 where A1111 fails with a traceback). Past 75 tokens a prompt is truncated, as diffusers
 truncates (A1111 would start a second chunk); ``truncated`` says how many tokens went. Negative
 prompts are parsed as A1111 parses them: emphasis applies, ``AND`` and a trailing ``:2`` are text.
@@ -234,14 +235,30 @@ def schedule_at(text: str) -> Optional[tuple[int, int, str]]:
     return None
 
 
+def _network_refusal(tag: re.Match, negative: bool) -> str:
+    """Why an extra-network tag is refused here. A LoRA tag is read where a prompt becomes a
+    request's adapters (model/lora_tags.py: the A1111 routes, a config's base and edit prompts),
+    never by the text encoder; A1111 itself reads none in a negative prompt (its
+    ``parse_extra_network_prompts`` parses the prompts only: there the tag is text)."""
+    shown, kind = _show(tag.group(0)), tag.group(1)
+    if kind not in ("lora", "lyco"):
+        return f"{shown} is an AUTOMATIC1111 extra network ({kind}); edit-rt loads none: remove it from the prompt"
+    if negative:
+        return (f"{shown} is an AUTOMATIC1111 extra network (a LoRA) in a negative prompt, where AUTOMATIC1111 "
+                "reads it as text and loads nothing: move it to the prompt, or remove it")  # fmt: skip
+    name = tag.group(2).split(":")[0][:40]
+    return (f"{shown} is an AUTOMATIC1111 extra network (a LoRA), which this prompt does not read: give it as "
+            f"adapters: {{{name!r}: scale}} (a generation's or an edit's `adapters`), or send the prompt where tags are read "
+            "(/sdapi/v1/txt2img and img2img, a config's base.prompt and edits[i].prompt)")  # fmt: skip
+
+
 def prompt_spans(text: str, negative: bool = False) -> list[tuple[str, float]]:
     """The weighted spans A1111 encodes for ``text``, or :class:`PromptSyntaxError` for what it
     would run and edit-rt does not. ``negative``: A1111 reads a negative prompt without
     ``AND`` and a trailing weight (they are text there)."""
     network = _EXTRA_NETWORK.search(text)
     if network:
-        raise PromptSyntaxError(f"{_show(network.group(0))} is an AUTOMATIC1111 extra network ({network.group(1)}); "
-                                "edit-rt loads none: remove it from the prompt")  # fmt: skip
+        raise PromptSyntaxError(_network_refusal(network, negative))
     if not negative:
         if _AND.search(text):
             raise PromptSyntaxError("`AND` combines prompts in AUTOMATIC1111 (composable diffusion), which edit-rt "

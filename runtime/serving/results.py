@@ -25,7 +25,12 @@ class Edited:
     preserve: str
     tail_steps: int
     strength: float
+    # The edit's directions as they ran, {prompt, strength} each (none: a plain edit)
+    directions: tuple[dict, ...] = ()
 
     def info(self) -> dict:
-        return {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
-                "preserve": self.preserve}  # fmt: skip
+        out = {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
+               "preserve": self.preserve}  # fmt: skip
+        if self.directions:
+            out["directions"] = list(self.directions)
+        return out

@@ -28,6 +28,7 @@ from ..images import checked_pixel_mask, png_bytes
 from ..loop.batcher import Batcher
 from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownError
 from ..metrics import Metrics, timed
+from ..model.adapters import check_uses
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
 from ..model.state import BaseState
@@ -156,10 +157,12 @@ class Service(Generation, Uploads, JobControl):
 
     def base_of(self, prompt: str, negative_prompt: Optional[str] = None, size: Optional[str] = None, steps: Optional[int] = None,
                 guidance: Optional[float] = None, seed: int = -1, clip_skip: Optional[int] = None,
-                sizes: Optional[dict[str, Optional[int]]] = None) -> Base:  # fmt: skip
+                sizes: Optional[dict[str, Optional[int]]] = None, adapters: Optional[dict[str, float]] = None) -> Base:  # fmt: skip
         """A base from request fields (the server's defaults for what they leave out). ``sizes``:
-        SDXL's size conditioning (original_width/height, crop_top/left), where the model takes it."""
+        SDXL's size conditioning (original_width/height, crop_top/left), where the model takes it;
+        ``adapters`` its LoRA adapters, {name: scale} (None: the config base's)."""
         default, serve = self.cfg.base, self.cfg.serve
+        self.check_adapters(adapters, "adapters")
         self.check_prompt(prompt, "prompt")
         if negative_prompt is not None:  # None: the family's default (SDXL: zeros)
             self.check_prompt(negative_prompt, "negative_prompt")
@@ -188,7 +191,23 @@ class Service(Generation, Uploads, JobControl):
             if not 0 <= value <= 16384:
                 raise ApiError(400, f"{name}: must lie in [0, 16384]", param=name, code="out_of_range")
         return replace(default, width=width, height=height, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
-                       clip_skip=clip_skip, image=None, **given)  # fmt: skip
+                       clip_skip=clip_skip, image=None, adapters=default.adapters if adapters is None else dict(adapters),
+                       **given)  # fmt: skip
+
+    def check_adapters(self, adapters: Optional[dict], where: str) -> None:
+        """400 naming the field for an unknown adapter, a scale out of range, more adapters than
+        the export's slots, or adapters on an export without slots."""
+        if not adapters:
+            return
+        bank = self.pipe.adapter_bank if self.pipe is not None else None
+        if bank is None:
+            raise ApiError(400, f"{where}: this server's export has no adapter slots (export.adapter_slots); leave "
+                           "adapters out", param=where, code="unsupported")  # fmt: skip
+        try:
+            check_uses(adapters, bank.adapters, bank.slots, where)
+        except ConfigError as err:
+            field = str(err).split(":", 1)[0]
+            raise ApiError(400, str(err), param=field, code="unknown_adapter" if "no adapter" in str(err) else "out_of_range") from None
 
     def row_of(self, i: int, state: BaseState, edit: Edit, pixel_mask: Optional[np.ndarray] = None,
                backdrop: Optional[np.ndarray] = None, mask_param: Optional[str] = None) -> TailRow:  # fmt: skip
@@ -197,7 +216,11 @@ class Service(Generation, Uploads, JobControl):
         ([H, W] in [0, 1], 1 = may change) and the backdrop it is composited onto outside it
         ([H, W, 3] in [0, 1]; None: the base's image) checked against the base's size (400
         naming ``mask_param``, by default ``edits[i].pixel_mask``)."""
-        self.check_prompt(edit.prompt, f"edits[{i}].prompt")
+        if edit.prompt is not None:
+            self.check_prompt(edit.prompt, f"edits[{i}].prompt")
+        self.check_adapters(edit.adapters, f"edits[{i}].adapters")
+        for j, direction in enumerate(edit.directions or ()):
+            self.check_prompt(direction.prompt, f"edits[{i}].directions[{j}].prompt")
         try:
             row = resolve_edit(edit, state.base, state.window_start, self.cfg.edit_defaults(), f"edits[{i}]")
         except EditError as err:
@@ -345,7 +368,8 @@ class Service(Generation, Uploads, JobControl):
                     continue
                 r, row = job.future.result(), job.row
                 png = self.edit_png(state, row, r.image, r.preserve, per(png_fields, job.index))
-                edited = Edited(job.index, png, r.seconds, r.preserve, state.base.steps - row.start_step, row.strength)
+                edited = Edited(job.index, png, r.seconds, r.preserve, state.base.steps - row.start_step, row.strength,
+                                tuple({"prompt": d.prompt, "strength": d.strength} for d in row.directions))  # fmt: skip
                 yield "image_edit.completed", {"index": job.index, "png": edited.png, "info": edited.info()}
             yield "edit_rt.done", {"base_id": bid}
         finally:
@@ -365,7 +389,7 @@ class Service(Generation, Uploads, JobControl):
             if kind == "image_edit.completed":
                 info = data["info"]
                 out.append(Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
-                                  info["strength"]))  # fmt: skip
+                                  info["strength"], tuple(info.get("directions", ()))))  # fmt: skip
         return sorted(out, key=lambda e: e.index)
 
     async def has_base(self, bid: str) -> bool:

@@ -15,6 +15,10 @@ n_iter, steps, width, height,   ``batch_size x n_iter`` is seeded ``seed + j``, 
 send_images, denoising_strength width x height: a served size, else 400; img2img ``steps``: an
                                 inverted image's (a base found by its ``Base id`` runs its own,
                                 reported in ``info.accepted``)
+prompt's ``<lora:name:w>``      implemented (a1111_loras.py): the bases' adapters (txt2img) or
+                                the edits' (img2img), read as A1111 reads them; an unknown
+                                name 400; ``<hypernet:...>``, ``dyn``, another type 400
+disable_extra_networks          implemented: the tags taken out, none loaded
 override_settings               ``CLIP_stop_at_last_layers`` implemented; ``sd_model_checkpoint``
                                 the served model (another: 400), ``sd_vae`` its own VAE,
                                 ``eta_ddim`` 0, ``samples_format`` png; any other key 400
@@ -43,9 +47,11 @@ the rest                        their defaults (A1111's, and the clients' where 
                                 ``firstpass_image``, ``comments``, ``force_task_id``, ``infotext``
 ==============================  ================================================================
 
-Extra networks in a prompt (``<lora:name:1>``) are refused (the prompt's own syntax check:
-this server has none); with ``disable_extra_networks`` their tags are taken out of the prompt
-unused, as A1111 does (and ``info.accepted`` says so).
+LoRA tags in a prompt (``<lora:name:0.8>``, ``<lyco:...>``: model/lora_tags.py reads them as
+A1111 does) are the request's adapters, the configured ones (``GET /sdapi/v1/loras``); in a
+negative prompt, where A1111 reads a tag as text, one is refused (the prompt's syntax check).
+With ``disable_extra_networks`` the tags are taken out of the prompts unused, as A1111 takes
+them out of its prompt (and ``info.accepted`` says so).
 """
 
 from __future__ import annotations

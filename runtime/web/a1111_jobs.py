@@ -18,8 +18,8 @@ like work against edit-rt as against A1111.
   VAE), ``eta_ddim`` (0) and ``samples_format`` (png) are accepted as they are; any other
   value or key 400 naming it.
 - ``GET /sd-vae``, ``/memory`` (the process's RSS, the host's RAM, from /proc and ``resource``),
-  ``/scripts``, ``/script-info``, ``/prompt-styles``, ``/face-restorers``, ``/loras``,
-  ``/embeddings``: what exists (no scripts, styles, face restorers, LoRAs or embeddings).
+  ``/scripts``, ``/script-info``, ``/prompt-styles``, ``/face-restorers``, ``/embeddings``: what
+  exists (no scripts, styles, face restorers or embeddings; LoRAs: a1111_loras.py).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
         return memory_report(service.backend)
 
     for path, empty in (("/scripts", {"txt2img": [], "img2img": []}), ("/script-info", []), ("/prompt-styles", []),
-                        ("/face-restorers", []), ("/loras", []), ("/embeddings", {"loaded": {}, "skipped": {}})):  # fmt: skip
+                        ("/face-restorers", []), ("/embeddings", {"loaded": {}, "skipped": {}})):  # fmt: skip
         router.add_api_route(path, listing(empty), methods=["GET"], responses=errors(401), summary="What exists here: none")
     return router
 

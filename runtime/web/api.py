@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.edit import Edit
-from ..model.schema import ClipSkip, Guidance, Int, SizeCond, Steps, between
+from ..model.schema import Adapters, ClipSkip, Guidance, Int, SizeCond, Steps, between
 from ..serving.errors import ApiError
 from ..uploads import ImageInputError, decode_base64
 
@@ -66,6 +66,7 @@ class GenerationRequest(OpenAiOptions):
     original_height: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original height.")
     crop_top: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's top.")
     crop_left: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's left.")
+    adapters: Optional[Adapters] = Field(None, description="LoRA adapters of the base, {name: scale} (GET /v1/adapters lists them); its edits start from these.")
 
 
 class BaseUpload(BaseModel):
@@ -150,6 +151,7 @@ class EditInfo(BaseModel):
     seconds: float
     tail_steps: int
     strength: float
+    directions: Optional[list[dict[str, Any]]] = Field(None, description="The edit's directions as they ran ({prompt, strength} each); absent for a plain edit.")
     preserve: str
     seed: Optional[int] = Field(None, description="The variation's seed (null: the deterministic edit).")
 
@@ -199,6 +201,18 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AdapterCard(BaseModel):
+    name: str = Field(description="What a base's or an edit's adapters: {name: scale} names; a sweep's adapter.")
+    rank: Optional[int] = Field(None, description="The LoRA's rank (null on Ray Serve's ingress: the replicas load it).")
+    graphs: list[str] = Field(description="The graphs it changes: text_encoder, kv_proj, unet_step.")
+    text: Optional[bool] = Field(None, description="Whether it changes what a prompt encodes to (its K/V), not only the UNet.")
+
+
+class AdapterList(BaseModel):
+    data: list[AdapterCard]
+    slots: int = Field(description="Adapters one row may use at once (the export's adapter slots; 0: none).")
 
 
 def errors(*statuses: int) -> dict[int, dict]:

@@ -11,6 +11,8 @@ work unchanged, and nothing they send is silently dropped (every field: a1111_fi
   re-enters the chain re-noised with seed ``seed + j``. ``mask`` (white may change; blurred,
   inverted as A1111 does: a1111_masks.py): outside it the reply's pixels are the init image's
   own.
+- LoRA tags in a prompt (``<lora:name:0.8>``) are the bases' (txt2img) or the edits' (img2img)
+  adapters; ``GET /loras`` and ``POST /refresh-loras`` list and reload them (a1111_loras.py).
 - ``png-info``, ``sd-models``; job control, options and listings are a1111_jobs.py's.
 
 A request that ``POST /sdapi/v1/interrupt`` stops answers with the images that finished (its
@@ -40,6 +42,7 @@ from ..serving.service import Edited, Service, watch
 from .a1111_fields import (RAN_SAMPLER, Common, Img2Img, Settings, Txt2Img, accepted, check_off, override, prompts_of,
                            refuse)  # fmt: skip
 from .a1111_jobs import job_routes, model_names, vae_names
+from .a1111_loras import PromptLoras, adapters_info, base_adapters, edit_adapters, lora_routes, prompt_loras
 from .a1111_masks import a1111_pixel_mask, mask_from_bytes
 from .api import b64, decode_base64_or_400, errors
 
@@ -78,18 +81,19 @@ def a1111_routes(service: Service) -> APIRouter:
     @router.post("/txt2img", response_model=A1111Result, responses=common, summary="Bases (A1111's txt2img)")
     async def txt2img(body: Txt2Img, http: HttpRequest):
         check_off(body)
-        sent, body, stripped = as_run(body)
+        sent, body, stripped, loras = as_run(body)
         clip_skip, _ = clip_skip_of(body)
         want = served_size(body, service.cfg.served_sizes())
         epoch = service.interrupts
         first = service.base_of(body.prompt, body.negative_prompt, f"{want[0]}x{want[1]}", body.steps, body.cfg_scale,
                                 body.seed, clip_skip)  # fmt: skip
+        first = replace(first, adapters=base_adapters(service, first.adapters, loras))
         bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
         results = await together([service.generate(b, http, previews=live_previews(b.steps)) for b in bases], epoch, service)
         made = finished(results, epoch, service)
         info = info_of(service, body, first, [g.base.seed for g in made], [png_text(g.png) for g in made],
                        interrupted=len(made) < len(bases), clip_skip=first.clip_skip, accepted_=stripped)  # fmt: skip
-        info.update(base_id=made[0].id, base_ids=[g.id for g in made])
+        info.update(base_id=made[0].id, base_ids=[g.id for g in made], **({"adapters": adapters_info(loras)} if loras.uses else {}))
         return {"images": [b64(g.png) for g in made] if body.send_images else [], "parameters": sent.model_dump(),
                 "info": json.dumps(info)}  # fmt: skip
 
@@ -97,7 +101,8 @@ def a1111_routes(service: Service) -> APIRouter:
                  summary="Edits of an edit-rt image's base, or of any image inverted (A1111's img2img)")  # fmt: skip
     async def img2img(body: Img2Img, http: HttpRequest):
         check_off(body)
-        sent, body, stripped = as_run(body)
+        sent, body, stripped, loras = as_run(body)
+        adapters = edit_adapters(service, loras)
         if body.mask is None:  # what only a mask is for, without one
             for field, defaults in (("mask_blur", (None, 4)), ("mask_blur_x", (4,)), ("mask_blur_y", (4,)),
                                     ("inpainting_mask_invert", (0,))):  # fmt: skip
@@ -146,8 +151,8 @@ def a1111_routes(service: Service) -> APIRouter:
         # image j of batch_size x n_iter: init image j % per_iter (or the one), seed + j
         where = [(0 if k == 1 else j % per_iter, j) for j in range(per_iter * body.n_iter)]
         try:
-            specs = [Edit(prompt=body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength, seed=seed + j)
-                     for _, j in where]  # fmt: skip
+            specs = [Edit(prompt=body.prompt, guidance=body.cfg_scale, tail_fraction=body.denoising_strength, seed=seed + j,
+                          adapters=adapters) for _, j in where]  # fmt: skip
         except ValidationError as err:
             raise validation_error(err.errors(), Edit) from None
         png_fields = {"Denoising strength": f"{body.denoising_strength:g}", **mask_fields(body, blur)}
@@ -175,7 +180,7 @@ def a1111_routes(service: Service) -> APIRouter:
                        size=(bases[0][1]["width"], bases[0][1]["height"]),
                        accepted_=ran, extra=png_fields if binary is not None else {})  # fmt: skip
         info.update(base_ids=[b[0] for b in bases], tail_steps=[e.tail_steps for e in made],
-                    denoising_strength=body.denoising_strength)  # fmt: skip
+                    denoising_strength=body.denoising_strength, **({"adapters": adapters_info(loras)} if loras.uses else {}))  # fmt: skip
         keep = None if body.include_init_images else {"init_images", "mask"}
         parameters = {**sent.model_dump(exclude=keep), **({} if keep is None else {"init_images": None, "mask": None})}
         return {"images": [b64(e.png) for e in made] if body.send_images else [], "parameters": parameters,
@@ -193,14 +198,17 @@ def a1111_routes(service: Service) -> APIRouter:
                  "hash": fingerprint[:10], "sha256": fingerprint, "filename": str(service.cfg.model), "config": None}]  # fmt: skip
 
     router.include_router(job_routes(service, settings))
+    router.include_router(lora_routes(service))
     return router
 
 
-def as_run(body):
-    """(the body as sent, the body as it runs: its prompts without extra-network tags when
-    ``disable_extra_networks``, what that took out for ``info.accepted``)."""
+def as_run(body) -> tuple[Any, Any, dict[str, str], PromptLoras]:
+    """(the body as sent, the body as it runs: its prompts without extra-network tags, what
+    ``disable_extra_networks`` took out for ``info.accepted``, the prompt's LoRA tags: none
+    with ``disable_extra_networks``, as in A1111)."""
     prompt, negative, stripped = prompts_of(body)
-    return body, body.model_copy(update={"prompt": prompt, "negative_prompt": negative}), stripped
+    loras = PromptLoras(prompt) if body.disable_extra_networks else prompt_loras(prompt)
+    return body, body.model_copy(update={"prompt": loras.prompt, "negative_prompt": negative}), stripped, loras
 
 
 def served_size(body: Common, sizes: list[tuple[int, int]]) -> tuple[int, int]:

@@ -4,7 +4,8 @@
 with ``stream`` and ``partial_images``), ``POST /v1/images/edits`` (edits of a stored base as
 JSON, streamed as Server-Sent Events with ``stream``; or OpenAI's ``images.edit`` form:
 forms.py), ``POST /v1/images/variations`` (``images.create_variation``: forms.py),
-``POST /v1/bases``, ``GET /v1/models`` and ``/v1/models/{id}``. What each of OpenAI's fields
+``POST /v1/bases``, ``GET /v1/models`` and ``/v1/models/{id}``, and edit-rt's ``GET
+/v1/adapters`` (the LoRA adapters rows may name, for the page's sliders). What each of OpenAI's fields
 does here is openai_fields.py's table; the request bodies FastAPI cannot see (the form, the
 hand-parsed JSON) are documented by openapi_bodies.py.
 """
@@ -18,9 +19,10 @@ from dataclasses import replace
 from fastapi import APIRouter, Request as HttpRequest
 from pydantic import ValidationError
 
+from ..model.sweep import expand_all
 from ..serving.errors import ApiError, validation_error
 from ..serving.service import Service
-from .api import BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
+from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
     decode_base64_or_400, errors  # fmt: skip
 from .forms import edit_upload, seeds_of, variation_upload
 from .openai_fields import Delivery, delivery_of
@@ -47,7 +49,7 @@ def openai_routes(service: Service) -> APIRouter:
         size = None if body.size == "auto" else body.size
         sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
-                                body.clip_skip, sizes)  # fmt: skip
+                                body.clip_skip, sizes, body.adapters)  # fmt: skip
         delivery = delivery_of(body, service.model_name, first.steps)
         bases = [replace(first, seed=first.seed + k) for k in range(body.n)]
         ran = {"model": service.model_name, "sampler": "DDIM", "steps": first.steps, "seeds": [b.seed for b in bases],
@@ -98,6 +100,12 @@ def openai_routes(service: Service) -> APIRouter:
         return await json_edits(body, http)
 
     async def json_edits(body: EditsRequest, http: HttpRequest):
+        if any(edit.sweep is not None for edit in body.edits):  # a sweep is its rows (model/sweep.py)
+            try:
+                body = body.model_copy(update={"edits": expand_all(body.edits)})
+            except ValueError as err:
+                field = str(err).split(":", 1)[0]
+                raise ApiError(400, str(err), param=field, code="out_of_range") from None
         service.check_edit_count(len(body.edits) * body.n)
         if (body.base_id is None) == (body.image is None):
             raise ApiError(400, "base_id: give base_id (a stored base) or image (one to invert), not both or neither",
@@ -153,7 +161,25 @@ def openai_routes(service: Service) -> APIRouter:
                            "not_found_error", param="model", code="model_not_found")  # fmt: skip
         return {"id": model, "created": service.started}
 
+    @router.get("/v1/adapters", response_model=AdapterList, responses=errors(401, 503),
+                summary="The LoRA adapters a base or an edit may name in adapters: {name: scale}")  # fmt: skip
+    async def adapters():
+        return adapter_list(service)
+
     return router
+
+
+def adapter_list(service: Service) -> dict:
+    """``GET /v1/adapters``: the adapters loaded and the slots a row has; on Ray Serve's ingress
+    (no pipeline here) the config's names, which every replica loads."""
+    if service.pipe is None:
+        cfg = service.cfg
+        return {"data": [{"name": n, "graphs": []} for n in cfg.adapters], "slots": cfg.adapter_slots}
+    bank = service.pipe.adapter_bank
+    if bank is None:
+        return {"data": [], "slots": 0}
+    return {"data": [{"name": n, "rank": a.rank, "graphs": sorted(a.graphs), "text": a.text} for n, a in bank.adapters.items()],
+            "slots": bank.slots}  # fmt: skip
 
 
 def variations(edits: list, n: int) -> list:

@@ -20,7 +20,8 @@ here (DNS rebinding) can read the answers too. So, in this order:
   ``multipart/form-data`` only on ``POST /v1/images/edits`` and ``/v1/images/variations``
   (OpenAI's images.edit and images.create_variation forms),
   and there only past the origin check; no body at all only on the routes that read none
-  (A1111's ``/sdapi/v1/interrupt`` and ``/skip``, which webuiapi posts empty). Else 415.
+  (A1111's ``/sdapi/v1/interrupt``, ``/skip`` and ``/refresh-loras``, which its clients post
+  empty). Else 415.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SINGLE_HEADERS = (b"host", b"authorization", b"origin", b"content-type", b"sec-f
 FORM_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})  # POST routes that take multipart/form-data (OpenAI's forms)
 API_PREFIXES = ("/v1/", "/sdapi/")
 # POST routes that read no body: webuiapi's interrupt() and skip() send none, and no type
-BODYLESS_ROUTES = frozenset({"/sdapi/v1/interrupt", "/sdapi/v1/skip"})
+BODYLESS_ROUTES = frozenset({"/sdapi/v1/interrupt", "/sdapi/v1/skip", "/sdapi/v1/refresh-loras"})
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 

@@ -1,0 +1,143 @@
+"""`make bench`'s slider section: what LoRA slots cost, and a sweep as one tail.
+
+Side by side in one process, interleaved, medians of ``repeats`` runs (the first run of each
+mode warms up and is not counted):
+
+- the step graph without adapter inputs against the same model exported with ``slots`` LoRA
+  slots of rank ``rank``, on the same N-row tail: no adapter active, one adapter on every row,
+  ``slots`` adapters on every row (the goal in issue 25: a row with adapters <= 1.1x);
+- a ``points``-point sweep of one adapter's scale as ONE batched tail of K steps from the cached
+  base, against what a diffusers user runs: ``set_adapters`` + a full T-step generation per
+  scale (ideal ratio: points * T generations' rows over points * K tail rows, times the step
+  cost ratio of the two engines, measured here as well);
+- loading a new LoRA: converting the file (torch, diffusers' loader; once per file) and putting
+  it into a slot (the runtime: reading the file, writing its matrices), with no export and no
+  engine build.
+
+The LoRA is random (peft, both matrices non-zero) on every transformer-block layer and the
+text encoder: its cost does not depend on what it learned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.model.config import RunConfig
+from edit_rt.runtime.model.edit import TailRow
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+
+
+def random_lora(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
+    """A peft-format LoRA of rank ``rank`` on the UNet's transformer blocks and the text
+    encoder, saved by diffusers (``pytorch_lora_weights.safetensors`` in ``out``)."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir, safety_checker=None, requires_safety_checker=False)
+    g = torch.Generator().manual_seed(seed)
+    layers, meta = {}, {}
+    for name, module, targets in (("unet", pipe.unet, UNET_TARGETS), ("text_encoder", pipe.text_encoder, TEXT_TARGETS)):
+        module.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+        for pname, p in module.named_parameters():
+            if "lora_" in pname:
+                p.data = torch.randn(p.shape, generator=g) * 0.02
+        layers[f"{name}_lora_layers"] = get_peft_model_state_dict(module)
+        meta[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+    StableDiffusionPipeline.save_lora_weights(out, **layers, **meta)
+    return out / "pytorch_lora_weights.safetensors"
+
+
+def _interleaved(modes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats + 1):
+        for mode, fn in modes.items():
+            start = time.perf_counter()
+            fn()
+            seconds[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(runs[1:]) for mode, runs in seconds.items()}
+
+
+def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: int, say: Callable[[str], None],
+                slots: int = 4, rank: int = 16, points: int = 9) -> dict[str, Any]:  # fmt: skip
+    """The section's report; ``rt_plain`` is the bench's pipeline (no slots), ``state`` its
+    base, ``pipe`` diffusers' StableDiffusionPipeline (DDIM) on the same model."""
+    from edit_rt.runtime.pipeline import EditPipeline
+
+    from .adapters import convert_adapter
+    from .onnx_export import export_onnx
+
+    base, T = state.base, state.base.steps
+    root = Path(cfg.build_dir) / cfg.model_name
+    onnx = root / f"onnx-adapters-{slots}x{rank}"
+    if not (onnx / "manifest.json").is_file() or load_manifest(onnx).fingerprint != rt_plain.manifest.fingerprint:
+        say(f"bench: exporting the model with {slots} LoRA slots of rank {rank}")
+        export_onnx(cfg.model, onnx, adapter_slots_n=slots, adapter_rank=rank)
+    manifest = load_manifest(onnx)
+    loras = root / "bench-loras"
+    files = {}
+    convert_seconds = []
+    for j in range(slots):
+        src = random_lora(cfg.model, loras / f"r{rank}-{j}", rank, seed=j)
+        start = time.perf_counter()
+        files[f"l{j}"] = convert_adapter(cfg.model, manifest, src, f"l{j}", root / "adapters" / f"bench-l{j}.safetensors")
+        convert_seconds.append(time.perf_counter() - start)
+    rt = EditPipeline(onnx, cfg.model, threads=cfg.threads, batch_profile=(cfg.engines.min_batch, cfg.engines.opt_batch,
+                      cfg.engines.max_batch), image_size=(base.height, base.width)).activate()  # fmt: skip
+    load_seconds = []
+    for name, path in files.items():
+        start = time.perf_counter()
+        rt.load_adapter(name, path)
+        rt.adapter_bank.place([name], set())
+        load_seconds.append(time.perf_counter() - start)
+    rstate = rt.generate_base(base)
+    prompts = [f"{base.prompt}, edit {i}" for i in range(n)]
+
+    def tail(pipeline, st, uses: dict) -> Callable[[], Any]:
+        rows = [TailRow(p, 1.0, T - k, base.guidance, adapters=uses) for p in prompts]
+        return lambda: pipeline.run_tail(st, rows)
+
+    one = {"l0": (1.0, 1.0)}
+    every = {f"l{j}": (0.5, 0.5) for j in range(slots)}
+    say(f"bench: {n}-row {k}-step tails: plain graph, slots idle, 1 adapter, {slots} adapters")
+    cost = _interleaved({"plain": tail(rt_plain, state, None), "slots_idle": tail(rt, rstate, {}),
+                         "one_adapter": tail(rt, rstate, one), "all_adapters": tail(rt, rstate, every)}, repeats)  # fmt: skip
+
+    scales = list(np.linspace(-2.0, 2.0, points))
+    sweep_rows = [TailRow(base.prompt, 1.0, T - k, base.guidance, adapters={"l0": (float(s), float(s))}) for s in scales]
+    pipe.load_lora_weights(str(loras / f"r{rank}-0" / "pytorch_lora_weights.safetensors"), adapter_name="l0")
+    noise = torch.from_numpy(rt.initial_noise(base))
+
+    def diffusers_sweep() -> None:
+        for s in scales:
+            pipe.set_adapters(["l0"], adapter_weights=[float(s)])
+            pipe(base.prompt, negative_prompt=base.negative_prompt, num_inference_steps=T, guidance_scale=base.guidance,
+                 height=base.height, width=base.width, latents=noise, output_type="latent")  # fmt: skip
+
+    say(f"bench: a {points}-point slider sweep as one {k}-step tail against {points} diffusers generations")
+    sweep = _interleaved({"edit_rt_sweep": lambda: rt.decode(rt.run_tail(rstate, sweep_rows)),
+                          "diffusers_regenerate": diffusers_sweep}, max(1, repeats - 1))  # fmt: skip
+    pipe.delete_adapters(["l0"])
+    rt.deactivate()
+    return {
+        "slots": slots, "rank": rank, "n": n, "tail_steps": k, "steps": T,
+        "seconds": cost,
+        "ratio_slots_idle_over_plain": cost["slots_idle"] / cost["plain"],
+        "ratio_one_adapter_over_plain": cost["one_adapter"] / cost["plain"],
+        "ratio_all_adapters_over_plain": cost["all_adapters"] / cost["plain"],
+        "sweep": {"points": points, "seconds_edit_rt": sweep["edit_rt_sweep"],
+                  "seconds_diffusers": sweep["diffusers_regenerate"],
+                  "speedup": sweep["diffusers_regenerate"] / sweep["edit_rt_sweep"],
+                  "ideal_rows_ratio": (points * T) / (points * k)},  # fmt: skip
+        "load": {"convert_seconds": statistics.median(convert_seconds), "slot_load_seconds": statistics.median(load_seconds),
+                 "engine_builds": 0, "exports": 0},  # fmt: skip
+    }

@@ -1,0 +1,220 @@
+"""LoRAs at the AUTOMATIC1111 door: a prompt's ``<lora:name:w>`` tags as the request's adapters,
+and A1111's ``GET /sdapi/v1/loras`` and ``POST /sdapi/v1/refresh-loras``.
+
+- Tags (read as A1111 reads them: model/lora_tags.py) come out of the prompt the text encoder
+  sees. txt2img: they are the bases' adapters, over the served config's ``base.adapters`` (as
+  A1111's "Add network to prompt" setting, ``sd_lora``, is added unless the prompt names it);
+  img2img: the edits' adapters, over their base's own (the chain the edit re-enters was made
+  with them: a base's LoRA stays on unless a tag sets it, ``<lora:x:0>`` taking it off). An
+  edit takes one scale per adapter, so ``<lora:x:te:unet>`` with two values is txt2img's only.
+  A name this server has no adapter for is a 400 naming it and listing those it has; so is a
+  tag on a server whose export has no adapter slots. A1111 reads no tag in a negative prompt
+  (it is text there), so one is refused there (model/weighting.py). ``disable_extra_networks``
+  takes the tags out and loads nothing, as before (a1111_fields.prompts_of).
+- ``GET /loras``: A1111's entries (``name``, ``alias``, ``path``: the LoRA file, ``metadata``:
+  that file's safetensors metadata, JSON values decoded as A1111 decodes them) for the adapters
+  loaded; ``edit_rt`` adds the converted file, its rank and the graphs it changes.
+- ``POST /refresh-loras``: the config file's ``adapters:`` read again and each converted file
+  (``edit-rt adapters CONFIG`` writes them) loaded on the engine thread, so a LoRA added to the
+  config and converted after the server started is served without a restart; one no longer
+  configured is forgotten (rows running on it finish). All or nothing: a file missing, stale or
+  unreadable is a 400 naming it, and the adapters stay as they were. Answers null, as A1111's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import APIRouter
+
+from ..assemble import adapter_files
+from ..engine.manifest import sha256_file
+from ..errors import ArtifactError, EditRtError
+from ..model.adapters import normalize
+from ..model.config import load_config
+from ..model.lora_tags import PromptLoras, Scale, lora_tags
+from ..model.weighting import PromptSyntaxError
+from ..serving.errors import ApiError
+from ..serving.service import Service
+from .api import errors
+
+
+def prompt_loras(prompt: str, param: str = "prompt") -> PromptLoras:
+    """``prompt``'s LoRA tags read (400 ``prompt_syntax`` naming a tag edit-rt does not run)."""
+    try:
+        return lora_tags(prompt)
+    except PromptSyntaxError as err:
+        raise ApiError(400, f"{param}: {err}", param=param, code="prompt_syntax") from None
+
+
+def known_adapters(service: Service) -> Optional[set[str]]:
+    """The adapter names rows may use; None: the export has no adapter slots. On Ray Serve's
+    ingress (no pipeline here) the config's, which every replica loads."""
+    if service.pipe is None:
+        return set(service.cfg.adapters) or None
+    bank = service.pipe.adapter_bank
+    return None if bank is None else set(bank.adapters)
+
+
+def check_known(service: Service, loras: PromptLoras, param: str = "prompt") -> None:
+    """Each tag's name an adapter this server has, or 400 naming it (and listing those it has)."""
+    if not loras.uses:
+        return
+    known = known_adapters(service)
+    for name, tag in loras.tags.items():
+        if known is None:
+            raise ApiError(400, f"{param}: `{tag}`: this server runs no LoRA (its export has no adapter slots); its "
+                           "config needs adapters: (name: LoRA file) and `make export` run again",
+                           param=param, code="no_adapters")  # fmt: skip
+        if name not in known:
+            have = ", ".join(sorted(known)) or "none"
+            raise ApiError(400, f"{param}: `{tag}`: no LoRA {name!r} here; this server's LoRAs: {have} (GET "
+                           "/sdapi/v1/loras)", param=param, code="unknown_adapter")  # fmt: skip
+
+
+def base_adapters(service: Service, default: Optional[dict], loras: PromptLoras) -> Optional[dict[str, Scale]]:
+    """A txt2img base's adapters: the served default's (``base.adapters``) with the tags' over
+    them; a scale of 0 leaves it out (the base id is that of the same base without it)."""
+    if not loras.uses:
+        return default
+    check_known(service, loras)
+    uses = {**normalize(default), **loras.uses}
+    out = {n: t if t == u else (t, u) for n, (t, u) in uses.items() if t or u}
+    return out or None
+
+
+def edit_adapters(service: Service, loras: PromptLoras) -> Optional[dict[str, float]]:
+    """An img2img edit's adapters (over its base's): the tags', one scale each; None: none."""
+    if not loras.uses:
+        return None
+    check_known(service, loras)
+    for name, (te, unet) in loras.uses.items():
+        if te != unet:
+            raise ApiError(400, f"prompt: `{loras.tags[name]}` gives the text encoders {te:g} and the UNet {unet:g}; "
+                           f"an edit takes one scale per LoRA: write <lora:{name}:weight> (txt2img takes them apart)",
+                           param="prompt", code="unsupported")  # fmt: skip
+    return {name: te for name, (te, _) in loras.uses.items()}
+
+
+def adapters_info(loras: PromptLoras) -> dict[str, list[float]]:
+    """``info.adapters``: the tags' adapters as they ran, name -> [text encoders, UNet]."""
+    return {n: [t, u] for n, (t, u) in loras.uses.items()}
+
+
+# --- the listing and the refresh -----------------------------------------------------------------------
+
+
+def lora_routes(service: Service) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/loras", responses=errors(401), summary="The LoRA adapters loaded (A1111's shape)")
+    async def loras():
+        return await asyncio.to_thread(listing, service)
+
+    @router.post("/refresh-loras", responses=errors(400, 401), summary="Read the config's adapters: again")
+    async def refresh_loras():
+        await refresh(service)
+        return None
+
+    return router
+
+
+def listing(service: Service) -> list[dict[str, Any]]:
+    """A1111's ``/sdapi/v1/loras`` entries, one per adapter loaded (the config's on Ray Serve's
+    ingress)."""
+    if service.pipe is None:
+        return [_entry(name, str(source), {}) for name, source in service.cfg.adapters.items()]
+    bank = service.pipe.adapter_bank
+    out = []
+    for name, adapter in (bank.adapters if bank is not None else {}).items():
+        own = {"converted": str(adapter.path), "rank": adapter.rank, "graphs": sorted(adapter.graphs)}
+        out.append(_entry(name, adapter.source or str(adapter.path), own))
+    return out
+
+
+def _entry(name: str, source: str, own: dict) -> dict[str, Any]:
+    return {"name": name, "alias": name, "path": source, "metadata": lora_metadata(Path(source)), "edit_rt": own}
+
+
+def lora_metadata(path: Path) -> dict[str, Any]:
+    """A LoRA file's safetensors metadata as A1111 reports it (``sd_models.read_metadata_from_
+    safetensors``: a value that starts with ``{`` decoded as JSON where it parses); {} for a file
+    that is not there or not safetensors."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+    except Exception:  # safetensors raises its own types for a missing or foreign file
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        out[key] = value
+        if isinstance(value, str) and value[:1] == "{":
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                pass
+    return out
+
+
+async def refresh(service: Service) -> None:
+    """The config's ``adapters:`` read again and loaded (module docstring); 400 naming what
+    cannot be, nothing changed then."""
+    cfg, pipe = service.cfg, service.pipe
+    if pipe is None:
+        raise ApiError(400, "refresh-loras: on Ray Serve each replica loads the config's adapters when it starts; "
+                       "redeploy to load new ones", code="unsupported")  # fmt: skip
+    try:
+        fresh = await asyncio.to_thread(load_config, cfg.source) if cfg.source is not None else cfg
+        now = dataclasses.replace(cfg, adapters=fresh.adapters)
+        files = adapter_files(now)
+        if files and pipe.adapter_bank is None:
+            raise EditRtError(f"adapters: {', '.join(files)} configured, but this server's export has no adapter "
+                              "slots; set export.adapter_slots (e.g. 4), re-run `make export` and restart")  # fmt: skip
+        await asyncio.to_thread(_sources_unchanged, now, files)
+        await asyncio.wrap_future(pipe.engine.call(_reload, pipe, files))
+    except EditRtError as err:
+        raise ApiError(400, f"refresh-loras: {err}", code="adapter_unavailable") from None
+    service.cfg = now
+
+
+def _sources_unchanged(cfg, files: dict[str, Path]) -> None:
+    """Each converted file made from its LoRA as it is now (as assemble.pipeline_of checks at start)."""
+    from safetensors import safe_open
+
+    for name, path in files.items():
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                converted_from = (f.metadata() or {}).get("source_sha256")
+        except Exception:  # a damaged file: load_adapter names it
+            continue
+        if converted_from != sha256_file(cfg.adapters[name]):
+            raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "
+                                f"`edit-rt adapters {cfg.source or 'CONFIG'}`")  # fmt: skip
+
+
+def _reload(pipe, files: dict[str, Path]) -> None:
+    """On the engine thread (rows are placed there: none sees half a refresh): every file
+    loaded, or none. An adapter whose file is the one already loaded keeps its object (and so
+    its resident slot)."""
+    bank = pipe.adapter_bank
+    if bank is None:
+        return
+    before = dict(bank.adapters)
+    try:
+        for name, path in files.items():
+            old = before.get(name)
+            new = pipe.load_adapter(name, path)
+            if old is not None and (old.path, old.source_sha256, old.rank) == (new.path, new.source_sha256, new.rank):
+                bank.adapters[name] = old
+        for name in set(bank.adapters) - set(files):
+            del bank.adapters[name]
+    except Exception:
+        bank.adapters.clear()
+        bank.adapters.update(before)
+        raise
