@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train quality test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train quality sliders test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -21,6 +21,7 @@ help:
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
+	@echo "make sliders train + measure its concept sliders: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
 	@echo "make setup | model | export | clean"
 
 setup: $(VENV)/.installed
@@ -67,6 +68,12 @@ quality: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes.yaml
+
+# Concept sliders (issue 25): three LoRAs on the shapes model, 6 min each (pairs included), then
+# measured with diffusers on 24 world bases; a cut run resumes from build/sliders-work.
+sliders: setup export/models/shapes-sd/model_index.json
+	$(BIN)/python scripts/train_sliders.py --model export/models/shapes-sd --out export/models/shapes-sd/sliders \
+		--work build/sliders-work --minutes-per-slider 6 --seed 0 --bases 24
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

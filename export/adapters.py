@@ -24,7 +24,7 @@ import numpy as np
 
 from edit_rt.runtime.engine.manifest import Manifest, sha256_file
 from edit_rt.runtime.errors import ConfigError, ModelError
-from edit_rt.runtime.model.adapters import ADAPTER_FORMAT
+from edit_rt.runtime.model.adapters import ADAPTER_FORMAT, lora_source
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +40,6 @@ _UNSUPPORTED = [
     (re.compile(r"\.diff(_b)?$|\.w_norm|\.b_norm"), "a full weight difference (LyCORIS diff / norm)"),
     (re.compile(r"glora_"), "GLoRA"),
 ]
-
-
-def lora_file(path: Path) -> Path:
-    """The LoRA weights file of ``path`` (a file, or diffusers' folder with pytorch_lora_weights)."""
-    path = Path(path)
-    if path.is_dir():
-        found = sorted(path.glob("*.safetensors"))
-        if not found:
-            raise ConfigError(f"{path}: no .safetensors LoRA file in this folder")
-        path = found[0]
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such LoRA file")
-    if path.suffix != ".safetensors":
-        raise ConfigError(f"{path}: edit-rt reads LoRA files in .safetensors format (a .ckpt/.pt pickle can run code)")
-    return path
 
 
 _DOWN = re.compile(r"\.(lora_A|lora\.down|lora_down|lora_linear_layer\.down)(\.[\w]+)?\.weight$")
@@ -89,7 +74,7 @@ def convert_adapter(model_dir: Path, manifest: Manifest, source: Path, name: str
     import torch
     from safetensors.numpy import save_file
 
-    source = lora_file(source)
+    source = lora_source(source)
     spec = manifest.adapters
     if not spec["slots"]:
         raise ConfigError(f"adapters.{name}: this export has no adapter slots; set export.adapter_slots (e.g. 4) "

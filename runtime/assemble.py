@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .engine.manifest import sha256_file
+from .model.adapters import lora_source
 from .errors import ArtifactError, ConfigError
 from .model.config import RunConfig
 from .pipeline import EditPipeline
@@ -51,7 +52,7 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     options["adapters"] = adapter_files(cfg)
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
     for name, adapter in (pipe.adapter_bank.adapters if pipe.adapter_bank else {}).items():
-        if name in cfg.adapters and sha256_file(cfg.adapters[name]) != adapter.source_sha256:
+        if name in cfg.adapters and sha256_file(lora_source(cfg.adapters[name])) != adapter.source_sha256:
             raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "
                                 f"`edit-rt adapters {cfg.source or 'CONFIG'}`")  # fmt: skip
     exported = pipe.manifest.data["model"].get("variant")

@@ -263,3 +263,35 @@ def test_adapter_types_edit_rt_cannot_apply_are_refused_by_name(adapter_onnx, mo
 def test_export_without_slots_refuses_adapters_with_the_fix(onnx_dir, model_dir, converted):
     with pytest.raises(ConfigError, match="export.adapter_slots"):
         EditPipeline(onnx_dir, model_dir, adapters=converted)
+
+
+def test_a_sweep_is_its_rows_one_by_one(lora_pipe):
+    """``sweep`` expands into n edits at evenly spaced scales (model/sweep.py); as one batched
+    tail they equal each row run alone."""
+    from edit_rt.runtime.model.edit import Edit, EditDefaults, resolve_edit
+    from edit_rt.runtime.model.sweep import expand_all
+
+    state = lora_pipe.generate_base(TEST_BASE)
+    edit = Edit(prompt="a blue square", tail_steps=5, sweep={"adapter": "peft", "from": -1.0, "to": 1.0, "n": 3})
+    edits = expand_all([edit])
+    assert [e.label for e in edits] == ["peft=-1: a blue square", "peft=0: a blue square", "peft=1: a blue square"]
+    rows = [resolve_edit(e, state.base, 0, EditDefaults()) for e in edits]
+    assert [r.adapters for r in rows] == [{"peft": (-1.0, -1.0)}, {}, {"peft": (1.0, 1.0)}]
+    batched = lora_pipe.run_tail(state, rows)
+    for k, row in enumerate(rows):
+        np.testing.assert_allclose(batched[k], lora_pipe.run_tail(state, [row])[0], rtol=1e-5, atol=2e-5)
+    plain = lora_pipe.run_tail(state, [TailRow("a blue square", 1.0, 5, TEST_BASE.guidance)])[0]
+    np.testing.assert_allclose(batched[1], plain, rtol=1e-5, atol=2e-5)  # scale 0: the row without the adapter
+
+
+def test_a_sweep_that_names_no_direction_is_refused_by_field(model_dir, tmp_path):
+    from edit_rt.runtime.model.config import config_from_dict
+
+    cfg = {"model": str(model_dir), "base": {"prompt": "a red circle", "steps": 10, "width": 32, "height": 32},
+           "edits": [{"prompt": "a blue square"},
+                     {"directions": [{"prompt": "a big red circle", "strength": 0.5}], "sweep": {"direction": 1, "from": 0.0, "to": 1.0}}]}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"edits\[1\]\.sweep\.direction: 1 names no direction"):
+        config_from_dict(cfg)
+    cfg["edits"][1]["sweep"]["direction"] = 0
+    expanded = config_from_dict(cfg).edits
+    assert len(expanded) == 1 + 9 and [e.directions[0].strength for e in expanded[1:]] == [0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0]

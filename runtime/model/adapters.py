@@ -51,6 +51,22 @@ class Adapter:
         return bool(self.graphs & {"text_encoder", "kv_proj"})
 
 
+def lora_source(path: Path) -> Path:
+    """The weights file of a configured LoRA: the file, or the first .safetensors of a folder
+    (diffusers' ``pytorch_lora_weights.safetensors``)."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.glob("*.safetensors"))
+        if not found:
+            raise ConfigError(f"{path}: no .safetensors LoRA file in this folder")
+        path = found[0]
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such LoRA file")
+    if path.suffix != ".safetensors":
+        raise ConfigError(f"{path}: edit-rt reads LoRA files in .safetensors format (a .ckpt/.pt pickle can run code)")
+    return path
+
+
 def adapter_path(adapters_dir: Path, name: str) -> Path:
     return Path(adapters_dir) / f"{name}.safetensors"
 

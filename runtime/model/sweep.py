@@ -56,7 +56,8 @@ def expand(edit: Any) -> list[Any]:
         return [edit]
     out = []
     for value in sweep.positions():
-        changes: dict[str, Any] = {"sweep": None, "label": f"{edit.label or edit.prompt or 'edit'} [{sweep.slider}={value:g}]"}
+        # the position first: a grid cell shows the start of its label
+        changes: dict[str, Any] = {"sweep": None, "label": f"{sweep.slider}={value:g}: {edit.label or edit.prompt or 'edit'}"}
         if sweep.adapter is not None:
             changes["adapters"] = {**(edit.adapters or {}), sweep.adapter: value}
         elif sweep.direction is not None:

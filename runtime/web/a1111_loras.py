@@ -33,6 +33,7 @@ from fastapi import APIRouter
 
 from ..assemble import adapter_files
 from ..engine.manifest import sha256_file
+from ..model.adapters import lora_source
 from ..errors import ArtifactError, EditRtError
 from ..model.adapters import normalize
 from ..model.config import load_config
@@ -193,7 +194,7 @@ def _sources_unchanged(cfg, files: dict[str, Path]) -> None:
                 converted_from = (f.metadata() or {}).get("source_sha256")
         except Exception:  # a damaged file: load_adapter names it
             continue
-        if converted_from != sha256_file(cfg.adapters[name]):
+        if converted_from != sha256_file(lora_source(cfg.adapters[name])):
             raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "
                                 f"`edit-rt adapters {cfg.source or 'CONFIG'}`")  # fmt: skip
 
