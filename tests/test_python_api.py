@@ -229,13 +229,21 @@ def test_ctrl_c_takes_the_calls_rows_out_of_the_batch(editor):
     import signal
     import time
 
+    import threading
+
     base = editor.generate(steps=60)
     interrupted = []
+    main = threading.main_thread().ident
+    # Python's own Ctrl-C handler (an earlier test's library may have left another in place)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt(index, step, of):  # a real SIGINT, once the rows are in the step loop
         if not interrupted:
             interrupted.append(step)
-            os.kill(os.getpid(), signal.SIGINT)
+            # to the main thread, as a terminal's Ctrl-C reaches a waiting script: a signal sent to
+            # the process may land on this (the Editor's) thread, and the main thread's wait then
+            # sees it only when the call has returned
+            signal.pthread_kill(main, signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
         editor.edit(base, ["x"] * 16, on_progress=interrupt)  # 16 rows x 24 steps: seconds, were it to run
@@ -245,6 +253,7 @@ def test_ctrl_c_takes_the_calls_rows_out_of_the_batch(editor):
     assert interrupted and editor.service.in_flight() == {"running": 0, "queued": 0, "done": 0, "total": 0,
                                                            "started": None, "current": None}  # fmt: skip
     assert len(editor.edit(base, [{"prompt": "y", "tail_steps": 2}])) == 1  # the Editor goes on
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_calls_from_threads_batch_and_equal_each_alone(editor):
