@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.model.edit import Base, TailRow
 
@@ -39,10 +40,6 @@ SLIDER_FILE = "pytorch_lora_weights.safetensors"
 def slider_files(sliders_dir: Path) -> dict[str, Path]:
     """The committed sliders: name -> LoRA file (``sliders/<name>/pytorch_lora_weights.safetensors``)."""
     return {d.name: d / SLIDER_FILE for d in sorted(Path(sliders_dir).iterdir()) if (d / SLIDER_FILE).is_file()}
-
-
-def _u8(images: np.ndarray) -> np.ndarray:
-    return (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
 
 
 def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: Sequence[float] = SCALES,
@@ -90,10 +87,10 @@ def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: S
             state = rt.generate_base(base, noise=noise)
             for name in files:
                 rows = [TailRow(b.prompt, 1.0, entry, base.guidance, adapters={name: (s, s)}) for s in scales]
-                ours[name][i] = _u8(rt.decode(rt.run_tail(state, rows)))
+                ours[name][i] = to_uint8(rt.decode(rt.run_tail(state, rows)))
             for a, other, h in pairs:
                 rows = [TailRow(b.prompt, 1.0, entry, base.guidance, adapters={a: (s, s), other: (h, h)}) for s in scales]
-                both[(a, other, h)][i] = _u8(rt.decode(rt.run_tail(state, rows)))
+                both[(a, other, h)][i] = to_uint8(rt.decode(rt.run_tail(state, rows)))
     say("quality: the same sliders through diffusers, over the same tail and over the whole chain")
     with torch.no_grad():
         theirs = {mode: {name: sweep(pipe, eval_bases, name, scales, mode=mode, held={o: 0.0 for o in files if o != name},

@@ -41,6 +41,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from edit_rt.runtime.images import to_uint8
+
 from .shapes import prompt, random_scene, read_any_look, saturation, sharpness, stroke
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,6 @@ def world_bases(n: int, seed: int = 0) -> list[EvalBase]:
 
 
 # 1. images (diffusers)
-
-
-def _to_uint8(images: np.ndarray) -> np.ndarray:
-    return (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
 
 
 def _set_weights(pipe, weights: dict[str, float]) -> None:
@@ -108,7 +106,7 @@ def _decode(pipe, latents) -> np.ndarray:
 
     with torch.no_grad():
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
-    return _to_uint8(pipe.image_processor.postprocess(image, output_type="np"))
+    return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))
 
 
 def sweep(
@@ -139,7 +137,7 @@ def sweep(
             generators = [torch.Generator().manual_seed(b.seed) for b in bases]
             images = pipe(prompts, negative_prompt=[""] * len(bases), num_inference_steps=steps, guidance_scale=guidance,
                           generator=generators, height=size, width=size, output_type="np").images  # fmt: skip
-            out[:, j] = _to_uint8(images)
+            out[:, j] = to_uint8(images)
         return out
     entry = int(round(steps * (1.0 - tail_fraction)))
     with torch.no_grad():
