@@ -95,13 +95,15 @@ class SchedulerStats:
     set_writes: int = 0  # rewrites of the negative-prompt sets (new or dropped sets)
     last_rows: int = 0
     last_joined: int = 0  # rows placed into slots at the start of the last call
-    # The last call's seconds, in a preallocated float64: a float attribute would be a new
-    # object every step, and the loop keeps no new object per step (tests/test_slots.py).
-    seconds: np.ndarray = field(default_factory=lambda: np.zeros(1), repr=False)
+    # The last call's nanoseconds, in a preallocated int64: a float attribute would be a new
+    # object every step, and the loop keeps no new object per step (tests/test_slots.py). Integer
+    # nanoseconds, not float seconds: a float temporary lands on CPython's float free list, which
+    # tracemalloc counts as kept memory (a flaky 24 B in that test).
+    nanoseconds: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64), repr=False)
 
     @property
     def last_seconds(self) -> float:
-        return float(self.seconds[0])
+        return int(self.nanoseconds[0]) * 1e-9
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

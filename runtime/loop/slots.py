@@ -401,7 +401,7 @@ class RowScheduler:
                 row.preview = np.empty((2, *self.latent_shape), dtype=np.float32)
             if row.record is None:
                 self.dev[sig.latents].read_async(row.preview[0], offset=row.slot * self.latent_elems)
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         binding.run()
         self.ran = True
         if maps:  # the masks grow from this step's maps before the blend uses them
@@ -434,7 +434,7 @@ class RowScheduler:
             if row.record is not None:
                 row.preview[:] = row.record.latents[row.step : row.step + 2]
             row.previewed = row.step
-        self.stats.seconds[0] = time.perf_counter() - start
+        self.stats.nanoseconds[0] = time.perf_counter_ns() - start
         for row in self.active:
             row.step += 1
         for row in self.joined:
