@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train quality sliders test clean help
+.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train train64 gates64 quality quality64 sliders test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -22,6 +22,9 @@ help:
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
 	@echo "make sliders train + measure its concept sliders: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
+	@echo "make train64 train the 64x64 two-object shapes model (world 2; CPU, ~70 min on 2 cores; resumes if cut)"
+	@echo "make gates64 measure its gates (prompt following, oracle-mask ceiling, maps' overlap; ~15 min)"
+	@echo "make quality64 make quality on it (out/quality64/)"
 	@echo "make setup | model | export | clean"
 
 setup: $(VENV)/.installed
@@ -68,6 +71,21 @@ quality: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes.yaml
+
+# The 64x64 world-2 model (issue 26): one or two objects, VAE factor 4, cross-attention at 16x16
+# and 8x8. A cut run resumes from build/train-shapes64 (its budget counting the time spent).
+train64: setup
+	$(BIN)/python scripts/train_shapes.py --world 2 --out export/models/shapes64-sd \
+		--checkpoint build/train-shapes64 --max-minutes 120
+
+gates64: setup
+	$(BIN)/edit-rt export configs/shapes64.yaml
+	$(BIN)/edit-rt gates configs/shapes64.yaml
+
+quality64: setup
+	$(BIN)/edit-rt export configs/shapes64.yaml
+	$(BIN)/edit-rt engines configs/shapes64.yaml
+	$(BIN)/edit-rt quality configs/shapes64.yaml
 
 # Concept sliders (issue 25): three LoRAs on the shapes model, 6 min each (pairs included), then
 # measured with diffusers on 24 world bases; a cut run resumes from build/sliders-work.

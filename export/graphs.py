@@ -296,11 +296,20 @@ def attention_map_layers(unet: nn.Module) -> tuple[frozenset[int], int]:
     """The cross-attention layers whose maps edit-rt reads, and their factor f.
 
     Prompt-to-prompt reads SD's maps at 16x16 for 64x64 latents: the coarsest grid that still
-    resolves an object. Here: every layer at the largest factor <= 4 the UNet has.
+    resolves an object. Here: every layer at the smallest factor whose grid, at the UNet's
+    ``sample_size``, is at most 16 on a side (SD 1.x: f = 4, 16x16; the 64x64 shapes model's
+    16x16 latents: f = 1); a UNet with no such layer (SD 2.x at 96, SDXL at 128) takes the
+    largest factor <= 4 it has.
     """
     levels = len(unet.config.block_out_channels)
     factors = [layer_factor(layer.name, levels) for layer, _ in cross_attention_layers(unet)]
-    f = max(x for x in factors if x <= 4) if any(x <= 4 for x in factors) else min(factors)
+    size = unet.config.sample_size
+    size = max(size) if isinstance(size, (tuple, list)) else int(size)
+    within = [x for x in factors if size / x <= 16]
+    if within:
+        f = min(within)
+    else:
+        f = max(x for x in factors if x <= 4) if any(x <= 4 for x in factors) else min(factors)
     return frozenset(i for i, x in enumerate(factors) if x == f), f
 
 

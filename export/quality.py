@@ -34,62 +34,16 @@ import torch
 
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.model.edit import Base
-from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.model.edit import TailRow
 
-from .shapes import COLOURS, SHAPES, Scene, prompt, random_scene, read, render
+from .judges import Score, judge_for, world_of
+from .shapes import prompt, render
 
-EDIT_KINDS = ("colour", "background", "shape")
-FIELDS = tuple(f.name for f in dataclasses.fields(Scene))
-PSNR_CAP = 60.0  # dB given to identical regions (no error to take the log of)
 # preserve: auto knobs measured (threshold, dilate, region); the config's default is one of them
 AUTO_KNOBS = tuple((t, d, r) for t in (0.3, 0.5) for d in (0, 1) for r in ("contrast", "words"))
 # Longer tails than the default, where keeping the base's layout may let an edit go further
 STRUCTURE_TAILS = (0.5, 0.6)
-
-
-def edited(scene: Scene, kind: str, rng: np.random.Generator, avoid: Optional[Scene] = None) -> Scene:
-    """``scene`` with one attribute changed to a value that neither it nor ``avoid`` has."""
-    others = [s for s in (scene, avoid) if s is not None]
-    if kind == "shape":
-        return dataclasses.replace(scene, shape=str(rng.choice([s for s in SHAPES if all(s != o.shape for o in others)])))
-    taken = {c for o in others for c in (o.colour, o.background)}
-    return dataclasses.replace(scene, **{kind: str(rng.choice([c for c in COLOURS if c not in taken]))})
-
-
-def edit_of(intended: Scene, seen: Scene, kind: str, rng: np.random.Generator) -> tuple[Scene, str]:
-    """(what the edit should show, the edit prompt): the base prompt with one word replaced by a
-    value that neither the prompt nor the reader's view of the base has."""
-    target = edited(seen, kind, rng, avoid=intended)
-    return target, prompt(dataclasses.replace(intended, **{kind: getattr(target, kind)}))
-
-
-def _read(image: np.ndarray) -> Scene | None:
-    """The reader on a decoded image ([H, W, 3] in [0, 1]), quantized as a saved PNG would be."""
-    return read(to_uint8(image))
-
-
-def _score(result: Scene | None, target: Scene, base: Scene, kind: str) -> tuple[bool, bool, list[str]]:
-    """(success, preserved, the other attributes that changed); an unreadable image fails both."""
-    if result is None:
-        return False, False, []
-    changed = [f for f in FIELDS if f != kind and getattr(result, f) != getattr(base, f)]
-    return getattr(result, kind) == getattr(target, kind), not changed, changed
-
-
-def foreground(image: np.ndarray, background: str) -> np.ndarray:
-    """[H, W] bool: the shape's pixels, as the reader segments them (far from the background)."""
-    img = to_uint8(image).astype(np.float64)
-    return np.sqrt(((img - np.array(COLOURS[background], dtype=np.float64)) ** 2).sum(axis=-1)) > 60
-
-
-def psnr(a: np.ndarray, b: np.ndarray, region: np.ndarray) -> float:
-    """8-bit PSNR of ``a`` against ``b`` over ``region`` (PSNR_CAP when identical or empty)."""
-    if not region.any():
-        return PSNR_CAP
-    mse = float(((to_uint8(a).astype(np.float64) - to_uint8(b).astype(np.float64))[region] ** 2).mean())
-    return PSNR_CAP if mse == 0 else min(PSNR_CAP, 10 * np.log10(255.0**2 / mse))
 
 
 @dataclass
@@ -99,37 +53,42 @@ class Tally:
     preserved: int = 0
     both: int = 0
     unreadable: int = 0
-    changed: dict = field(default_factory=lambda: dict.fromkeys(FIELDS, 0))
+    changed: dict = field(default_factory=dict)
     psnr: list = field(default_factory=list)
     iou: list = field(default_factory=list)
+    other_kept: list = field(default_factory=list)  # world 2, two-object bases: the other object
+    other_psnr: list = field(default_factory=list)
 
-    def add(self, image: np.ndarray, base_image: np.ndarray, seen: Scene, target: Scene, kind: str) -> None:
-        result = _read(image)
-        ok, kept, changed = _score(result, target, seen, kind)
+    def add(self, score: Score) -> None:
         self.n += 1
-        self.success += ok
-        self.preserved += kept
-        self.both += ok and kept
-        self.unreadable += result is None
-        for f in changed:
-            self.changed[f] += 1
-        shape_base = foreground(base_image, seen.background)
-        shape_edit = foreground(image, result.background if result else target.background)
-        region = {"background": shape_base, "shape": ~shape_base & ~shape_edit}.get(kind, ~shape_base)
-        self.psnr.append(psnr(base_image, image, region))
-        if kind != "shape":
-            self.iou.append(float((shape_base & shape_edit).sum() / max(1, (shape_base | shape_edit).sum())))
+        self.success += score.success
+        self.preserved += score.preserved
+        self.both += score.success and score.preserved
+        self.unreadable += score.unreadable
+        for f in score.changed:
+            self.changed[f] = self.changed.get(f, 0) + 1
+        self.psnr.append(score.psnr)
+        if score.iou is not None:
+            self.iou.append(score.iou)
+        if score.other_kept is not None:
+            self.other_kept.append(score.other_kept)
+            self.other_psnr.append(score.other_psnr)
 
     def row(self) -> dict[str, Any]:
         n = max(self.n, 1)
-        return {
+        row = {
             "n": self.n, "success": self.success / n, "preservation": self.preserved / n,
             "success_and_preserved": self.both / n, "unreadable": self.unreadable / n,
             "untouched_psnr": float(np.mean(self.psnr)) if self.psnr else None,
             "untouched_psnr_at_least_35": float(np.mean(np.array(self.psnr) >= 35)) if self.psnr else None,
             "silhouette_iou": float(np.mean(self.iou)) if self.iou else None,
-            "changed": {f: v / n for f, v in self.changed.items()},
+            "changed": {f: v / n for f, v in sorted(self.changed.items())},
         }  # fmt: skip
+        if self.other_kept:
+            row["other_kept"] = float(np.mean(self.other_kept))
+            row["other_psnr"] = float(np.mean(self.other_psnr))
+            row["other_psnr_at_least_35"] = float(np.mean(np.array(self.other_psnr) >= 35))
+        return row
 
 
 def knobs_label(knobs: tuple[float, int, str]) -> str:
@@ -168,7 +127,8 @@ def run_quality(
     structure_settings = [(f, k) for f in sorted({default_fraction, *STRUCTURE_TAILS}) for k in structures]
     pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     bar = progress or (lambda total, description: lambda n: None)
-    following = _prompt_following(pipe, cfg.base, prompts, bar(prompts, "prompts")) if prompts else None
+    judge = judge_for(world_of(cfg.model))
+    following = _prompt_following(pipe, cfg.base, prompts, judge, bar(prompts, "prompts")) if prompts else None
     advance = bar(bases, "bases")
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
@@ -179,28 +139,29 @@ def run_quality(
     base_reads = 0
     start = T - max(1, round(default_fraction * T))
     for b in range(bases):
-        intended = random_scene(rng)
+        intended = judge.scene(rng)
         base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
         state = pipe.generate_base(base)
         base_image = pipe.decode(state.final_latent)[0]
-        seen = _read(base_image)
-        base_reads += seen == intended
+        base_reads += judge.follow(base_image, intended)["all"]
+        seen = judge.base_reading(base_image, intended)
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
-        edits = {kind: edit_of(intended, seen, kind, rng) for kind in EDIT_KINDS}
+        edits = judge.edits(intended, seen, rng)
         # edit-rt, preserve: none, every setting of every kind in one batched tail
         rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for _, text in edits.values() for f, s in settings]
         images = iter(r.image for r in pipe.edit(state, rows))
         for kind, (target, _) in edits.items():
             for f, s in settings:
-                tallies["edit-rt", kind, f, s].add(next(images), base_image, seen, target, kind)
+                tallies["edit-rt", kind, f, s].add(judge.score(next(images), base_image, seen, target, kind))
         # edit-rt, preserve: auto, each setting of its knobs, at the default tail and strength
         for knobs in auto_knobs:
             t, d, region = knobs
             pipe.preserve = dataclasses.replace(cfg.preserve, threshold=t, dilate=d, region=region)
             rows = [TailRow(text, default_strength, start, base.guidance, preserve="auto") for _, text in edits.values()]
             for (kind, (target, _)), result in zip(edits.items(), pipe.edit(state, rows)):
-                tallies[knobs_label(knobs), kind, default_fraction, default_strength].add(result.image, base_image, seen, target, kind)
+                tallies[knobs_label(knobs), kind, default_fraction, default_strength].add(
+                    judge.score(result.image, base_image, seen, target, kind))
         pipe.preserve = cfg.preserve
         # edit-rt, structure keeping (the base's self-attention pattern for the first fraction
         # of the tail), at the default tail and strength, and at longer tails
@@ -209,20 +170,20 @@ def run_quality(
         images = iter(r.image for r in pipe.edit(state, rows))
         for kind, (target, _) in edits.items():
             for f, k in structure_settings:
-                tallies[f"structure {k:g}", kind, f, default_strength].add(next(images), base_image, seen, target, kind)
+                tallies[f"structure {k:g}", kind, f, default_strength].add(judge.score(next(images), base_image, seen, target, kind))
         for kind, (target, text) in edits.items():
             for f in fractions:
                 out = img2img(text, image=base_image[None], strength=f, num_inference_steps=T, guidance_scale=base.guidance,
                               output_type="np", generator=torch.Generator().manual_seed(b)).images[0]  # fmt: skip
-                tallies["img2img", kind, f, 1.0].add(out, base_image, seen, target, kind)
+                tallies["img2img", kind, f, 1.0].add(judge.score(out, base_image, seen, target, kind))
             latent = p2p_tail(unet, text_encoder, tokenizer, scheduler_config, state, text, start)
-            tallies["p2p", kind, default_fraction, 1.0].add(pipe.decode(latent[None])[0], base_image, seen, target, kind)
+            tallies["p2p", kind, default_fraction, 1.0].add(judge.score(pipe.decode(latent[None])[0], base_image, seen, target, kind))
         say(f"quality: base {b + 1}/{bases}")
         advance(1)
-    _real_images(pipe, img2img, cfg, real_images, default_fraction, default_strength, tallies, bar(real_images, "real images"))
+    _real_images(pipe, img2img, cfg, judge, real_images, default_fraction, default_strength, tallies, bar(real_images, "real images"))
     pipe.deactivate()
     table = [{"method": m, "kind": k, "tail_fraction": f, "strength": s, **t.row()} for (m, k, f, s), t in sorted(tallies.items())]
-    report = {"model": str(cfg.model), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
+    report = {"model": str(cfg.model), "world": judge.world, "kinds": list(judge.kinds()), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
               "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction,
               "default_strength": default_strength, "preserve_default": dataclasses.asdict(cfg.preserve),
               "rows": table}  # fmt: skip
@@ -233,7 +194,7 @@ def run_quality(
     return report
 
 
-def _real_images(pipe: EditPipeline, img2img, cfg: RunConfig, n: int, fraction: float, strength: float,
+def _real_images(pipe: EditPipeline, img2img, cfg: RunConfig, judge, n: int, fraction: float, strength: float,
                  tallies: dict, advance: Callable[[int], None]) -> None:  # fmt: skip
     """The "real image" mode: shapes-world renders no model drew, inverted (pipeline.invert), then
     edited; img2img on the same renders at strength K/T. Methods "edit-rt (real)", "img2img (real)";
@@ -242,21 +203,21 @@ def _real_images(pipe: EditPipeline, img2img, cfg: RunConfig, n: int, fraction: 
     T = cfg.base.steps
     start = T - max(1, round(fraction * T))
     for k in range(n):
-        scene = random_scene(rng)
+        scene = judge.scene(rng)
         picture = render(scene, cfg.base.width, rng).astype(np.float32) / 255
-        seen = _read(picture)  # the reader on a clean render: the scene itself
+        seen = judge.base_reading(picture, scene)  # the reader on a clean render: the scene itself
         if seen is None:
             advance(1)
             continue
         base = dataclasses.replace(cfg.base, prompt=prompt(scene), seed=0, image=f"render:{k}")
         state = pipe.invert(picture, base)
-        edits = {kind: edit_of(scene, seen, kind, rng) for kind in EDIT_KINDS}
+        edits = judge.edits(scene, seen, rng)
         rows = [TailRow(text, strength, start, base.guidance) for _, text in edits.values()]
         for (kind, (target, text)), result in zip(edits.items(), pipe.edit(state, rows)):
-            tallies["edit-rt (real)", kind, fraction, strength].add(result.image, picture, seen, target, kind)
+            tallies["edit-rt (real)", kind, fraction, strength].add(judge.score(result.image, picture, seen, target, kind))
             out = img2img(text, image=picture[None], strength=fraction, num_inference_steps=T, guidance_scale=base.guidance,
                           output_type="np", generator=torch.Generator().manual_seed(k)).images[0]  # fmt: skip
-            tallies["img2img (real)", kind, fraction, 1.0].add(out, picture, seen, target, kind)
+            tallies["img2img (real)", kind, fraction, 1.0].add(judge.score(out, picture, seen, target, kind))
         advance(1)
 
 
@@ -266,9 +227,11 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(EDIT_KINDS), figsize=(13, 3.6), sharey=True)
+    kinds = [k for k in report.get("kinds", ("colour", "background", "shape")) if any(r["kind"] == k for r in report["rows"])]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.4 * len(kinds), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     f0, s0 = report["default_tail_fraction"], report["default_strength"]
-    for ax, kind in zip(axes, EDIT_KINDS):
+    for ax, kind in zip(axes, kinds):
         for method, colour in (("edit-rt", "tab:orange"), ("img2img", "tab:blue")):
             rows = [r for r in report["rows"] if r["method"] == method and r["kind"] == kind and r["strength"] == 1.0]
             rows.sort(key=lambda r: r["tail_fraction"])
@@ -299,22 +262,18 @@ def _plot(report: dict, path: Path) -> None:
 def prompt_following(cfg: RunConfig, n: int = 100) -> dict[str, float]:
     """How often the reader finds, in the model's own generations, what their prompts asked for."""
     with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
-        return _prompt_following(pipe, cfg.base, n)
+        return _prompt_following(pipe, cfg.base, n, judge_for(world_of(cfg.model)))
 
 
-def _prompt_following(pipe: EditPipeline, base: Base, n: int, advance: Callable[[int], None] = lambda n: None) -> dict[str, float]:
+def _prompt_following(pipe: EditPipeline, base: Base, n: int, judge, advance: Callable[[int], None] = lambda n: None) -> dict[str, float]:
+    """Per attribute, the fraction of the prompts that ask for it whose generation shows it
+    (export/judges.py ``follow``)."""
     rng = np.random.default_rng(1)
-    hits: dict[str, int] = defaultdict(int)
+    hits: dict[str, list[bool]] = defaultdict(list)
     for k in range(n):
-        scene = random_scene(rng)
+        scene = judge.scene(rng)
         state = pipe.generate_base(dataclasses.replace(base, prompt=prompt(scene), seed=1000 + k))
-        seen = _read(pipe.decode(state.final_latent)[0])
+        for f, ok in judge.follow(pipe.decode(state.final_latent)[0], scene).items():
+            hits[f].append(ok)
         advance(1)
-        if seen is None:
-            continue
-        for f in FIELDS:
-            hits[f] += getattr(seen, f) == getattr(scene, f)
-        hits["all"] += seen == scene
-    return {f: hits[f] / n for f in (*FIELDS, "all")}
-
-
+    return {f: float(np.mean(v)) for f, v in hits.items()}

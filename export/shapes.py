@@ -1,11 +1,23 @@
-"""The "shapes" world: images of one coloured shape on a coloured background, with prompts,
-and a reader that recovers the attributes from pixels (no learned judge).
+"""The "shapes" world: images of coloured shapes on a coloured background, with prompts, and
+a reader that recovers the attributes from pixels (no learned judge).
 
-``render(Scene)`` draws a scene; ``prompt(Scene)`` says it ("a red circle on a blue
-background, top left"); ``read(image)`` recovers the scene by pixel statistics: the background
-is the most common border colour, the shape is every pixel far from it, its colour the nearest
-palette entry to their median, its position the quadrant (or centre) of their centroid, and its
-kind the fraction of its bounding box it fills (square ~1, circle ~pi/4, triangle ~1/2).
+Two worlds share the palette, the shapes and the reader's rules:
+
+- **world 1** (the 32x32 model): one circle, square or triangle, in a colour, on a background,
+  at one of five positions: ``a red circle on a blue background, top left``;
+- **world 2** (the 64x64 model, issue 26): one or two objects, each with a size (small or
+  large): ``a large red circle on a blue background, top left`` and ``a small red circle left of
+  a large blue square on a yellow background``. Two objects never share a colour with each
+  other or the background, so the reader tells them apart by colour alone.
+
+A ``Scene`` says which world it is in: ``size`` is None in world 1. ``render(Scene)`` draws it;
+``prompt(Scene)`` says it; ``read(image)`` (world 1) and ``read(image, world=2)`` recover it:
+the background is the most common border colour, an object is every pixel far from it (in
+world 2: of one palette colour, its one-pixel edge ring left out), its colour the nearest
+palette entry to their median, its position the quadrant (or centre) of its centre, its kind
+the fraction of its bounding box it fills (square ~1, circle ~pi/4, triangle ~1/2), its size
+its bounding box's side. Two objects' relation ("left of", "above") is read from their
+centres; ``canonical`` writes "right of" and "below" the other way round, as the reader does.
 
 Three continuous attributes that no prompt word names (the concept sliders of issue 25 move
 them; ``export/sliders.py`` trains on pairs of renders that differ in one of them):
@@ -13,15 +25,12 @@ them; ``export/sliders.py`` trains on pairs of renders that differ in one of the
 - ``render(..., saturation=s)``: every colour pulled toward its own grey (its luma), ``c' = Y +
   s (c - Y)``: 1 is the palette, 0 grey, above 1 more vivid (clipped to 0..255);
   ``background_saturation`` sets the background's apart (default: the same);
-- ``render(..., stroke=w)``: an outline ``|w|`` pixels wide centred on the shape's edge, dark
+- ``render(..., stroke=w)``: an outline ``|w|`` pixels wide centred on each shape's edge, dark
   when ``w > 0``, light when ``w < 0``;
 - ``render(..., blur=b)``: a Gaussian blur of sigma ``b`` pixels.
 
-Their defaults draw exactly what ``render`` drew before they existed. Each has a reader that
-needs no scene, for generated images as much as for renders: ``saturation(image)`` (mean
-chroma), ``stroke(image)`` (ink darker, or lighter, than both the shape and the background, in
-pixels of outline) and ``sharpness(image)`` (edge steepness over local contrast, about 1 / the
-edge's width in pixels; blur lowers it).
+Their defaults draw exactly what ``render`` drew before they existed; their readers, which need
+no scene, are in ``export/shape_looks.py``.
 """
 
 from __future__ import annotations
@@ -55,22 +64,104 @@ LIGHT_INK = (252, 252, 252)
 LUMA = np.array([0.299, 0.587, 0.114])  # ITU-R BT.601, the "grey" a colour is pulled toward
 
 
+# World 2: object sizes (half the side of the box, as a fraction of the image), two objects'
+# relations (the side of the pair the subject sits on, as a unit step in x and y), and how far
+# apart a pair's centres sit.
+SIZES = {"small": 0.09, "large": 0.16}
+RELATIONS = {"left of": (-1, 0), "right of": (1, 0), "above": (0, -1), "below": (0, 1)}
+PAIR_HALF_GAP = 0.22  # each object's centre this far from the pair's middle along the relation
+WORLD_SIZES = {1: 32, 2: 64}  # image side of each world's model
+_R1 = 0.17  # world 1's one size
+
+
+@dataclass(frozen=True)
+class Thing:
+    """The second object of a world-2 scene."""
+
+    colour: str
+    shape: str
+    size: str
+
+
 @dataclass(frozen=True)
 class Scene:
     colour: str
     shape: str
     background: str
-    position: str
+    position: str  # one of POSITIONS, or with ``other`` one of RELATIONS (subject to other)
+    size: Optional[str] = None  # world 2's SIZES; None in world 1
+    other: Optional[Thing] = None
+
+    @property
+    def world(self) -> int:
+        return 1 if self.size is None else 2
+
+    def things(self) -> tuple[Thing, ...]:
+        first = Thing(self.colour, self.shape, self.size or "large")
+        return (first,) if self.other is None else (first, self.other)
+
+
+def canonical(scene: Scene) -> Scene:
+    """The same picture said as the reader says it: "right of" as "left of" and "below" as
+    "above", the two objects swapped."""
+    flip = {"right of": "left of", "below": "above"}
+    if scene.other is None or scene.position not in flip:
+        return scene
+    o = scene.other
+    return Scene(o.colour, o.shape, scene.background, flip[scene.position], o.size, Thing(scene.colour, scene.shape, scene.size))
 
 
 def prompt(scene: Scene) -> str:
-    return f"a {scene.colour} {scene.shape} on a {scene.background} background, {scene.position}"
+    if scene.size is None:
+        return f"a {scene.colour} {scene.shape} on a {scene.background} background, {scene.position}"
+    subject = f"a {scene.size} {scene.colour} {scene.shape}"
+    if scene.other is None:
+        return f"{subject} on a {scene.background} background, {scene.position}"
+    o = scene.other
+    return f"{subject} {scene.position} a {o.size} {o.colour} {o.shape} on a {scene.background} background"
 
 
-def random_scene(rng: np.random.Generator) -> Scene:
+def random_scene(rng: np.random.Generator, world: int = 1, two: float = 0.5) -> Scene:
+    """A scene of ``world`` with every attribute uniform; in world 2, two objects with
+    probability ``two``."""
     names = list(COLOURS)
-    colour, background = rng.choice(len(names), size=2, replace=False)
-    return Scene(names[colour], SHAPES[rng.integers(len(SHAPES))], names[background], list(POSITIONS)[rng.integers(len(POSITIONS))])
+    if world == 1:
+        colour, background = rng.choice(len(names), size=2, replace=False)
+        return Scene(names[colour], SHAPES[rng.integers(len(SHAPES))], names[background], list(POSITIONS)[rng.integers(len(POSITIONS))])
+    colour, background, other = (names[i] for i in rng.choice(len(names), size=3, replace=False))
+    size = list(SIZES)[rng.integers(len(SIZES))]
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    if rng.random() >= two:
+        return Scene(colour, shape, background, list(POSITIONS)[rng.integers(len(POSITIONS))], size)
+    second = Thing(other, SHAPES[rng.integers(len(SHAPES))], list(SIZES)[rng.integers(len(SIZES))])
+    return Scene(colour, shape, background, list(RELATIONS)[rng.integers(len(RELATIONS))], size, second)
+
+
+def placements(scene: Scene, rng: Optional[np.random.Generator] = None) -> list[tuple[Thing, float, float, float]]:
+    """Each object of ``scene`` as (thing, cx, cy, r) in fractions of the image; ``rng``
+    jitters places and sizes a little (world 2: never enough for a pair to touch)."""
+    if scene.world == 1:
+        cx, cy = POSITIONS[scene.position]
+        r = _R1
+        if rng is not None:
+            cx, cy = cx + rng.uniform(-0.04, 0.04), cy + rng.uniform(-0.04, 0.04)
+            r *= rng.uniform(0.85, 1.15)
+        return [(scene.things()[0], cx, cy, r)]
+    things = scene.things()
+    jitter = (lambda a: rng.uniform(-a, a)) if rng is not None else (lambda a: 0.0)
+    grow = (lambda: rng.uniform(0.9, 1.1)) if rng is not None else (lambda: 1.0)
+    if scene.other is None:
+        cx, cy = POSITIONS[scene.position]
+        return [(things[0], cx + jitter(0.04), cy + jitter(0.04), SIZES[things[0].size] * grow())]
+    dx, dy = RELATIONS[scene.position]
+    # the pair's middle moves across the relation's axis more than along it
+    mx, my = 0.5 + jitter(0.03 if dx else 0.08), 0.5 + jitter(0.08 if dx else 0.03)
+    out = []
+    for thing, sign in zip(things, (1, -1)):
+        cx = mx + sign * dx * PAIR_HALF_GAP + jitter(0.02)
+        cy = my + sign * dy * PAIR_HALF_GAP + jitter(0.02)
+        out.append((thing, cx, cy, SIZES[thing.size] * grow()))
+    return out
 
 
 def saturated(rgb: tuple[int, int, int], factor: float) -> tuple[int, int, int]:
@@ -124,7 +215,7 @@ def gaussian_blur(image: np.ndarray, sigma: float) -> np.ndarray:
 
 def render(
     scene: Scene,
-    size: int = 32,
+    size: Optional[int] = None,
     rng: Optional[np.random.Generator] = None,
     *,
     saturation: float = 1.0,
@@ -132,36 +223,34 @@ def render(
     stroke: float = 0.0,
     blur: float = 0.0,
 ) -> np.ndarray:
-    """The scene as uint8 [size, size, 3]; ``rng`` jitters the shape's size and place a little.
+    """The scene as uint8 [size, size, 3] (default: its world's size); ``rng`` jitters the
+    shapes' sizes and places a little.
     ``saturation``, ``stroke`` and ``blur`` are the continuous attributes (module docstring)."""
     # Draw at 4x and downsample: anti-aliased edges, as a generated image would have.
+    size = size or WORLD_SIZES[scene.world]
     scale = 4
     s = size * scale
     bg_factor = saturation if background_saturation is None else background_saturation
     image = Image.new("RGB", (s, s), saturated(COLOURS[scene.background], bg_factor))
     draw = ImageDraw.Draw(image)
-    cx, cy = POSITIONS[scene.position]
-    r = 0.17
-    if rng is not None:
-        cx, cy = cx + rng.uniform(-0.04, 0.04), cy + rng.uniform(-0.04, 0.04)
-        r *= rng.uniform(0.85, 1.15)
-    fill = saturated(COLOURS[scene.colour], saturation)
-    if stroke:
-        # the outline is the shape grown by half the width in the ink, the shape shrunk by half
-        # the width drawn over it: centred on the edge, so the shape's place and size stay
-        half = abs(stroke) / 2 / size
-        _draw_shape(draw, scene.shape, _outline_points(scene.shape, cx, cy, r, half), s, DARK_INK if stroke > 0 else LIGHT_INK)
-        inner = r - half if scene.shape != "triangle" else 2 * r / (1 + np.sqrt(5)) - half
-        if inner > 0:
-            _draw_shape(draw, scene.shape, _outline_points(scene.shape, cx, cy, r, -half), s, fill)
-    else:
-        box = [(cx - r) * s, (cy - r) * s, (cx + r) * s, (cy + r) * s]
-        if scene.shape == "circle":
-            draw.ellipse(box, fill=fill)
-        elif scene.shape == "square":
-            draw.rectangle(box, fill=fill)
+    for thing, cx, cy, r in placements(scene, rng):
+        fill = saturated(COLOURS[thing.colour], saturation)
+        if stroke:
+            # the outline is the shape grown by half the width in the ink, the shape shrunk by
+            # half the width drawn over it: centred on the edge, so the shape's place and size stay
+            half = abs(stroke) / 2 / size
+            _draw_shape(draw, thing.shape, _outline_points(thing.shape, cx, cy, r, half), s, DARK_INK if stroke > 0 else LIGHT_INK)
+            inner = r - half if thing.shape != "triangle" else 2 * r / (1 + np.sqrt(5)) - half
+            if inner > 0:
+                _draw_shape(draw, thing.shape, _outline_points(thing.shape, cx, cy, r, -half), s, fill)
         else:
-            draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) / 2, box[1])], fill=fill)
+            box = [(cx - r) * s, (cy - r) * s, (cx + r) * s, (cy + r) * s]
+            if thing.shape == "circle":
+                draw.ellipse(box, fill=fill)
+            elif thing.shape == "square":
+                draw.rectangle(box, fill=fill)
+            else:
+                draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) / 2, box[1])], fill=fill)
     out = np.asarray(image.resize((size, size), Image.BOX))
     if blur > 0:
         out = np.clip(np.round(gaussian_blur(out, blur)), 0, 255).astype(np.uint8)
@@ -174,8 +263,11 @@ def _nearest_colour(rgb: np.ndarray) -> str:
     return names[int(np.argmin(((palette - rgb) ** 2).sum(axis=1)))]
 
 
-def read(image: np.ndarray) -> Optional[Scene]:
-    """The scene an image shows, or None when no single shape stands out from the background."""
+def read(image: np.ndarray, world: int = 1) -> Optional[Scene]:
+    """The scene an image shows, or None when no shape stands out from the background (world
+    2: or more than two do); world 2's scenes come back ``canonical``."""
+    if world == 2:
+        return _scene_of(*read_objects(image))
     img = np.asarray(image, dtype=np.float64)[..., :3]
     h, w = img.shape[:2]
     border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
@@ -197,151 +289,107 @@ def read(image: np.ndarray) -> Optional[Scene]:
     return Scene(colour, shape, background, position)
 
 
-# The continuous readers: a number from pixels alone, monotone in its attribute on renders and
-# steady under the other two; tests/test_sliders_world.py checks both.
+@dataclass(frozen=True)
+class Seen:
+    """An object the world-2 reader found: its attributes, centre (fractions of the image), its
+    pixels (its edge ring included) and its coverage (0..1 per pixel: its anti-aliased silhouette)."""
+
+    colour: str
+    shape: str
+    size: str
+    cx: float
+    cy: float
+    mask: np.ndarray
+    coverage: np.ndarray
 
 
-def _luma(img: np.ndarray) -> np.ndarray:
-    return img @ LUMA
+def _erode(mask: np.ndarray) -> np.ndarray:
+    """``mask`` less every pixel with a 4-neighbour outside it."""
+    out = mask.copy()
+    out[1:] &= mask[:-1]
+    out[:-1] &= mask[1:]
+    out[:, 1:] &= mask[:, :-1]
+    out[:, :-1] &= mask[:, 1:]
+    return out
 
 
-def _border_colour(img: np.ndarray) -> np.ndarray:
-    """The background's colour as the median of the frame's pixels (no palette: a slider may
-    have moved it off the palette)."""
-    border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
-    return np.median(border, axis=0)
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    out = mask.copy()
+    out[1:] |= mask[:-1]
+    out[:-1] |= mask[1:]
+    out[:, 1:] |= mask[:, :-1]
+    out[:, :-1] |= mask[:, 1:]
+    return out
 
 
-def _core_colour(img: np.ndarray, bg: np.ndarray) -> np.ndarray:
-    """The shape's fill: the median colour of the pixels within ~1 px of the centroid of what
-    stands out from the background. The outline (centred on the edge, at most ~3 px wide) and
-    the blurred edge never reach that core; an image where nothing stands out gives ``bg``."""
-    dist = np.sqrt(((img - bg) ** 2).sum(axis=-1))
-    far = dist > max(24.0, 0.5 * float(np.percentile(dist, 99)))
-    if far.sum() < 4:
-        return bg
-    ys, xs = np.nonzero(far)
-    yy, xx = np.mgrid[: img.shape[0], : img.shape[1]]
-    near = (yy - ys.mean()) ** 2 + (xx - xs.mean()) ** 2 <= 1.5**2
-    return np.median(img[near], axis=0)
+# an object's eroded core covers at least this fraction of the image: a small triangle's is ~0.9%
+_MIN_CORE = 0.003
+_SIZE_SPLIT = 0.25  # box side between a small object's (~0.18) and a large one's (~0.32)
 
 
-def _as_float(image: np.ndarray) -> np.ndarray:
-    img = np.asarray(image, dtype=np.float64)[..., :3]
-    if img.ndim != 3:
-        raise ValueError(f"expected an [H, W, 3] image in 0..255, got shape {np.shape(image)}")
-    return img
-
-
-def saturation(image: np.ndarray) -> float:
-    """Mean chroma, ``|c - Y(c)|`` over the three channels, of every pixel, in 0..1 (0 = grey).
-    Pulling every colour toward its luma by a factor scales it by exactly that factor (before
-    clipping); an outline (grey) or a blur (mixes) changes it only along the edge."""
-    img = _as_float(image)
-    chroma = np.sqrt(((img - _luma(img)[..., None]) ** 2).sum(axis=-1))
-    return float(chroma.mean() / 255.0)
-
-
-# Pixels of outline that one fully dark pixel of ring stands for: the ring of a 1-px outline
-# around the world's shape (radius 0.17 of 32 px) covers ~2 pi 5.4 = 34 pixels.
-_STROKE_PER_PX = 34.0
-_STROKE_MARGIN = 6.0  # luma levels of over/undershoot ignored (the decoder's ringing on plain edges)
-
-
-def stroke(image: np.ndarray) -> float:
-    """Signed outline strength, about the outline's width in pixels: the ink of the pixels
-    darker than both the shape's fill and the background (each pixel's shortfall below the
-    darker one, relative to it), less the light ink of those brighter than both (relative to the
-    headroom above the brighter one), per ``_STROKE_PER_PX``. A plain edge, blurred or not, mixes
-    the two colours and has none; desaturating keeps every luma."""
-    img = _as_float(image)
-    bg = _border_colour(img)
-    lumas = sorted((float(LUMA @ bg), float(LUMA @ _core_colour(img, bg))))
-    lo, hi = lumas[0] - _STROKE_MARGIN, lumas[1] + _STROKE_MARGIN
-    y = _luma(img)
-    dark = np.clip(lo - y, 0, None) / max(lo, 40.0)
-    light = np.clip(y - hi, 0, None) / max(255.0 - hi, 40.0)
-    return float((dark.sum() - light.sum()) / _STROKE_PER_PX)
-
-
-def sharpness(image: np.ndarray, window: int = 7) -> float:
-    """Edge steepness: the gradient-weighted mean, over the image, of each pixel's colour
-    gradient (forward differences, Euclidean over RGB) divided by the colour range of the
-    ``window`` x ``window`` neighbourhood around it. A clean anti-aliased step reads ~1 (it
-    crosses its whole contrast in one pixel), a Gaussian blur of sigma ``b`` about
-    1 / (1 + 2.5 b); dividing by the local range makes it blind to the contrast, so a greyer
-    image or a darker outline leaves it nearly where it was."""
-    img = _as_float(image)
-    gx = np.diff(img, axis=1)[:-1]
-    gy = np.diff(img, axis=0)[:, :-1]
-    g = np.sqrt((gx**2).sum(axis=-1) + (gy**2).sum(axis=-1))
-    h, w = img.shape[:2]
-    k = window // 2
-    padded = np.pad(img, ((k, k), (k, k), (0, 0)), mode="edge")
-    views = np.stack([padded[dy : dy + h, dx : dx + w] for dy in range(window) for dx in range(window)])
-    spread = np.sqrt(((views.max(axis=0) - views.min(axis=0)) ** 2).sum(axis=-1))[:-1, :-1]
-    # flat regions (range under ~10 levels) carry only noise: neither steep nor soft
-    use = spread > 10.0
-    if not use.any() or g[use].sum() == 0:
-        return 0.0
-    return float((g[use] ** 2 / spread[use]).sum() / g[use].sum())
-
-
-# Saturation factors a colour may have been moved by and still be named after its palette
-# entry: below ~0.25 the palette's greys (red 94, blue 84, purple 99) are too close to tell.
-_FACTORS = np.linspace(0.25, 2.0, 36)
-
-
-def _palette_curves() -> np.ndarray:
-    """[colours, factors, 3]: every palette colour at every factor of ``_FACTORS`` (clipped)."""
-    palette = np.array(list(COLOURS.values()), dtype=np.float64)
-    y = palette @ LUMA
-    curves = y[:, None, None] + _FACTORS[None, :, None] * (palette - y[:, None])[:, None, :]
-    return np.clip(curves, 0, 255)
-
-
-_CURVES = _palette_curves()
-
-
-def _name_any_saturation(rgb: np.ndarray) -> str:
-    """The palette entry whose saturation curve passes nearest ``rgb``: the colour's name
-    whatever a saturation slider did to it."""
-    d = ((_CURVES - np.asarray(rgb, dtype=np.float64)) ** 2).sum(axis=-1).min(axis=1)
-    return list(COLOURS)[int(np.argmin(d))]
-
-
-def read_any_look(image: np.ndarray) -> Optional[Scene]:
-    """The scene, read so that saturation, an outline or a blur leave it as it was: colours
-    named along their saturation curves (the background from the frame's median, the shape
-    from its core, inside any outline), the shape segmented at half its contrast with the
-    background (where a blurred edge keeps its place) with the outline's own pixels left out,
-    its position and kind then judged as ``read`` judges them. None when nothing stands out."""
-    img = _as_float(image)
-    h, w = img.shape[:2]
-    bg = _border_colour(img)
-    core = _core_colour(img, bg)
-    contrast = float(np.sqrt(((core - bg) ** 2).sum()))
-    if contrast < 24.0:
-        return None
-    background, colour = _name_any_saturation(bg), _name_any_saturation(core)
-    if colour == background:
-        return None
-    # a pixel is the shape's when it lies nearer the core than the background along the line
-    # between them; ink (an outline) projects anywhere, so pixels far off that line are dropped
-    axis = (core - bg) / contrast
-    along = (img - bg) @ axis
-    off = np.sqrt(np.clip(((img - bg) ** 2).sum(axis=-1) - along**2, 0, None))
-    mask = (along > 0.5 * contrast) & (off < 0.5 * contrast)
-    if mask.sum() < 0.02 * h * w:
-        return None
-    ys, xs = np.nonzero(mask)
-    cx, cy = xs.mean() / w, ys.mean() / h
-    position = min(POSITIONS, key=lambda p: (POSITIONS[p][0] - cx) ** 2 + (POSITIONS[p][1] - cy) ** 2)
-    # A blur rounds a triangle's corners until it fills its box like a circle, but its mass
-    # stays low in the box (the centroid of an apex-up triangle sits 1/6 of the height below
-    # the box's middle); a square keeps most of its box even blurred.
+def _kind(alpha: np.ndarray) -> str:
+    """The kind from the object's coverage ``alpha`` (0..1 per pixel, anti-aliased edges
+    partly): a triangle (apex up) keeps its mass low in its box, its centroid 1/6 of the height
+    below the box's middle; between a square and a circle, the fill of the box decides (1
+    against pi/4), with the edge pixels counted by their coverage (a small shape is mostly edge)."""
+    inside = alpha > 0.5
+    ys, xs = np.nonzero(inside)
     height = ys.max() - ys.min() + 1
-    low = (ys.mean() - (ys.max() + ys.min()) / 2) / height
-    fill = mask.sum() / ((xs.max() - xs.min() + 1) * height)
-    shape = "triangle" if low > 0.07 else "square" if fill > 0.88 else "circle"
-    return Scene(colour, shape, background, position)
+    yy = np.arange(alpha.shape[0])[:, None]
+    low = (float((alpha * yy).sum() / alpha.sum()) - (ys.max() + ys.min()) / 2) / height
+    # the box's sides as coverage: the widest row's and the tallest column's sums
+    fill = alpha.sum() / (alpha.sum(axis=1).max() * alpha.sum(axis=0).max())
+    return "triangle" if low > 0.08 else "square" if fill > 0.88 else "circle"
+
+
+def read_objects(image: np.ndarray) -> tuple[str, list[Seen]]:
+    """World 2's segmentation: (the background's colour, every object, largest first). Each
+    pixel far from the background is named by its nearest palette colour; a colour is an object
+    when its pixels, less their one-pixel edge ring (where two colours blend into a third), keep
+    a core of ``_MIN_CORE`` of the image; its pixels are then its core grown back by one ring,
+    within the pixels far from the background."""
+    img = np.asarray(image, dtype=np.float64)[..., :3]
+    h, w = img.shape[:2]
+    names = list(COLOURS)
+    palette = np.array([COLOURS[n] for n in names], dtype=np.float64)
+    label = np.argmin(((img[:, :, None, :] - palette) ** 2).sum(axis=-1), axis=-1)
+    border = np.concatenate([label[0], label[-1], label[:, 0], label[:, -1]])
+    bg_index = int(np.bincount(border, minlength=len(names)).argmax())
+    far = np.sqrt(((img - palette[bg_index]) ** 2).sum(axis=-1)) > 60
+    found = []
+    for i, name in enumerate(names):
+        if i == bg_index:
+            continue
+        core = _erode(far & (label == i))
+        if core.sum() < _MIN_CORE * h * w:
+            continue
+        mask = _dilate(_dilate(core)) & far & (label == i) | _dilate(core) & far
+        # coverage: where a pixel lies between the background and the object's colour
+        axis = palette[i] - palette[bg_index]
+        alpha = np.clip((img - palette[bg_index]) @ axis / (axis @ axis), 0, 1) * _dilate(mask)
+        ys, xs = np.nonzero(mask)
+        side = max(xs.max() - xs.min() + 1, ys.max() - ys.min() + 1) / max(h, w)
+        cx, cy = (xs.max() + xs.min() + 1) / 2 / w, (ys.max() + ys.min() + 1) / 2 / h
+        found.append(Seen(name, _kind(alpha), "small" if side < _SIZE_SPLIT else "large", cx, cy, mask, alpha))
+    found.sort(key=lambda o: -int(o.mask.sum()))
+    return names[bg_index], found
+
+
+def relation(subject: Seen, other: Seen) -> str:
+    """Where ``subject`` sits seen from ``other``: along the axis their centres differ most on."""
+    dx, dy = subject.cx - other.cx, subject.cy - other.cy
+    if abs(dx) >= abs(dy):
+        return "left of" if dx < 0 else "right of"
+    return "above" if dy < 0 else "below"
+
+
+def _scene_of(background: str, objects: list[Seen]) -> Optional[Scene]:
+    if not objects or len(objects) > 2:
+        return None
+    if len(objects) == 1:
+        o = objects[0]
+        position = min(POSITIONS, key=lambda p: (POSITIONS[p][0] - o.cx) ** 2 + (POSITIONS[p][1] - o.cy) ** 2)
+        return Scene(o.colour, o.shape, background, position, o.size)
+    a, b = objects
+    scene = Scene(a.colour, a.shape, background, relation(a, b), a.size, Thing(b.colour, b.shape, b.size))
+    return canonical(scene)

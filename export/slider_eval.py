@@ -43,7 +43,8 @@ import numpy as np
 
 from edit_rt.runtime.images import to_uint8
 
-from .shapes import prompt, random_scene, read_any_look, saturation, sharpness, stroke
+from .shape_looks import read_any_look, saturation, sharpness, stroke
+from .shapes import prompt, random_scene
 
 log = logging.getLogger(__name__)
 

@@ -264,8 +264,10 @@ def quality(
     cfg = load_config(config)
     if sliders not in ("with", "only", "without"):
         raise ConfigError(f"--sliders: {sliders!r} is not one of with, only, without")
-    if sliders != "without":
+    if sliders != "without" and (cfg.model / "sliders").is_dir():
         _slider_quality(cfg, bases)
+    elif sliders != "without":
+        console.print(f"no sliders in {cfg.model / 'sliders'}: the slider section is skipped (make sliders trains them)")
     if sliders == "only":
         return
     module = _export_module("quality")
@@ -284,6 +286,26 @@ def quality(
     following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
     console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")
     console.print(f"wrote {cfg.output_dir}/quality.json and quality.png")
+
+
+@app.command()
+def gates(
+    config: Path = typer.Argument(..., help="Config of a shapes model (configs/shapes64.yaml)."),
+    prompts: int = typer.Option(100, help="Generations read for prompt following."),
+    bases: int = typer.Option(50, help="Bases of the oracle-mask ceiling and the maps' overlap."),
+) -> None:
+    """Measure a shapes model's gates (prompt following, the oracle-mask ceiling, the maps'
+    overlap with the edited object); write gates.json into the model folder."""
+    cfg = load_config(config)
+    report = _export_module("gates").run_gates(cfg, prompts=prompts, bases=bases, say=lambda text: None)
+    table = Table(title=f"gates of {cfg.model}: {prompts} prompts, {bases} bases", title_justify="left")
+    for column in ("gate", "goal", "measured", "met"):
+        table.add_column(column)
+    for name, g in report["gates"].items():
+        measured = "-" if g["measured"] is None else f"{g['measured']:.2f}"
+        table.add_row(name, f">= {g['goal']:g}", measured, "yes" if g["met"] else "no")
+    Console().print(table)
+    console.print(f"wrote {cfg.model / 'gates.json'}")
 
 
 def _slider_quality(cfg, bases: int) -> None:

@@ -1,4 +1,4 @@
-"""Train the shapes model (issue 7): `python scripts/train_shapes.py --out models/shapes-sd`.
+"""Train the shapes model (issue 7; world 2, issue 26): `python scripts/train_shapes.py --out models/shapes-sd`.
 
 Seeded and CPU-only; the defaults are sized for under an hour on 2 cores. Writes a diffusers
 folder plus training.json (loss curve, seconds) and loss.png.
@@ -7,7 +7,9 @@ folder plus training.json (loss curve, seconds) and loss.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,8 +18,12 @@ from edit_rt.export.train_shapes import TrainSpec, train_shapes  # noqa: E402
 
 
 def main() -> None:
-    defaults = TrainSpec()
+    world = 2 if "--world" in sys.argv and sys.argv[sys.argv.index("--world") + 1] == "2" else 1
+    defaults = TrainSpec.world64() if world == 2 else TrainSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, choices=(1, 2), default=1, help="1: the 32x32 one-object world; 2: 64x64, one or two objects (issue 26)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="save the run's state here and resume from it")
+    parser.add_argument("--snapshot", action="store_true", help="with --checkpoint: write the model as of the last checkpoint, train nothing")
     parser.add_argument("--out", type=Path, default=Path("models/shapes-sd"))
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps)
@@ -25,9 +31,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="stop the UNet stage after this (0 = never)")
     args = parser.parse_args()
-    spec = TrainSpec(seed=args.seed, vae_steps=args.vae_steps, unet_steps=args.unet_steps, batch=args.batch,
-                     max_minutes=args.max_minutes)  # fmt: skip
-    train_shapes(args.out, spec)
+    spec = dataclasses.replace(defaults, seed=args.seed, vae_steps=args.vae_steps, unet_steps=args.unet_steps,
+                               batch=args.batch, max_minutes=args.max_minutes)  # fmt: skip
+    train_shapes(args.out, spec, checkpoint=args.checkpoint, stop_at=0 if args.snapshot else None)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from edit_rt.export.shapes import random_scene, read_any_look, render, saturation, sharpness, stroke
+from edit_rt.export.shape_looks import read_any_look, saturation, sharpness, stroke
+from edit_rt.export.shapes import random_scene, render
 
 MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes-sd"
 SLIDERS = MODEL / "sliders"
