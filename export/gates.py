@@ -160,8 +160,13 @@ def run_gates(cfg: RunConfig, prompts: int = 100, bases: int = 50, out: Optional
         say(f"oracle: {len(oracle)} rows")
         maps = map_overlap(pipe, cfg, bases)
         say(f"maps: {maps['iou']}")
-    colour = [r for r in oracle if r["kind"].startswith("colour")]
-    best_oracle = max((r["preservation"] for r in colour), default=None)
+    # per oracle setting and strength, colour edits of one-object and two-object bases together
+    pooled: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in oracle:
+        if r["kind"].startswith("colour"):
+            pooled[r["setting"], r["strength"]][0] += r["preservation"] * r["n"]
+            pooled[r["setting"], r["strength"]][1] += r["n"]
+    best_oracle = max((kept / n for kept, n in pooled.values() if n), default=None)
     measured = {
         **{k: following.get(k) for k in ("colours_and_background", "shape", "position", "second_object")},
         "oracle_colour_preserved": best_oracle,

@@ -13,7 +13,8 @@ engines), the same scales (-2..2 in 9 steps), from the config's default tail:
 
 Each is read by export/slider_eval.py's ``slider_metrics`` (does the attribute follow the scale,
 its range, is the rest preserved); two sliders at once by ``two_slider_metrics`` (edit-rt: A
-swept with B held at each of ``held``). The UNet cost per image is reported with each.
+swept with B held at each of ``held``). The UNet cost per image is reported with each. The bases
+and the readers are those of the model's world (``judges.world_of``: 1 or 2).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.model.edit import Base, TailRow
 
+from .judges import world_of
 from .slider_eval import SCALES, plot_sliders, slider_metrics, sweep, two_slider_metrics, world_bases, _initial_latents
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: S
     base_cfg, T = cfg.base, cfg.base.steps
     K = max(1, round(cfg.cache.default_tail_fraction * T))
     entry = T - K
-    eval_bases = world_bases(bases)
+    world = world_of(cfg.model)
+    eval_bases = world_bases(bases, world=world)
     scales = [float(s) for s in scales]
 
     pipe = StableDiffusionPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
@@ -99,10 +102,10 @@ def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: S
     methods = {"edit-rt tail": ours, "diffusers tail": theirs["tail"], "diffusers whole": theirs["whole"]}
     rows_per_image = {"edit-rt tail": K, "diffusers tail": K, "diffusers whole": T}
     report = {
-        "bases": bases, "scales": scales, "steps": T, "tail_steps": K, "entry_step": entry,
+        "world": world, "bases": bases, "scales": scales, "steps": T, "tail_steps": K, "entry_step": entry,
         "sliders": sorted(files),
-        "methods": {m: {"unet_steps_per_image": rows_per_image[m], "metrics": slider_metrics(s, scales)} for m, s in methods.items()},
-        "two_sliders": two_slider_metrics(both, scales),
+        "methods": {m: {"unet_steps_per_image": rows_per_image[m], "metrics": slider_metrics(s, scales, world)} for m, s in methods.items()},
+        "two_sliders": two_slider_metrics(both, scales, world),
         # the same computation on two engines: how far apart their uint8 images are
         "edit_rt_vs_diffusers_tail": {name: {"max_abs": int(np.abs(ours[name].astype(int) - theirs["tail"][name]).max()),
                                              "mean_abs": float(np.abs(ours[name].astype(int) - theirs["tail"][name]).mean())}

@@ -30,12 +30,18 @@ Two halves, kept apart so that edit-rt's runtime can feed its own images into th
 
    ``two_slider_metrics`` does the *follows* measure for slider A swept while slider B is held
    at a fixed scale.
+
+Both halves work in either shapes world: ``evaluate_sliders`` takes the world from the model
+folder (``judges.world_of``: 1 for the 32x32 model, 2 for the 64x64 one) and draws that world's
+bases at its image size; the metrics take ``world`` to read with that world's readers
+(``readers``; default 1).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -43,8 +49,9 @@ import numpy as np
 
 from edit_rt.runtime.images import to_uint8
 
+from .judges import world_of
 from .shape_looks import read_any_look, saturation, sharpness, stroke
-from .shapes import prompt, random_scene
+from .shapes import WORLD_SIZES, prompt, random_scene
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,14 @@ READERS: dict[str, tuple[Callable[[np.ndarray], float], float]] = {
     "stroke": (stroke, 1.0),
     "blur": (sharpness, -1.0),
 }
+
+
+def readers(world: int = 1) -> dict[str, tuple[Callable[[np.ndarray], float], float]]:
+    """``READERS`` for ``world``'s images: the stroke reader is the one that reads each world
+    its own way (``shape_looks.stroke``)."""
+    return READERS if world == 1 else {**READERS, "stroke": (partial(stroke, world=world), 1.0)}
+
+
 FOLLOWS_RHO = 0.9  # the issue's bar for "follows its scale" on one base
 # An other attribute moved by less than this share of its own slider's range counts as kept:
 # on renders, the readers themselves couple by up to ~0.2 (an outline lowers sharpness).
@@ -67,10 +82,10 @@ class EvalBase:
     seed: int
 
 
-def world_bases(n: int, seed: int = 0) -> list[EvalBase]:
-    """``n`` bases of the shapes world: random scenes' prompts, each with its own seed."""
+def world_bases(n: int, seed: int = 0, world: int = 1) -> list[EvalBase]:
+    """``n`` bases of the shapes world ``world``: random scenes' prompts, each with its own seed."""
     rng = np.random.default_rng(seed)
-    return [EvalBase(prompt(random_scene(rng)), 1000 * seed + i) for i in range(n)]
+    return [EvalBase(prompt(random_scene(rng, world)), 1000 * seed + i) for i in range(n)]
 
 
 # 1. images (diffusers)
@@ -175,10 +190,10 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def readings(images: np.ndarray) -> dict[str, np.ndarray]:
-    """Every attribute's reading, [bases, scales], of uint8 images [bases, scales, H, W, 3]."""
+def readings(images: np.ndarray, world: int = 1) -> dict[str, np.ndarray]:
+    """Every attribute's reading, [bases, scales], of uint8 images [bases, scales, H, W, 3] of ``world``."""
     flat = images.reshape(-1, *images.shape[2:])
-    return {name: np.array([reader(im) for im in flat]).reshape(images.shape[:2]) for name, (reader, _) in READERS.items()}
+    return {name: np.array([reader(im) for im in flat]).reshape(images.shape[:2]) for name, (reader, _) in readers(world).items()}
 
 
 def _follows(values: np.ndarray, scales: Sequence[float], sign: float) -> dict:
@@ -186,23 +201,23 @@ def _follows(values: np.ndarray, scales: Sequence[float], sign: float) -> dict:
     return {"share_rho_ge_0.9": float(np.mean(rhos >= FOLLOWS_RHO)), "median_rho": float(np.median(rhos)), "rho": rhos.round(3).tolist()}
 
 
-def slider_metrics(sweeps: dict[str, np.ndarray], scales: Sequence[float] = SCALES) -> dict[str, dict]:
+def slider_metrics(sweeps: dict[str, np.ndarray], scales: Sequence[float] = SCALES, world: int = 1) -> dict[str, dict]:
     """Per slider (module docstring): follows, range, scene preserved, cross-talk, preserved.
-    ``sweeps[name]`` is uint8 [bases, len(scales), H, W, 3], ``scales`` must hold 0 (the
-    reference every image is compared with); cross-talk needs the other sliders' sweeps for
+    ``sweeps[name]`` is uint8 [bases, len(scales), H, W, 3] of ``world``, ``scales`` must hold 0
+    (the reference every image is compared with); cross-talk needs the other sliders' sweeps for
     their ranges, and is left out for an attribute whose slider is not in ``sweeps``."""
     scales = [float(s) for s in scales]
     if 0.0 not in scales:
         raise ValueError(f"scales {scales} must include 0, the image every other is compared with")
     zero = scales.index(0.0)
-    read = {name: readings(images) for name, images in sweeps.items()}
+    read = {name: readings(images, world) for name, images in sweeps.items()}
     ranges = {name: float(np.mean(np.ptp(read[name][name], axis=1))) for name in sweeps}
     report = {}
     for name, images in sweeps.items():
         if name not in READERS:
             raise ValueError(f"unknown slider {name!r}: one of {sorted(READERS)}")
         values = read[name]
-        scenes = [[read_any_look(im) for im in row] for row in images]
+        scenes = [[read_any_look(im, world) for im in row] for row in images]
         kept_scene, kept, cross = [], [], {o: [] for o in READERS if o != name}
         for b, row in enumerate(scenes):
             if row[zero] is None:
@@ -230,12 +245,13 @@ def slider_metrics(sweeps: dict[str, np.ndarray], scales: Sequence[float] = SCAL
     return report
 
 
-def two_slider_metrics(sweeps: dict[tuple[str, str, float], np.ndarray], scales: Sequence[float]) -> dict[str, dict]:
-    """``sweeps[(a, b, scale_b)]``: uint8 [bases, len(scales), H, W, 3], slider ``a`` swept at
-    ``scales`` with slider ``b`` held at ``scale_b``; per key, does a's attribute still follow a."""
+def two_slider_metrics(sweeps: dict[tuple[str, str, float], np.ndarray], scales: Sequence[float], world: int = 1) -> dict[str, dict]:
+    """``sweeps[(a, b, scale_b)]``: uint8 [bases, len(scales), H, W, 3] of ``world``, slider ``a``
+    swept at ``scales`` with slider ``b`` held at ``scale_b``; per key, does a's attribute still
+    follow a."""
     report = {}
     for (a, b, held), images in sweeps.items():
-        reader, sign = READERS[a]
+        reader, sign = readers(world)[a]
         values = np.array([[reader(im) for im in row] for row in images])
         report[f"{a} swept, {b} at {held:+g}"] = {**_follows(values, scales, sign), "range": float(np.mean(np.ptp(values, axis=1)))}
     return report
@@ -280,9 +296,10 @@ def evaluate_sliders(
     seed: int = 0,
 ) -> tuple[dict, dict[str, np.ndarray]]:
     """The whole measurement on the diffusers side: every slider in ``slider_dir/<name>/`` swept
-    over ``n_bases`` world bases, whole chain and tail, then each slider swept with the next one
-    held at each of ``held_scales`` (tail only, where edit-rt runs them). Returns
-    the report and the tail sweeps' images by slider (for a contact sheet)."""
+    over ``n_bases`` bases of the model's world (``world_of``) at its image size, whole chain and
+    tail, then each slider swept with the next one held at each of ``held_scales`` (tail only,
+    where edit-rt runs them). Returns the report and the tail sweeps' images by slider (for a
+    contact sheet)."""
     import time
 
     from diffusers import DDIMScheduler, StableDiffusionPipeline
@@ -293,14 +310,16 @@ def evaluate_sliders(
     pipe.set_progress_bar_config(disable=True)
     for name in names:
         pipe.load_lora_weights(str(Path(slider_dir) / name), adapter_name=name)
-    bases = world_bases(n_bases, seed)
+    world = world_of(model_dir)
+    bases = world_bases(n_bases, seed, world)
     settings = dict(steps=steps, guidance=guidance, tail_fraction=tail_fraction)
-    report: dict = {"bases": n_bases, "scales": list(scales), **settings, "seconds": {}}
+    size = WORLD_SIZES[world]
+    report: dict = {"world": world, "bases": n_bases, "scales": list(scales), **settings, "seconds": {}}
     tails: dict[str, np.ndarray] = {}
     for mode in ("whole", "tail"):
         start = time.perf_counter()
-        sweeps = {name: sweep(pipe, bases, name, scales, mode=mode, **settings) for name in names}
-        report[mode] = slider_metrics(sweeps, scales)
+        sweeps = {name: sweep(pipe, bases, name, scales, mode=mode, size=size, **settings) for name in names}
+        report[mode] = slider_metrics(sweeps, scales, world)
         report["seconds"][mode] = round(time.perf_counter() - start, 1)
         log.info("%s: %s (%.0f s)", mode, {n: m["share_rho_ge_0.9"] for n, m in report[mode].items()}, report["seconds"][mode])
         if mode == "tail":
@@ -313,8 +332,8 @@ def evaluate_sliders(
         if a == b:
             continue
         for held in held_scales:
-            pairs[(a, b, float(held))] = sweep(pipe, bases, a, two_slider_scales, mode="tail", held={b: float(held)}, **settings)
-    report["two_sliders"] = two_slider_metrics(pairs, two_slider_scales)
+            pairs[(a, b, float(held))] = sweep(pipe, bases, a, two_slider_scales, mode="tail", held={b: float(held)}, size=size, **settings)
+    report["two_sliders"] = two_slider_metrics(pairs, two_slider_scales, world)
     report["two_slider_scales"] = list(two_slider_scales)
     report["seconds"]["two_sliders"] = round(time.perf_counter() - start, 1)
     return report, tails

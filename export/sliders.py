@@ -11,8 +11,9 @@ with the base UNet and the text encoder frozen. One low-rank direction has to se
 signs, so it learns what tells x+ from x-, and its scale then moves an image along it.
 
 The pairs are shapes-world renders (``export/shapes.py``) that differ in ``saturation``,
-``stroke`` or ``blur`` (``PAIRS``), turned into latents once: by the VAE's encoder, or, for a
-look the encoder erases, from the decoder's side (``latents_by_decoder``). Beyond the paper,
+``stroke`` or ``blur`` (``PAIRS``), of the world the model was trained on (``judges.world_of``:
+the 32x32 world 1 or the 64x64 world 2, at its image size), turned into latents once: by the
+VAE's encoder, or, for a look the encoder erases, from the decoder's side (``latents_by_decoder``). Beyond the paper,
 a slider may also be trained at further scales (``SliderSpec.scales``: the pair's sides at
 -2/+2 twice as far out), so that a sweep to +-2 is taught rather than extrapolated. The LoRA sits only on the Linear layers
 (and 1x1 ``proj_in``/``proj_out`` convs) of the UNet's transformer blocks (``ALLOWED_TARGETS``),
@@ -40,7 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .shapes import prompt, random_scene, render
+from .judges import world_of
+from .shapes import WORLD_SIZES, prompt, random_scene, render
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,8 @@ class SliderSpec:
 
 @dataclass
 class SliderModel:
-    """What ``load_base`` gives: the frozen parts of the shapes model a slider trains against."""
+    """What ``load_base`` gives: the frozen parts of the shapes model a slider trains against,
+    and the shapes world it draws (whose scenes the pairs show)."""
 
     unet: torch.nn.Module
     vae: torch.nn.Module
@@ -132,6 +135,7 @@ class SliderModel:
     tokenizer: object
     alphas_cumprod: torch.Tensor
     scaling: float
+    world: int = 1
 
 
 def load_base(model_dir: Path) -> SliderModel:
@@ -144,7 +148,7 @@ def load_base(model_dir: Path) -> SliderModel:
     text_encoder = CLIPTextModel.from_pretrained(model_dir / "text_encoder").eval().requires_grad_(False)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir / "tokenizer")
     scheduler = DDIMScheduler.from_pretrained(model_dir / "scheduler")
-    return SliderModel(unet, vae, text_encoder, tokenizer, scheduler.alphas_cumprod, float(vae.config.scaling_factor))
+    return SliderModel(unet, vae, text_encoder, tokenizer, scheduler.alphas_cumprod, float(vae.config.scaling_factor), world_of(model_dir))
 
 
 def add_slider_lora(unet: torch.nn.Module, spec: SliderSpec) -> None:
@@ -228,20 +232,22 @@ def latents_by_decoder(vae, x: torch.Tensor, start: torch.Tensor, steps: int, lr
 
 
 def pair_dataset(model: SliderModel, spec: SliderSpec) -> dict[str, torch.Tensor]:
-    """``spec.pairs`` jittered scenes rendered at each trained scale's attribute value
-    (``targets_by_scale``; the same jitter for all), as scaled latents keyed by scale: the encoder's posterior mean of the plain render plus
+    """``spec.pairs`` jittered scenes of ``model.world``, rendered at its image size at each
+    trained scale's attribute value (``targets_by_scale``; the same jitter for all), as scaled
+    latents keyed by scale: the encoder's posterior mean of the plain render plus
     the difference ``latents_by_decoder`` (``spec.invert_steps`` from that mean) finds between
     the look and the plain render (0 steps: the encoder's latents of each side, as the base was
     trained); prompts as indices into the embeddings of their distinct texts, "" last."""
     keyword, low, high = spec.pair
     rng = np.random.default_rng(spec.seed)
-    scenes = [random_scene(rng) for _ in range(spec.pairs)]
+    scenes = [random_scene(rng, model.world) for _ in range(spec.pairs)]
+    size = WORLD_SIZES[model.world]
     jitter = rng.integers(0, 2**31, size=spec.pairs)
     texts = sorted({prompt(s) for s in scenes})
     index = {t: i for i, t in enumerate(texts)}
 
     def images(**look) -> torch.Tensor:
-        return _images_to_x(np.stack([render(s, 32, np.random.default_rng(int(j)), **look) for s, j in zip(scenes, jitter)]))
+        return _images_to_x(np.stack([render(s, size, np.random.default_rng(int(j)), **look) for s, j in zip(scenes, jitter)]))
 
     def encode(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -310,22 +316,24 @@ def _same_training(saved: dict, spec: SliderSpec) -> bool:
 
 def _pairs_cached(model: SliderModel, spec: SliderSpec, path: Path) -> tuple[dict[str, torch.Tensor], float]:
     """The pair dataset and the seconds it took, from ``path`` when an earlier run of the same
-    spec made it (the decoder-side latents are most of a slider's cost before its first step)."""
+    spec in the same world made it (the decoder-side latents are most of a slider's cost before
+    its first step; a file from before worlds existed is world 1's)."""
     if path.exists():
         cached = torch.load(path, weights_only=False)
-        if _same_training(cached["spec"], spec):
+        if _same_training(cached["spec"], spec) and cached.get("world", 1) == model.world:
             return cached["data"], cached["seconds"]
     start = time.perf_counter()
     data = pair_dataset(model, spec)
     seconds = time.perf_counter() - start
-    _save_state(path, {"spec": asdict(spec), "data": data, "seconds": seconds})
+    _save_state(path, {"spec": asdict(spec), "world": model.world, "data": data, "seconds": seconds})
     return data, seconds
 
 
 def train_slider(model_dir: Path, spec: SliderSpec, out_dir: Path, work: Path) -> dict:
-    """Train one slider, save it to ``out_dir`` and return its report (spec, steps, seconds,
-    loss curve). ``work`` holds the pairs and a state every ``spec.checkpoint_every`` steps; a
-    cut run started again with the same spec resumes from them. ``spec.minutes`` bounds the
+    """Train one slider on pairs of the model's world, save it to ``out_dir`` and return its
+    report (spec, world, steps, seconds, loss curve). ``work`` holds the pairs and a state every
+    ``spec.checkpoint_every`` steps; a cut run started again with the same spec (and world)
+    resumes from them. ``spec.minutes`` bounds the
     whole slider's wall clock, pairs included, summed over resumed runs."""
     model_dir, out_dir, work = Path(model_dir), Path(out_dir), Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -340,8 +348,9 @@ def train_slider(model_dir: Path, spec: SliderSpec, out_dir: Path, work: Path) -
     step, loop_seconds = 0, 0.0
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
-        if not _same_training(state["spec"], spec):
-            raise ValueError(f"{state_path} was written for another spec ({state['spec']}); delete {work} to start over")
+        if not _same_training(state["spec"], spec) or state.get("world", 1) != model.world:
+            raise ValueError(f"{state_path} was written for another spec ({state['spec']}, world {state.get('world', 1)}); "
+                             f"delete {work} to start over")  # fmt: skip
         from peft.utils import set_peft_model_state_dict
 
         set_peft_model_state_dict(model.unet, state["lora"])
@@ -353,7 +362,7 @@ def train_slider(model_dir: Path, spec: SliderSpec, out_dir: Path, work: Path) -
     log.info("%s: %d pairs ready (%.0f s to make)", spec.name, spec.pairs, pair_seconds)
 
     def snapshot() -> dict:
-        return {"spec": asdict(spec), "lora": lora_state(model.unet), "optimizer": opt.state_dict(),
+        return {"spec": asdict(spec), "world": model.world, "lora": lora_state(model.unet), "optimizer": opt.state_dict(),
                 "generator": generator.get_state(), "history": history, "step": step, "seconds": loop_seconds}  # fmt: skip
 
     def spent() -> bool:
@@ -381,7 +390,7 @@ def train_slider(model_dir: Path, spec: SliderSpec, out_dir: Path, work: Path) -
     model.unet.eval()
     path = save_slider(model.unet, out_dir)
     keyword, low, high = spec.pair
-    report = {"spec": asdict(spec), "pair": {"attribute": keyword, "minus": low, "plus": high}, "steps": step,
+    report = {"spec": asdict(spec), "world": model.world, "pair": {"attribute": keyword, "minus": low, "plus": high}, "steps": step,
               "seconds": round(pair_seconds + loop_seconds, 1), "pair_seconds": round(pair_seconds, 1),
               "step_seconds": round(loop_seconds, 1), "file": str(path),
               "trainable_parameters": sum(p.numel() for p in params),

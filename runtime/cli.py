@@ -274,14 +274,20 @@ def quality(
     with _progress() as bars:
         report = module.run_quality(cfg, bases=bases, say=lambda text: None, progress=bars)
     table = Table(title=f"edit-rt quality: {bases} bases, T={report['steps']}", title_justify="left")
-    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "untouched PSNR", "IoU", "changed"):
+    two = any("other_kept" in r for r in report["rows"])  # world 2: the other object of two
+    for column in ("method", "edit", "K/T", "strength", "success", "preserved", "both", "untouched PSNR", "IoU",
+                   *(("other kept", "other PSNR") if two else ()), "changed"):  # fmt: skip
         table.add_column(column)
     for r in report["rows"]:
         changed = " ".join(f"{f} {v:.2f}" for f, v in r["changed"].items() if v)
         iou = "-" if r["silhouette_iou"] is None else f"{r['silhouette_iou']:.2f}"
+        other = ()
+        if two:
+            other = ("-", "-") if "other_kept" not in r else (
+                f"{r['other_kept']:.2f}", f"{r['other_psnr']:.1f} dB ({r['other_psnr_at_least_35']:.2f})")
         table.add_row(r["method"], r["kind"], f"{r['tail_fraction']:g}", f"{r['strength']:g}", f"{r['success']:.2f}",
                       f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}",
-                      f"{r['untouched_psnr']:.1f} dB ({r['untouched_psnr_at_least_35']:.2f})", iou, changed)  # fmt: skip
+                      f"{r['untouched_psnr']:.1f} dB ({r['untouched_psnr_at_least_35']:.2f})", iou, *other, changed)  # fmt: skip
     Console().print(table)
     following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
     console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")

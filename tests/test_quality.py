@@ -113,3 +113,20 @@ def test_p2p_source_branch_retraces_the_base_tail(pipeline, base_state, torch_co
     unet, text_encoder, _, tokenizer, scheduler = torch_components
     latent = p2p_tail(unet, text_encoder, tokenizer, scheduler, base_state, base_state.base.prompt, 5)
     np.testing.assert_allclose(latent, base_state.final_latent[0], atol=1e-3, rtol=1e-3)
+
+
+def test_gates_report(tmp_path, model_dir, onnx_dir):
+    from edit_rt.export.gates import GOALS, run_gates
+
+    cfg = config_from_dict({
+        "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
+        "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32},
+    })  # fmt: skip
+    report = run_gates(cfg, prompts=3, bases=2, out=tmp_path, say=lambda s: None)
+    assert (tmp_path / "gates.json").is_file() and report["world"] == 1
+    assert set(report["gates"]) == set(GOALS)
+    for name, gate in report["gates"].items():
+        assert gate["goal"] == GOALS[name]
+        assert gate["met"] == (gate["measured"] is not None and gate["measured"] >= gate["goal"])
+    # the random model draws no readable shape: its prompt following is measured, and low
+    assert report["gates"]["colours_and_background"]["measured"] < 0.98 and not report["gates"]["shape"]["met"]
