@@ -38,6 +38,7 @@ from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.model.edit import TailRow
 
 from .judges import Score, judge_for, world_of
+from .quality_targets import judge_targets, oracle_beside
 from .shapes import prompt, render
 
 # preserve: auto knobs measured (threshold, dilate, region); the config's default is one of them
@@ -187,6 +188,8 @@ def run_quality(
               "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction,
               "default_strength": default_strength, "preserve_default": dataclasses.asdict(cfg.preserve),
               "rows": table}  # fmt: skip
+    report["targets"] = judge_targets(report)
+    report["oracle_ceiling"] = oracle_beside(cfg.model)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report, indent=2))

@@ -289,6 +289,18 @@ def quality(
                       f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}",
                       f"{r['untouched_psnr']:.1f} dB ({r['untouched_psnr_at_least_35']:.2f})", iou, *other, changed)  # fmt: skip
     Console().print(table)
+    f0 = report["default_tail_fraction"]
+    targets = Table(title=f"targets at the default tail (K/T {f0:g}): met / checked", title_justify="left")
+    for column in ("method", "edit", "strength", "met", "not met"):
+        targets.add_column(column)
+    for t in report["targets"]:
+        if t["tail_fraction"] == f0:
+            missed = ", ".join(f"{k} {c['value']:.2f} < {c['goal']:g}" for k, c in t["checks"].items() if not c["met"] and c["value"] is not None)
+            met = sum(c["met"] for c in t["checks"].values())
+            targets.add_row(t["method"], t["kind"], f"{t['strength']:g}", f"{met}/{len(t['checks'])}", missed or "-")
+    Console().print(targets)
+    if report.get("oracle_ceiling"):
+        console.print("oracle-mask ceiling (gates.json): " + ", ".join(f"{k} {v:.2f}" for k, v in report["oracle_ceiling"].items()))
     following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
     console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}")
     console.print(f"wrote {cfg.output_dir}/quality.json and quality.png")

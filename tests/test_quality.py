@@ -101,6 +101,12 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
         assert 0 <= row["success"] <= 1 and 0 <= row["preservation"] <= 1 and 0 <= row["untouched_psnr"] <= 60
         assert (row["silhouette_iou"] is None) == (row["kind"] == "shape")
     assert report["world"] == 1 and report["kinds"] == list(KINDS)
+    # every edit-rt setting's colour and background edits judged against the targets
+    judged = {(t["method"], t["kind"]) for t in report["targets"]}
+    assert ("edit-rt", "colour") in judged and ("edit-rt", "background") in judged and not any(m == "img2img" for m, _ in judged)
+    for t in report["targets"]:
+        assert t["all_met"] == all(c["met"] for c in t["checks"].values())
+        assert {"success", "preservation", "over_img2img"} <= set(t["checks"])
     accuracy = prompt_following(cfg, n=2)
     assert set(accuracy) == {"colour", "shape", "background", "position", "all"}
 
@@ -130,3 +136,25 @@ def test_gates_report(tmp_path, model_dir, onnx_dir):
         assert gate["met"] == (gate["measured"] is not None and gate["measured"] >= gate["goal"])
     # the random model draws no readable shape: its prompt following is measured, and low
     assert report["gates"]["colours_and_background"]["measured"] < 0.98 and not report["gates"]["shape"]["met"]
+
+
+def test_targets_are_judged_against_img2img_at_the_same_tail():
+    from edit_rt.export.quality_targets import judge_targets
+
+    def row(method, kind, f, both, **extra):
+        return {"method": method, "kind": kind, "tail_fraction": f, "strength": 1.0, "n": 50, "success": 0.96,
+                "preservation": 0.97, "success_and_preserved": both, "untouched_psnr": 36.0, "silhouette_iou": 0.96, **extra}
+
+    report = {"rows": [
+        row("edit-rt", "colour", 0.4, 0.93), row("img2img", "colour", 0.4, 0.70), row("img2img", "colour", 0.2, 0.50),
+        row("edit-rt", "colour", 0.2, 0.69), row("p2p", "colour", 0.4, 0.95),
+        row("edit-rt", "shape, 2 objects", 0.4, 0.5, other_kept=0.96, other_psnr=34.0),
+    ]}  # fmt: skip
+    t = {(x["kind"], x["tail_fraction"]): x for x in judge_targets(report)}
+    assert set(t) == {("colour", 0.4), ("colour", 0.2), ("shape, 2 objects", 0.4)}
+    at4 = t["colour", 0.4]["checks"]
+    assert at4["over_img2img"]["met"] and abs(at4["over_img2img"]["value"] - 0.23) < 1e-9
+    assert not at4["over_p2p"]["met"] and not t["colour", 0.4]["all_met"]  # 0.93 < p2p's 0.95
+    assert not t["colour", 0.2]["checks"]["over_img2img"]["met"] and "over_p2p" not in t["colour", 0.2]["checks"]
+    two = t["shape, 2 objects", 0.4]["checks"]
+    assert set(two) == {"other_psnr", "other_kept"} and two["other_kept"]["met"] and not two["other_psnr"]["met"]
