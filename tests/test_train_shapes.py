@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import pytest
+import torch
 
 from diffusers import StableDiffusionPipeline
 
@@ -21,3 +25,26 @@ def test_training_writes_a_loadable_exportable_model(tmp_path):
         assert len(pipe.tokenizer.tokenize(word)) == 1, word
     assert abs(pipe.vae.config.scaling_factor - report["vae_scaling_factor"]) < 1e-6
     export_onnx(out, tmp_path / "onnx")
+
+
+def test_a_cut_world2_run_resumes_to_the_same_model(tmp_path):
+    """World 2 at toy length: a run cut after a checkpoint and resumed from it writes the same
+    weights as one uncut run (the checkpoint holds the optimizer, schedule, EMA and generator)."""
+    from safetensors.torch import load_file
+
+    spec = TrainSpec.world64(vae_steps=2, unet_steps=6, batch=2, dataset_size=16, checkpoint_every=2,
+                             block_out_channels=(8, 16, 16), vae_block_out_channels=(8, 8, 8), text_hidden_size=16)  # fmt: skip
+    quiet = lambda s: None  # noqa: E731
+    uncut = train_shapes(tmp_path / "uncut", spec, say=quiet)
+    train_shapes(tmp_path / "cut", spec, say=quiet, checkpoint=tmp_path / "ckpt", stop_at=3)  # last checkpoint: step 2
+    resumed = train_shapes(tmp_path / "resumed", spec, say=quiet, checkpoint=tmp_path / "ckpt")
+    assert resumed["unet_steps_run"] == uncut["unet_steps_run"] == 6
+    assert resumed["loss"]["unet"] == uncut["loss"]["unet"]
+    a = load_file(tmp_path / "uncut" / "unet" / "diffusion_pytorch_model.safetensors")
+    b = load_file(tmp_path / "resumed" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "resumed" / "world.json").read_text()) == {"world": 2, "image_size": 64}
+    assert 0 <= resumed["vae_round_trip"]["reader"] <= 1
+    # a checkpoint of another spec is refused, not silently mixed in
+    with pytest.raises(ValueError, match="another spec"):
+        train_shapes(tmp_path / "other", dataclasses.replace(spec, seed=1), say=quiet, checkpoint=tmp_path / "ckpt")
