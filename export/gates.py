@@ -20,7 +20,7 @@ import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -66,6 +66,21 @@ def _edited_pixels(judge, seen, base_image: np.ndarray, kind: str) -> tuple[np.n
     return np.logical_or.reduce([o.mask for o in objects]), np.maximum.reduce([o.coverage for o in objects])
 
 
+def quality_bases(pipe: EditPipeline, cfg: RunConfig, judge, bases: int, advance: Callable[[int], None]) -> Iterator[tuple]:
+    """`make quality`'s bases and edits (the same seeds and draws): (base, state, its image, the
+    reader's view of it, the edits) for each base that shows its prompt's objects."""
+    rng = np.random.default_rng(0)
+    for b in range(bases):
+        intended = judge.scene(rng)
+        base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
+        state = pipe.generate_base(base)
+        base_image = pipe.decode(state.final_latent)[0]
+        seen = judge.base_reading(base_image, intended)
+        advance(1)
+        if seen is not None:
+            yield base, state, base_image, seen, judge.edits(intended, seen, rng)
+
+
 def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance: Callable[[int], None] = lambda n: None) -> list[dict]:
     """The ceiling of mask-based preservation: `make quality`'s bases and edits (same seeds),
     each run alone at the default tail with the keep-mask taken from the reader's segmentation of
@@ -78,20 +93,10 @@ def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance:
     oracle: dict[str, Optional[np.ndarray]] = {"keep": None}
     own = pipe.keep_mask
     pipe.keep_mask = lambda mask, shape: oracle["keep"] if oracle["keep"] is not None else own(mask, shape)
-    rng = np.random.default_rng(0)  # the same bases and edits as `make quality`
     tallies: dict[tuple, Tally] = defaultdict(Tally)
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
     try:
-        for b in range(bases):
-            intended = judge.scene(rng)
-            base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
-            state = pipe.generate_base(base)
-            base_image = pipe.decode(state.final_latent)[0]
-            seen = judge.base_reading(base_image, intended)
-            advance(1)
-            if seen is None:
-                continue
-            edits = judge.edits(intended, seen, rng)
+        for base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
             hw = state.latents.shape[-2:]
             for kind, (target, text) in edits.items():
                 name = kind.split(",")[0]
@@ -118,21 +123,12 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
     judge = judge_for(world_of(cfg.model))
     T = cfg.base.steps
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
-    rng = np.random.default_rng(0)
     scores: dict[str, list[float]] = defaultdict(list)
     own = pipe.preserve
     try:
-        for b in range(bases):
-            intended = judge.scene(rng)
-            base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
-            state = pipe.generate_base(base)
-            base_image = pipe.decode(state.final_latent)[0]
-            seen = judge.base_reading(base_image, intended)
-            advance(1)
-            if seen is None:
-                continue
+        for base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
             hw = state.latents.shape[-2:]
-            for kind, (_, text) in judge.edits(intended, seen, rng).items():
+            for kind, (_, text) in edits.items():
                 if not kind.startswith("colour"):
                     continue
                 _, _, half = _cells(_edited_pixels(judge, seen, base_image, kind)[1], hw)

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from edit_rt.export.judges import World2, world_of
 from edit_rt.export.shapes import prompt
 from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.pipeline import EditPipeline
+
+from .shapes_reference import assert_generation_equals_diffusers
 
 MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes64-sd"
 BASE = Base(prompt="", negative_prompt="", seed=0, steps=30, guidance=4.0, width=64, height=64)
@@ -43,17 +44,7 @@ def test_the_model_card_holds_its_gates_and_world():
 
 
 def test_generation_equals_diffusers(shapes64):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-
-    reference = StableDiffusionPipeline.from_pretrained(MODEL)
-    reference.scheduler = DDIMScheduler.from_config(reference.scheduler.config)
-    reference.set_progress_bar_config(disable=True)
-    base = dataclasses.replace(BASE, prompt="a small yellow square left of a large red circle on a blue background")
-    noise = shapes64.initial_noise(base)
-    ours = shapes64.decode(shapes64.generate_base(base, noise=noise).final_latent)
-    expected = reference(base.prompt, negative_prompt="", num_inference_steps=base.steps, guidance_scale=base.guidance,
-                         height=64, width=64, latents=torch.from_numpy(noise), output_type="np").images  # fmt: skip
-    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    assert_generation_equals_diffusers(shapes64, MODEL, BASE, "a small yellow square left of a large red circle on a blue background")
 
 
 def test_generations_follow_their_prompts(shapes64):

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from edit_rt.export.shapes import COLOURS, Scene, prompt, random_scene, read
 from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
+
+from .shapes_reference import assert_generation_equals_diffusers
 
 MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes-sd"
 BASE = Base(prompt="", negative_prompt="", seed=0, steps=30, guidance=4.0, width=32, height=32)
@@ -46,17 +47,7 @@ def _read(pipe: EditPipeline, latents: np.ndarray) -> list[Scene | None]:
 
 
 def test_generation_equals_diffusers(shapes):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-
-    reference = StableDiffusionPipeline.from_pretrained(MODEL)
-    reference.scheduler = DDIMScheduler.from_config(reference.scheduler.config)
-    reference.set_progress_bar_config(disable=True)
-    base = dataclasses.replace(BASE, prompt="a yellow square on a purple background, bottom right")
-    noise = shapes.initial_noise(base)
-    ours = shapes.decode(shapes.generate_base(base, noise=noise).final_latent)
-    expected = reference(base.prompt, negative_prompt="", num_inference_steps=base.steps, guidance_scale=base.guidance,
-                         height=32, width=32, latents=torch.from_numpy(noise), output_type="np").images  # fmt: skip
-    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    assert_generation_equals_diffusers(shapes, MODEL, BASE, "a yellow square on a purple background, bottom right")
 
 
 def test_generations_follow_their_prompts(shapes):
