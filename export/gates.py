@@ -20,30 +20,21 @@ import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from edit_rt.runtime.model.automask import dilate
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
 from .judges import World1, foreground, iou, judge_for, world_of
-from .quality import Tally, _prompt_following
-from .shapes import prompt
+from .quality import Tally, _prompt_following, quality_bases
 
 GOALS = {
     "colours_and_background": 0.98, "shape": 0.90, "position": 0.80, "second_object": 0.90,
     "oracle_colour_preserved": 0.90, "map_iou": 0.60,
 }  # fmt: skip
-
-
-def grow(mask: np.ndarray, cells: int) -> np.ndarray:
-    """``mask`` grown by ``cells`` in all eight directions."""
-    for _ in range(cells):
-        p = np.pad(mask, 1)
-        mask = np.logical_or.reduce([p[1 + dy : p.shape[0] - 1 + dy, 1 + dx : p.shape[1] - 1 + dx]
-                                     for dy in (-1, 0, 1) for dx in (-1, 0, 1)])  # fmt: skip
-    return mask
 
 
 def _cells(mask: np.ndarray, hw: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -66,21 +57,6 @@ def _edited_pixels(judge, seen, base_image: np.ndarray, kind: str) -> tuple[np.n
     return np.logical_or.reduce([o.mask for o in objects]), np.maximum.reduce([o.coverage for o in objects])
 
 
-def quality_bases(pipe: EditPipeline, cfg: RunConfig, judge, bases: int, advance: Callable[[int], None]) -> Iterator[tuple]:
-    """`make quality`'s bases and edits (the same seeds and draws): (base, state, its image, the
-    reader's view of it, the edits) for each base that shows its prompt's objects."""
-    rng = np.random.default_rng(0)
-    for b in range(bases):
-        intended = judge.scene(rng)
-        base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
-        state = pipe.generate_base(base)
-        base_image = pipe.decode(state.final_latent)[0]
-        seen = judge.base_reading(base_image, intended)
-        advance(1)
-        if seen is not None:
-            yield base, state, base_image, seen, judge.edits(intended, seen, rng)
-
-
 def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance: Callable[[int], None] = lambda n: None) -> list[dict]:
     """The ceiling of mask-based preservation: `make quality`'s bases and edits (same seeds),
     each run alone at the default tail with the keep-mask taken from the reader's segmentation of
@@ -96,14 +72,16 @@ def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance:
     tallies: dict[tuple, Tally] = defaultdict(Tally)
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
     try:
-        for base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
+        for _, base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
+            if seen is None:
+                continue
             hw = state.latents.shape[-2:]
             for kind, (target, text) in edits.items():
                 name = kind.split(",")[0]
                 if name == "shape":
                     continue
                 touching, inside, _ = _cells(_edited_pixels(judge, seen, base_image, kind)[0], hw)
-                keeps = {"d0": ~touching, "d1": ~grow(touching, 1)} if name == "colour" else {"any": touching, "all": inside}
+                keeps = {"d0": ~touching, "d1": ~dilate(touching, 1)} if name == "colour" else {"any": touching, "all": inside}
                 for label, keep in keeps.items():
                     for strength in (1.0, 1.5):
                         oracle["keep"] = keep[None]
@@ -126,7 +104,9 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
     scores: dict[str, list[float]] = defaultdict(list)
     own = pipe.preserve
     try:
-        for base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
+        for _, base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
+            if seen is None:
+                continue
             hw = state.latents.shape[-2:]
             for kind, (_, text) in edits.items():
                 if not kind.startswith("colour"):

@@ -27,7 +27,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -92,6 +92,23 @@ class Tally:
         return row
 
 
+def quality_bases(pipe: EditPipeline, cfg: RunConfig, judge, bases: int,
+                  advance: Callable[[int], None] = lambda n: None) -> Iterator[tuple]:  # fmt: skip
+    """`make quality`'s bases, drawn in order from one seed (the oracle ceiling and the maps'
+    overlap of export/gates.py edit the same ones): per base (the scene asked for, the Base, its
+    state, its image, the reader's view of it, the edits of it); the last two None when the base
+    does not show its prompt's objects (no attributes to preserve)."""
+    rng = np.random.default_rng(0)
+    for b in range(bases):
+        intended = judge.scene(rng)
+        base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
+        state = pipe.generate_base(base)
+        base_image = pipe.decode(state.final_latent)[0]
+        seen = judge.base_reading(base_image, intended)
+        advance(1)
+        yield intended, base, state, base_image, seen, None if seen is None else judge.edits(intended, seen, rng)
+
+
 def knobs_label(knobs: tuple[float, int, str]) -> str:
     t, d, r = knobs
     return f"auto t{t:g} d{d} {r}"
@@ -135,20 +152,13 @@ def run_quality(
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
     unet, text_encoder, _, tokenizer, scheduler_config = load_components(cfg.model)
-    rng = np.random.default_rng(0)
     tallies: dict[tuple, Tally] = defaultdict(Tally)
     base_reads = 0
     start = T - max(1, round(default_fraction * T))
-    for b in range(bases):
-        intended = judge.scene(rng)
-        base = dataclasses.replace(cfg.base, prompt=prompt(intended), seed=b)
-        state = pipe.generate_base(base)
-        base_image = pipe.decode(state.final_latent)[0]
+    for b, (intended, base, state, base_image, seen, edits) in enumerate(quality_bases(pipe, cfg, judge, bases)):
         base_reads += judge.follow(base_image, intended)["all"]
-        seen = judge.base_reading(base_image, intended)
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
-        edits = judge.edits(intended, seen, rng)
         # edit-rt, preserve: none, every setting of every kind in one batched tail
         rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for _, text in edits.values() for f, s in settings]
         images = iter(r.image for r in pipe.edit(state, rows))

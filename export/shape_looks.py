@@ -24,6 +24,8 @@ from typing import Optional
 
 import numpy as np
 
+from edit_rt.runtime.model.automask import dilate
+
 from .shapes import _SIZE_SPLIT, COLOURS, DARK_INK, LIGHT_INK, LUMA, POSITIONS, Scene, Seen, _dilate, _erode, _kind, _scene_of
 
 
@@ -219,18 +221,6 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
         labels = spread
 
 
-def _grow(mask: np.ndarray, steps: int) -> np.ndarray:
-    """``mask`` and every pixel within ``steps`` 8-neighbour steps of it."""
-    for _ in range(steps):
-        out = _dilate(mask)
-        out[1:, 1:] |= mask[:-1, :-1]
-        out[:-1, :-1] |= mask[1:, 1:]
-        out[1:, :-1] |= mask[:-1, 1:]
-        out[:-1, 1:] |= mask[1:, :-1]
-        mask = out
-    return mask
-
-
 def _holds_centroid(mask: np.ndarray) -> bool:
     ys, xs = np.nonzero(mask)
     return bool(_dilate(mask)[int(round(ys.mean())), int(round(xs.mean()))])
@@ -292,7 +282,7 @@ def _blobs(img: np.ndarray) -> tuple[np.ndarray, list[_Blob]]:
             kept.append(b)
     explained = np.zeros((h, w), dtype=bool)
     for k in kept:
-        explained |= _grow(k.mask, _REACH)
+        explained |= dilate(k.mask, _REACH)
     kept += [_blob(img, bg, c) for c in _components(_erode(_erode(far & ~explained))) if c.sum() >= _MIN_LEFT]
     return bg, sorted(kept, key=lambda b: -int(b.mask.sum()))
 
@@ -306,7 +296,7 @@ def _rings(img: np.ndarray, bg: np.ndarray, blobs: list[_Blob]) -> np.ndarray:
     y = _luma(img)
     lo = np.full(y.shape, float(LUMA @ bg))
     hi = lo.copy()
-    near = [_grow(b.mask, _REACH) for b in blobs]
+    near = [dilate(b.mask, _REACH) for b in blobs]
     for b, n in zip(blobs, near):
         lo[n], hi[n] = np.minimum(lo[n], LUMA @ b.fill), np.maximum(hi[n], LUMA @ b.fill)
     lo, hi = lo - _STROKE_MARGIN, hi + _STROKE_MARGIN

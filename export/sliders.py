@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from .judges import world_of
 from .shapes import WORLD_SIZES, prompt, random_scene, render
+from .train_shapes import images_to_x
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +208,6 @@ def _embed(model: SliderModel, prompts: list[str]) -> torch.Tensor:
         return model.text_encoder(ids)[0]
 
 
-def _images_to_x(images: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0).permute(0, 3, 1, 2).contiguous()
-
-
 def latents_by_decoder(vae, x: torch.Tensor, start: torch.Tensor, steps: int, lr: float, chunk: int = 128) -> torch.Tensor:
     """Latents (unscaled) that the decoder renders as ``x``: Adam on the decoder's pixel MSE,
     ``steps`` steps from ``start``. The shapes VAE's encoder saw only palette scenes and maps a
@@ -247,7 +244,7 @@ def pair_dataset(model: SliderModel, spec: SliderSpec) -> dict[str, torch.Tensor
     index = {t: i for i, t in enumerate(texts)}
 
     def images(**look) -> torch.Tensor:
-        return _images_to_x(np.stack([render(s, size, np.random.default_rng(int(j)), **look) for s, j in zip(scenes, jitter)]))
+        return images_to_x(np.stack([render(s, size, np.random.default_rng(int(j)), **look) for s, j in zip(scenes, jitter)]))
 
     def encode(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edit_rt.runtime.images import to_uint8
+
 from .shapes import COLOURS, POSITIONS, RELATIONS, SHAPES, SIZES, canonical, prompt, random_scene, read, render
 from .tiny_model import write_tokenizer
 
@@ -86,10 +88,20 @@ def world_words(world: int = 1) -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
+def _scenes(rng: np.random.Generator, n: int, spec: TrainSpec) -> tuple[list, np.ndarray]:
+    """``n`` scenes of ``spec``'s world and their jittered renders (uint8 [n, H, W, 3])."""
+    scenes = [random_scene(rng, spec.world, spec.two_objects) for _ in range(n)]
+    return scenes, np.stack([render(s, spec.image_size, rng) for s in scenes])
+
+
+def images_to_x(images: np.ndarray) -> torch.Tensor:
+    """uint8 [n, H, W, 3] -> the VAE's input, [n, 3, H, W] in [-1, 1]."""
+    return torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0).permute(0, 3, 1, 2).contiguous()
+
+
 def _batch(rng: np.random.Generator, n: int, spec: TrainSpec) -> tuple[torch.Tensor, list[str]]:
-    scenes = [random_scene(rng, spec.world, spec.two_objects) if spec.world == 2 else random_scene(rng) for _ in range(n)]
-    images = np.stack([render(s, spec.image_size, rng) for s in scenes]).astype(np.float32) / 127.5 - 1.0
-    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), [prompt(s) for s in scenes]
+    scenes, images = _scenes(rng, n, spec)
+    return images_to_x(images), [prompt(s) for s in scenes]
 
 
 def _encoded_dataset(vae, tokenizer, rng: np.random.Generator, spec: TrainSpec, scaling: float):
@@ -107,15 +119,12 @@ def _round_trip(vae, spec: TrainSpec, n: int = 200) -> dict[str, float]:
     """The autoencoder on ``n`` fresh renders (their own seed): PSNR of the decoded round trip
     (8-bit) and how often the world's reader still reads the scene from it, the ceiling of
     every prompt-following number read from this model's images."""
-    rng = np.random.default_rng(10_000 + spec.seed)
-    scenes = [random_scene(rng, spec.world, spec.two_objects) if spec.world == 2 else random_scene(rng) for _ in range(n)]
-    images = np.stack([render(s, spec.image_size, rng) for s in scenes])
-    x = torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0).permute(0, 3, 1, 2)
+    scenes, images = _scenes(np.random.default_rng(10_000 + spec.seed), n, spec)
     with torch.no_grad():
-        y = vae.decode(vae.encode(x).latent_dist.mean).sample
-    out = ((y.clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1).numpy().astype(np.uint8)
+        y = vae.decode(vae.encode(images_to_x(images)).latent_dist.mean).sample
+    out = to_uint8(y.permute(0, 2, 3, 1).numpy() / 2 + 0.5)
     mse = ((out.astype(np.float64) - images) ** 2).mean(axis=(1, 2, 3))
-    reads = [read(o, world=spec.world) == (canonical(s) if spec.world == 2 else s) for o, s in zip(out, scenes)]
+    reads = [read(o, world=spec.world) == canonical(s) for o, s in zip(out, scenes)]
     return {"psnr_db": float(np.mean(10 * np.log10(255.0**2 / np.maximum(mse, 1e-10)))), "reader": float(np.mean(reads)), "n": n}
 
 
