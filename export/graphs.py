@@ -5,12 +5,14 @@
   layer's ``to_k``/``to_v`` projection, in :func:`cross_attention_layers` order, already in
   the layout the step's attention reads (so a step never reshuffles K/V).
 - :class:`UNetStepGraph`: one whole denoising step: the UNet on ``[uncond; cond]`` rows with
-  every cross-attention K/V an explicit input, classifier-free guidance, and the DDIM (eta 0)
-  update. Every row has its own timestep, alphas and guidance, so rows at different steps of
-  different edits share one call.
+  every cross-attention K/V an explicit input, classifier-free guidance, and the sampler's
+  update, linear with per-row coefficients (runtime/model/samplers.py). Every row has its own
+  timestep, coefficients, solver history and guidance, so rows of different samplers, steps and
+  edits share one call.
 - :class:`LatentBlendGraph`: after each step, on the device, the rows' next latents with their
-  base's latents where a mask keeps the base, plus an inverted base's correction: the loop's
-  latents never leave the device between steps.
+  base's latents where a mask keeps the base, plus an inverted base's correction, and the
+  solver history carried to the next step: the loop's latents never leave the device between
+  steps.
 - :class:`VaeDecoderGraph`: ``latents -> images`` in [0, 1].
 - :class:`VaeEncoderGraph`: ``images -> latents`` (an uploaded image's, to invert it).
 """
@@ -171,18 +173,30 @@ class KVProjGraph(nn.Module):
 
 
 class UNetStepGraph(nn.Module):
-    """One DDIM step with classifier-free guidance, K/V explicit.
+    """One sampler step with classifier-free guidance, K/V explicit.
 
-    Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]``, ``alpha_t [N]``, ``alpha_prev [N]``,
-    ``guidance [N]``, ``uncond_index [N]`` (int64: the row's negative-prompt set),
-    ``uncond_given [E,c,h,w]``, ``self_ref [N]`` (below), the family's conds, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i
-    [N,heads,77,d]``, ``uncond_k_i [heads,d,S]``, ``uncond_v_i [heads,S,d]`` (S = 77 x sets).
+    Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]`` (float: Karras sigmas fall
+    between training timesteps), ``alpha_t [N]`` (the latent's alpha-bar), ``coefs [N,7]`` (the
+    row's update, columns ``samplers.COEFS``), ``guidance [N]``, ``uncond_index [N]`` (int64:
+    the row's negative-prompt set), ``uncond_given [E,c,h,w]``, ``self_ref [N]`` (below),
+    ``history [N,2,c,h,w]`` (the x_0 predicted one and two steps before), ``noise [N,c,h,w]``
+    (an ancestral sampler's fresh noise; zeros or anything finite for the others), the family's
+    conds, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i [N,heads,77,d]``,
+    ``uncond_k_i [heads,d,S]``, ``uncond_v_i [heads,S,d]`` (S = 77 x sets).
+
+    The update (every sampler edit-rt runs is linear in these; the host computes the
+    coefficients per row and step, one file per algorithm): from the guided prediction, x_0
+    (clamped to the row's ``clip``) and eps, then ``next = c_x x + c_x0 x_0 + c_eps eps + c_h0
+    h_0 + c_h1 h_1 + c_noise noise``; ``history_out`` is ``(x_0, h_0)``. DDIM is ``c_x0 =
+    sqrt(a_prev)``, ``c_eps = sqrt(1 - a_prev)``, the rest 0: Song et al. 2020, eq. 12, the
+    same numbers as the fused DDIM update before it.
 
     ``uncond_given`` holds the unconditional prediction of the *last* E rows, known already (a
     row at its entry step re-enters the base's chain at a latent whose unconditional prediction
     the base computed): the UNet runs N - E unconditional rows and N conditional ones.
-    Outputs: ``next_latents [N,c,h,w]`` and ``uncond_out [N,c,h,w]`` (each row's unconditional
-    prediction, which a base generation keeps for its edits' entry steps).
+    Outputs: ``next_latents [N,c,h,w]``, ``uncond_out [N,c,h,w]`` (each row's unconditional
+    prediction, which a base generation keeps for its edits' entry steps) and ``history_out
+    [N,2,c,h,w]``.
 
     With ``map_layers`` (the ``unet_step_maps`` variant) it also returns ``attn_maps [N, 77,
     h/f, w/f]``: per row and text position, the conditional cross-attention the image tokens
@@ -196,7 +210,7 @@ class UNetStepGraph(nn.Module):
     differently when its inputs differ).
     """
 
-    def __init__(self, unet: nn.Module, prediction_type: str, clip_sample: float | None, text_len: int = 77,
+    def __init__(self, unet: nn.Module, prediction_type: str, text_len: int = 77,
                  map_layers: frozenset[int] | None = None, map_factor: int = 1, conds: list[dict] | None = None):  # fmt: skip
         """``conds``: the family's per-row conditioning besides K/V (family_*.conds): each is an
         input ``cond_<name> [N, dim]`` and ``uncond_<name> [M, dim]`` (the negative prompts' sets,
@@ -207,7 +221,6 @@ class UNetStepGraph(nn.Module):
             raise ValueError(f"prediction_type {prediction_type!r} is not supported")
         self.unet = unet
         self.prediction_type = prediction_type
-        self.clip_sample = clip_sample
         self.text_len = text_len
         self.map_layers = map_layers
         self.map_factor = map_factor
@@ -220,13 +233,13 @@ class UNetStepGraph(nn.Module):
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
-    def forward(self, latents, timestep, alpha_t, alpha_prev, guidance, uncond_index, uncond_given, *rest):
+    def forward(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, *rest):
         self.context.maps = []
         self.context.want_maps = self.map_layers is not None
         n = latents.shape[0]
         nu = n - uncond_given.shape[0]
         # rows [uncond 0..nu-1; cond 0..n-1], each with its reference's self-attention pattern
-        self_ref, rest = rest[0], rest[1:]
+        self_ref, history, noise, rest = rest[0], rest[1], rest[2], rest[3:]
         ref_u = self_ref[:nu]
         ref_u = torch.where(ref_u < nu, ref_u, torch.arange(nu, device=latents.device))
         self.context.self_index = torch.cat([ref_u, self_ref + nu])
@@ -258,9 +271,8 @@ class UNetStepGraph(nn.Module):
         # 2. classifier-free guidance (Ho & Salimans 2022, eq. 6), per-row scale
         g = guidance.view(n, 1, 1, 1)
         pred = out_uncond + g * (out_cond - out_uncond)
-        # 3. DDIM eta=0 (Song et al. 2020, eq. 12): predicted x0 and eps, then the step
+        # 3. the prediction as x_0 and eps at the row's alpha-bar (Salimans & Ho 2022 for v)
         a_t = alpha_t.view(n, 1, 1, 1)
-        a_prev = alpha_prev.view(n, 1, 1, 1)
         b_t = 1 - a_t
         if self.prediction_type == "epsilon":
             x0 = (latents - b_t.sqrt() * pred) / a_t.sqrt()
@@ -270,15 +282,20 @@ class UNetStepGraph(nn.Module):
             eps = a_t.sqrt() * pred + b_t.sqrt() * latents
         else:
             x0 = pred
+        c = [coefs[:, k].view(n, 1, 1, 1) for k in range(coefs.shape[1])]
+        c_x, c_x0, c_eps, c_h0, c_h1, c_noise, clip = c
+        x0 = torch.minimum(torch.maximum(x0, -clip), clip)  # DDIM's clip_sample; +inf: none
+        if self.prediction_type == "sample":
             eps = (latents - a_t.sqrt() * x0) / b_t.sqrt()
-        if self.clip_sample is not None:
-            x0 = x0.clamp(-self.clip_sample, self.clip_sample)
-        next_latents = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+        # 4. the sampler's linear update (runtime/model/samplers.py), then the history shifted
+        h0, h1 = history[:, 0], history[:, 1]
+        next_latents = c_x * latents + c_x0 * x0 + c_eps * eps + c_h0 * h0 + c_h1 * h1 + c_noise * noise
+        history_out = torch.stack([x0, h0], dim=1)
         if self.map_layers is None:
-            return next_latents, out_uncond
+            return next_latents, out_uncond, history_out
         maps = torch.stack(self.context.maps).mean(dim=0)
         f = self.map_factor
-        return next_latents, out_uncond, maps.reshape(n, self.text_len, latents.shape[2] // f, latents.shape[3] // f)
+        return next_latents, out_uncond, history_out, maps.reshape(n, self.text_len, latents.shape[2] // f, latents.shape[3] // f)
 
 
 def layer_factor(name: str, levels: int) -> int:
@@ -341,7 +358,9 @@ class VaeEncoderGraph(nn.Module):
 
 
 class LatentBlendGraph(nn.Module):
-    """``latents = where(keep, base, next_latents + add)`` per row and latent pixel.
+    """``latents = where(keep, base, next_latents + add)`` per row and latent pixel, and
+    ``history = history_out``: the step's solver history carried to its next input (a copy on
+    the device, bound like the latents).
 
     ``keep`` [N, 1, h, w] is 1 where a masked (or ``preserve: auto``) row keeps its base's latent
     ``base`` of the same step, 0 elsewhere and for every unmasked row; ``add`` is an inverted
@@ -349,5 +368,5 @@ class LatentBlendGraph(nn.Module):
     mix: an unused ``base`` row may hold anything, and it never reaches the result.
     """
 
-    def forward(self, next_latents, keep, base, add):
-        return torch.where(keep > 0.5, base, next_latents + add)
+    def forward(self, next_latents, keep, base, add, history_out):
+        return torch.where(keep > 0.5, base, next_latents + add), history_out + 0.0

@@ -22,6 +22,7 @@ import onnx
 import torch
 
 from edit_rt.runtime.errors import ModelError
+from edit_rt.runtime.model.samplers import COEFS
 from edit_rt.runtime.engine.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 
 from . import adapter_slots, family_sd
@@ -141,8 +142,9 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
     pattern it takes), ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative
     prompts' K/V), and with ``adapters`` ((adapter layers, slots, rank): adapter_slots.py)
     ``row_adapters`` (the row's scale per adapter slot) and ``adapter_weight`` (the slots' LoRA
-    matrices, resident); outputs ``next_latents``, ``uncond_out`` and (the maps variant)
-    ``attn_maps``."""
+    matrices, resident), ``step_coefs`` (the sampler's update, samplers.COEFS), ``history``
+    (the row's last two x_0), ``step_noise`` (an ancestral sampler's); outputs
+    ``next_latents``, ``uncond_out``, ``history_out`` and (the maps variant) ``attn_maps``."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
     # or set count of 1 gets frozen into the graph as a broadcast.
     n, e, sets = 3, 1, 2
@@ -151,13 +153,17 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
         ("latents", "latents", torch.randn(n, c, h, w), latent_axes),
         ("timestep", "step_scalar:timesteps", torch.tensor([900.0, 500.0, 20.0]), {0: "N"}),
         ("alpha_t", "step_scalar:alpha_t", torch.tensor([0.1, 0.5, 0.9]), {0: "N"}),
-        ("alpha_prev", "step_scalar:alpha_prev", torch.tensor([0.2, 0.6, 0.95]), {0: "N"}),
+        # the sampler's per-row update (samplers.COEFS), written once per step as one tensor
+        ("coefs", "step_coefs", torch.rand(n, len(COEFS)) + 0.5, {0: "N"}),
         ("guidance", "row_scalar:guidance", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
     ]
     # the row whose self-attention pattern each row takes (structure keeping; itself otherwise)
     inputs.append(("self_ref", "row_ref", torch.tensor([0, 0, 2], dtype=torch.int64), {0: "N"}))
+    # a multistep solver's last two x_0 (resident per row), an ancestral sampler's step noise
+    inputs.append(("history", "history", torch.randn(n, 2, c, h, w), {0: "N", 3: "H", 4: "W"}))
+    inputs.append(("noise", "step_noise", torch.randn(n, c, h, w), latent_axes))
     for cond in conds or []:  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
         name, dim = cond["name"], cond["dim"]
         if cond["uncond"] == "set":
@@ -178,8 +184,9 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
         adapter_layers, slots, rank = adapters
         for name, example, axes in adapter_slots.example_inputs(adapter_layers, "unet_step", n, slots, rank):
             inputs.append((name, "row_adapters" if name == "adapter_scale" else "adapter_weight", example, axes))
-    outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out")]
+    outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out"), ("history_out", "history_out")]
     axes = {name: latent_axes for name, _ in outputs}
+    axes["history_out"] = {0: "N", 3: "H", 4: "W"}
     if maps:
         outputs.append(("attn_maps", "attn_maps"))
         axes["attn_maps"] = {0: "N", 2: "HM", 3: "WM"}
@@ -213,8 +220,6 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     if scheduler.get("thresholding"):
         raise ModelError(f"{model_dir}/scheduler: thresholding=true is not supported by edit-rt")
     prediction_type = scheduler.get("prediction_type", "epsilon")
-    # DDIMScheduler's default is clip_sample=True; SD configs set it to false.
-    clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
 
     # Export into a fresh folder and swap it in at the end: a failed export leaves the old one.
     staging = out_dir.with_name(out_dir.name + ".partial")
@@ -263,7 +268,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     map_layers, map_factor = attention_map_layers(unet)
     for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
         log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
-        step = UNetStepGraph(unet, prediction_type, clip, TEXT_LEN, map_layers if maps else None, map_factor, conds).eval()
+        step = UNetStepGraph(unet, prediction_type, TEXT_LEN, map_layers if maps else None, map_factor, conds).eval()
         io = step_io(layers, c, h, w, maps, conds, (adapter_layers, slots, rank) if slots else None)
         fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
         if slots:
@@ -281,10 +286,13 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     log.info("exporting latent_blend")
     latent = lambda: torch.randn(n2, c, h, w)  # noqa: E731
     axes = {0: "N", 2: "H", 3: "W"}
+    history_axes = {0: "N", 3: "H", 4: "W"}
     graphs["latent_blend"] = _export_graph(
-        LatentBlendGraph(), (latent(), (torch.rand(n2, 1, h, w) > 0.5).float(), latent(), latent()),
-        staging / "latent_blend.onnx", ["next_latents", "keep", "base", "add"], ["latents"],
-        {name: axes for name in ("next_latents", "keep", "base", "add", "latents")}, opset, threshold,
+        LatentBlendGraph(), (latent(), (torch.rand(n2, 1, h, w) > 0.5).float(), latent(), latent(),
+                             torch.randn(n2, 2, c, h, w)),
+        staging / "latent_blend.onnx", ["next_latents", "keep", "base", "add", "history_out"], ["latents", "history"],
+        {**{name: axes for name in ("next_latents", "keep", "base", "add", "latents")},
+         "history_out": history_axes, "history": history_axes}, opset, threshold,
     )  # fmt: skip
     done("latent_blend")
     log.info("exporting vae_decoder")

@@ -29,7 +29,7 @@ from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, load_engines
 from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.engine.manifest import Manifest, load_manifest
-from edit_rt.runtime.model.scheduler_ddim import DDIMConfig, DDIMSchedule
+from edit_rt.runtime.model.samplers import schedule_for
 
 from . import adapter_slots
 from .families import family_module
@@ -76,8 +76,13 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     """Random but plausible inputs for ``graph``: N = n rows (n // 2 of them at their entry step,
     their unconditional prediction given), m negative-prompt sets, hw x hw latents."""
     feeds = OrderedDict()
-    schedule = DDIMSchedule(DDIMConfig.from_scheduler_config(manifest.scheduler_config), 20)
+    # each row at a random step of UniPC (reads both history slots) or Euler a (adds noise)
+    schedules = [schedule_for(name, manifest.scheduler_config, 20) for name in ("unipc", "euler_a")]
     picks = rng.integers(0, 20, size=n)
+
+    def per_row(attr: str) -> np.ndarray:
+        return np.stack([getattr(schedules[r % 2], attr)[picks[r]] for r in range(n)]).astype(np.float32)
+
     vocab = manifest.data["model"].get("vocab_size", 49408)
     # the step graphs' inputs by role (step_signature.py), the other graphs' by name
     roles = manifest.roles(graph) if graph.startswith("unet_step") else {}
@@ -96,7 +101,9 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
         elif role == "row_cond:time_ids":  # SDXL's sizes and crop corner, in pixels
             feeds[spec.name] = rng.integers(0, 1024, size=shape).astype(np.float32)
         elif role.startswith("step_scalar:"):  # the schedule's value at a random step per row
-            feeds[spec.name] = np.asarray(getattr(schedule, role.split(":", 1)[1])[picks], dtype=np.float32)
+            feeds[spec.name] = per_row(role.split(":", 1)[1])
+        elif role == "step_coefs":  # the samplers' updates at those steps (samplers.COEFS)
+            feeds[spec.name] = per_row("coefs")
         elif role == "row_scalar:guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         elif spec.name == "adapter_scale":  # a slider's range
@@ -131,9 +138,8 @@ def _torch_module(graph: str, components, family) -> torch.nn.Module:
     if graph == "kv_proj":
         return KVProjGraph(unet)
     if graph in ("unet_step", "unet_step_maps"):
-        clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler.get("clip_sample", True) else None
         map_layers, factor = attention_map_layers(unet) if graph == "unet_step_maps" else (None, 1)
-        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), clip, map_layers=map_layers,
+        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), map_layers=map_layers,
                              map_factor=factor, conds=family.conds(components))  # fmt: skip
     if graph == "vae_encoder":
         return VaeEncoderGraph(vae)

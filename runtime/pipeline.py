@@ -35,6 +35,7 @@ from .model.adapters import Adapter, AdapterBank, load_adapter
 from .model.directions import changed_positions, token_permutation, word_end_ids
 from .model.automask import AutoMask
 from .model.edit import Base, Mask, Preserve, TailRow
+from .model.samplers import Schedule, default_sampler, schedule_for
 from .model.scheduler_ddim import DDIMConfig
 from .model.state import KV, BaseState
 from .model.weighting import SpanTokenizer
@@ -100,6 +101,9 @@ class EditPipeline(PromptEncoding):
         # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
         self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
+        # the sampler a base names none runs: the model folder's scheduler (samplers.py)
+        self.default_sampler = default_sampler(self.manifest.scheduler_config)
+        self._schedules: dict[tuple[str, int], Schedule] = {}
         self.scale = self.manifest.vae_scale_factor
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
@@ -195,6 +199,17 @@ class EditPipeline(PromptEncoding):
                     "or lower engines.max_batch"
                 )  # fmt: skip
         self._fitting.add(shape)
+
+    def sampler_of(self, base: Base) -> str:
+        """The sampler ``base`` runs: its own, or the model's (``default_sampler``)."""
+        return base.sampler or self.default_sampler
+
+    def schedule(self, sampler: Optional[str], steps: int) -> Schedule:
+        """``sampler``'s (None: the model's) timesteps and coefficients for ``steps`` steps, made once."""
+        key = (sampler or self.default_sampler, steps)
+        if key not in self._schedules:
+            self._schedules[key] = schedule_for(key[0], self.manifest.scheduler_config, steps)
+        return self._schedules[key]
 
     def initial_noise(self, base: Base) -> np.ndarray:
         """x_0: standard normal noise from the base's seed (numpy PCG64), [1, c, h, w]."""
@@ -348,8 +363,7 @@ class EditPipeline(PromptEncoding):
         (result,) = self._run([job], request, shape, progress)
         state = result.state
         if window_start:
-            state = dataclasses.replace(state, window_start=window_start, latents=state.latents[window_start:],
-                                        uncond_out=state.uncond_out[window_start:])  # fmt: skip
+            state = state.windowed(window_start)
         log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
         return state
 

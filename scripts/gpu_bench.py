@@ -47,7 +47,7 @@ def tail_edits_per_s(step: UNetStepGraph, layers, n: int, k: int, device: str, d
     # the step's inputs from the export adapter (names, roles, axes): one negative-prompt set,
     # no row at its entry step, every row its own self-attention pattern
     sizes = {"N": n, "E": 0, "S": 77, "M": 1, "H": h, "W": h}
-    fixed = {"step_scalar:timesteps": 500.0, "step_scalar:alpha_t": 0.3, "step_scalar:alpha_prev": 0.35,
+    fixed = {"step_scalar:timesteps": 500.0, "step_scalar:alpha_t": 0.3, "step_coefs": 0.35,
              "row_scalar:guidance": 7.5}  # fmt: skip
     inputs, latents = [], None
     for name, role, example, axes in step_io(layers, c, h, h).inputs:

@@ -29,6 +29,7 @@ from edit_rt.runtime.serving.results import Edited
 from edit_rt.runtime.web.api import EditsRequest
 
 from .conftest import TEST_BASE
+from .step_feeds import ddim_feeds
 
 G = TEST_BASE.guidance
 BASE = TEST_BASE.prompt  # "a red circle on a blue background": 27 letters, EOS at 28
@@ -306,13 +307,13 @@ def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
     """One unet_step_maps call on the base's x_4: the cross-attention maps [1, 77, hm, wm]."""
     x = state.latent(4)
     feeds = {"latents": x, "timestep": np.array([600.0], np.float32), "alpha_t": np.array([0.3], np.float32),
-             "alpha_prev": np.array([0.4], np.float32), "guidance": np.array([G], np.float32),
+             **ddim_feeds(0.4, 1, x.shape[1:]), "guidance": np.array([G], np.float32),
              "uncond_index": np.zeros(1, np.int64), "uncond_given": np.zeros((0, *x.shape[1:]), np.float32),
              "self_ref": np.zeros(1, np.int64)}  # fmt: skip
     for i in range(len(kv) // 2):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv[2 * i], kv[2 * i + 1]
         feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = state.uncond_kv.tensors[2 * i][0], state.uncond_kv.tensors[2 * i + 1][0]
-    return pipeline.graphs["unet_step_maps"].infer(feeds)[2]
+    return pipeline.graphs["unet_step_maps"].infer(feeds)[3]
 
 
 # --- SDXL: two tokenizers, the pooled embedding ------------------------------------------------
@@ -350,12 +351,11 @@ def test_sdxl_tokenizers_align_the_words_alike(sdxl):
 def test_sdxl_directions_mix_prompt_and_pooled_embeddings_alike(sdxl, sdxl_dir):
     """An edit from step 0 is a generation (test_families' reference): diffusers fed the prompt
     embeddings mixed through the permutations and the pooled embedding by the same sum."""
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+    from diffusers import StableDiffusionXLPipeline
 
     from .test_families import _sdxl_reference
 
-    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)  # its own Euler: edit-rt's default for it
     pipe.set_progress_bar_config(disable=True)
     noise = sdxl.initial_noise(TEST_BASE)
     state = sdxl.generate_base(TEST_BASE, noise=noise)

@@ -223,7 +223,8 @@ def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]}
     f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     assert types["cond_k_0"] == f16 and types["cond_v_3"] == f16
-    assert all(types[n] == f32 for n in ("latents", "alpha_t", "guidance", "uncond_given", "next_latents", "uncond_out"))
+    assert all(types[n] == f32 for n in ("latents", "alpha_t", "coefs", "history", "guidance", "uncond_given", "next_latents",
+                                         "uncond_out", "history_out"))
     ddim = [n for n in model.graph.node if not n.name.startswith("/unet/") and n.op_type in ("Mul", "Add", "Sub", "Div")]
     assert ddim and not any(types.get(o) == f16 for n in ddim for o in n.output)  # (shape arithmetic is int64)
     assert sum(types.get(o) == f16 for n in model.graph.node if n.name.startswith("/unet/") for o in n.output) > 100
@@ -233,6 +234,8 @@ def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path
     half = {i.name: feeds[i.name].astype(np.float16) if i.type == "tensor(float16)" else feeds[i.name] for i in fp16.get_inputs()}
     for ours, reference in zip(fp16.run(None, half), fp32.run(None, feeds)):
         assert ours.dtype == np.float32
+        # fp16's resolution is 2^-10 of a value: the x_0 in history_out reaches ~20 on these
+        # random (implausible) latents at small alpha_t, the latents ~5
         error = np.abs(ours - reference).max()
-        assert 0 < error < 1e-2, error
+        assert 0 < error < 2e-3 * max(1.0, float(np.abs(reference).max())), error
     assert typed_onnx(manifest, "vae_decoder", "fp32", tmp_path) == manifest.path("vae_decoder")

@@ -2,7 +2,7 @@
 
 A tiny random SDXL (two text encoders, ``text_time`` added conditioning, SDXL's Euler scheduler
 config) is built in diffusers and checked against diffusers itself: every graph against its
-PyTorch source (Polygraphy), a full generation against ``StableDiffusionXLPipeline`` + DDIM,
+PyTorch source (Polygraphy), a full generation against ``StableDiffusionXLPipeline`` + its Euler,
 an edit at strength s against the pipeline fed the s-mixed prompt and pooled embeddings. Then
 the runtime's own promises on it (identity, batching, masks), the store's bytes, the server.
 SD 2.x's switches (v-prediction, upcast_attention, linear projections) and clip_skip go against
@@ -71,7 +71,7 @@ def sdxl_state(sdxl):
 @pytest.fixture(scope="module")
 def diffusers_sdxl(sdxl_dir):
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # SDXL's Euler config, run as DDIM
+    # its own scheduler: SDXL's Euler config, edit-rt's default sampler for it (samplers.default_sampler)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

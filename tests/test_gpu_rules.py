@@ -218,7 +218,7 @@ def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_
         batcher.work_once()  # a steady step: 4 rows in the 4 bucket
         after = rt.counts
         sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("memcpy")}
-        assert sent.get("memcpy_pinned_to_device", 0) == 3  # timestep, alpha_t, alpha_prev
+        assert sent.get("memcpy_pinned_to_device", 0) == 3  # timestep, alpha_t, coefs
         assert sent.get("memcpy_device_to_pinned", 0) == 0 and batcher.scheduler.stats.syncs == syncs
         while not all(j.future.done() for j in jobs):
             batcher.work_once()

@@ -55,13 +55,13 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     unet = torch_components[0]
     assert [l["name"] for l in manifest.layers] == [l.name for l, _ in cross_attention_layers(unet)]
     step_inputs = [t.name for t in manifest.graphs["unet_step"].inputs]
-    assert step_inputs[:8] == ["latents", "timestep", "alpha_t", "alpha_prev", "guidance", "uncond_index", "uncond_given",
-                               "self_ref"]  # fmt: skip
-    assert len(step_inputs) == 8 + 4 * len(manifest.layers)
+    assert step_inputs[:10] == ["latents", "timestep", "alpha_t", "coefs", "guidance", "uncond_index", "uncond_given",
+                                "self_ref", "history", "noise"]  # fmt: skip
+    assert len(step_inputs) == 10 + 4 * len(manifest.layers)
     # every input and output has its role, in graph order (what the runtime's slots read)
     roles = manifest.step_roles
-    assert list(roles) == step_inputs + ["next_latents", "uncond_out"]
-    assert [roles[n] for n in step_inputs[:9]] == [
-        "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_scalar:alpha_prev", "row_scalar:guidance",
-        "set_index", "entry_uncond", "row_ref", "row_kv"]
+    assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out"]
+    assert [roles[n] for n in step_inputs[:11]] == [
+        "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_coefs", "row_scalar:guidance",
+        "set_index", "entry_uncond", "row_ref", "history", "step_noise", "row_kv"]
     assert manifest.data["opset"] == 17 and manifest.data["tools"]["torch"] == torch.__version__

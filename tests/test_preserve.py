@@ -18,6 +18,7 @@ from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.model.edit import TailRow
 
 from .conftest import TEST_BASE
+from .step_feeds import ddim_feeds
 
 G = TEST_BASE.guidance
 
@@ -102,13 +103,13 @@ def test_attention_maps_equal_diffusers_attention(pipeline, onnx_dir, torch_comp
     kv = pipeline.kv_from_prompts(prompts)
     uncond = pipeline.kv_from_prompts([negative])
     feeds = {"latents": latents, "timestep": timestep, "alpha_t": np.full(n, 0.3, np.float32),
-             "alpha_prev": np.full(n, 0.4, np.float32), "guidance": np.full(n, 7.5, np.float32),
+             **ddim_feeds(0.4, n, (c, hw, hw)), "guidance": np.full(n, 7.5, np.float32),
              "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, c, hw, hw), np.float32),
              "self_ref": np.arange(n)}  # fmt: skip
     for i in range(len(manifest.layers)):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]
         feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = uncond.tensors[2 * i][0], uncond.tensors[2 * i + 1][0]
-    ours = pipeline.graphs["unet_step_maps"].infer(feeds)[2]  # [N, 77, hm, wm]
+    ours = pipeline.graphs["unet_step_maps"].infer(feeds)[3]  # [N, 77, hm, wm]
 
     map_ids, factor = attention_map_layers(unet)
     layers = cross_attention_layers(unet)
@@ -260,7 +261,7 @@ def test_structure_keeping_is_plug_and_play_self_attention_injection(pipeline, o
     latents = np.random.default_rng(1).standard_normal((n, 4, 16, 16)).astype(np.float32)
     kv, uncond = pipeline.kv_from_prompts(prompts), pipeline.kv_from_prompts([negative])
     feeds = {"latents": latents, "timestep": np.full(n, t, np.float32), "alpha_t": np.full(n, float(a_t), np.float32),
-             "alpha_prev": np.full(n, float(a_prev), np.float32), "guidance": np.full(n, g, np.float32),
+             **ddim_feeds(float(a_prev), n, (4, 16, 16)), "guidance": np.full(n, g, np.float32),
              "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, 4, 16, 16), np.float32)}  # fmt: skip
     for i in range(len(manifest.layers)):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]

@@ -1,8 +1,8 @@
 """Previews while a row runs: the decoded x_0 that each step predicts, against diffusers' own.
 
 diffusers' ``DDIMScheduler.step`` returns ``pred_original_sample``, the x_0 estimate of each
-step; the runtime's preview (resolve.predicted_x0, from the latents before and after the step)
-must equal it for the same generation, and a tail's previews come every ``preview_every`` steps.
+step; the runtime's preview (the x_0 the step graph computed, read from the row's solver
+history after the step) must equal it for the same generation, and a tail's previews come every ``preview_every`` steps.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 from edit_rt.runtime.loop.batcher import Batcher
 from edit_rt.runtime.loop.jobs import Job, Request
-from edit_rt.runtime.loop.resolve import predicted_x0
 from edit_rt.runtime.model.edit import TailRow
 
 from .conftest import TEST_BASE
@@ -53,7 +52,7 @@ def test_a_generations_previews_are_diffusers_predicted_x0(pipeline, model_dir):
         batcher.work_once()
         for row in scheduler.active:
             if row.previewed == row.step - 1:
-                x0s.append(predicted_x0(row))
+                x0s.append(row.preview.copy())
     reference = _diffusers_x0s(model_dir, base, noise)
     assert [s for s, _ in seen] == list(range(1, base.steps))  # every step but the last (the result)
     for i, x0 in enumerate(x0s):

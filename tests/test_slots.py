@@ -118,13 +118,15 @@ def test_a_step_writes_latents_and_scalars_only_kv_once_per_row(pipeline, base_s
         steps.append((graph.log["written"] - before, stats.last_rows, stats.last_joined, new_sets))
     keep = latent // shape[0]  # one float per latent pixel
     for written, n, joined, new_sets in steps:
-        # a joining row: its K/V, guidance, set index, entry latent, entry u, mask and correction slot
-        budget = n * 3 * 4 + joined * (kv_row + 4 + 8 + 3 * latent + keep) + new_sets * set_bytes
+        # per row its timestep, alpha_t and 7 coefficients; a joining row: its K/V, guidance, set
+        # index, entry latent, entry u, mask, correction slot and solver history (2 latents)
+        budget = n * 9 * 4 + joined * (kv_row + 4 + 8 + 5 * latent + keep) + new_sets * set_bytes
         assert written <= budget, (written, budget, n, joined)
-    # steps where nobody joined write exactly the three step scalars per row: the latents stay
-    # in backend memory (latent_blend puts them back), nothing else crosses
+    # steps where nobody joined write exactly the step scalars and coefficients per row (DDIM
+    # rows: no noise): the latents and history stay in backend memory (latent_blend puts them
+    # back), nothing else crosses
     steady = [(w, n) for w, n, joined, _ in steps if joined == 0]
-    assert steady and all(w == n * 12 for w, n in steady)
+    assert steady and all(w == n * 36 for w, n in steady)
     assert any(joined == 2 for _, _, joined, _ in steps)
 
 

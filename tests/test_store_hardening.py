@@ -186,7 +186,7 @@ def test_a_file_of_an_older_format_is_refused_naming_both_versions(tmp_path, mon
     monkeypatch.setattr(store_codec, "FILE_FORMAT", "edit-rt-base/3")
     bid = _store(tmp_path).put(fake_state(0))
     monkeypatch.undo()
-    with pytest.raises(DamagedBaseError, match=r"another edit-rt version \(edit-rt-base/3; this one reads edit-rt-base/4\)"):
+    with pytest.raises(DamagedBaseError, match=r"another edit-rt version \(edit-rt-base/3; this one reads edit-rt-base/5\)"):
         _store(tmp_path).get(bid)
 
 

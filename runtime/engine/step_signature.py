@@ -10,14 +10,19 @@ adapter (a name and a role) and nowhere in the step loop. Roles:
   ``set_index`` (the row's negative-prompt set), ``row_ref`` (the row whose self-attention
   pattern it takes);
 - ``step_scalar:<attr>``: a per-row value that changes every step, the schedule's ``attr``
-  at the row's step (``timesteps``, ``alpha_t``, ``alpha_prev``);
+  at the row's step (``timesteps``, ``alpha_t``);
+- ``step_coefs``: the sampler's update at the row's step, ``[N, 7]`` (``schedule.coefs``,
+  columns ``samplers.COEFS``), one write per step;
+- ``history`` (in) / ``history_out`` (out): a multistep solver's last two x_0, ``[N, 2, c, h, w]``,
+  resident per row (``latent_blend`` carries the output back to the input);
+- ``step_noise``: an ancestral sampler's noise for the step, ``[N, c, h, w]``;
 - ``row_scalar:<attr>``: a per-row value fixed for the row, the row's ``attr`` (``guidance``);
 - ``row_kv`` / ``set_kv``: the rows' and the negative prompts' K/V, in layer order;
 - ``row_cond:<cond>`` / ``set_cond:<cond>``: the family's conditioning (SDXL's pooled
   embedding, size ids);
 - ``row_adapters`` (an export with adapter slots): the row's scale per LoRA slot;
   ``adapter_weight``: the slots' stacked LoRA matrices, resident (model/adapters.py);
-- outputs ``next_latents``, ``uncond_out`` and, in the maps variant, ``attn_maps``.
+- outputs ``next_latents``, ``uncond_out``, ``history_out`` and, in the maps variant, ``attn_maps``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class StepSignature:
     next_latents: str
     uncond_out: str
     attn_maps: Optional[str]  # the maps variant's output
+    step_coefs: str  # [N, 7]: the sampler's update at each row's step
+    history: str  # [N, 2, c, h, w]: each row's last two x_0 (multistep solvers)
+    history_out: str
+    step_noise: str  # [N, c, h, w]: an ancestral sampler's noise
     row_adapters: Optional[str] = None  # [N, slots]: each row's scale per adapter slot
     adapter_weights: tuple[str, ...] = ()  # the slots' LoRA matrices (static shapes)
 
@@ -72,6 +81,8 @@ class StepSignature:
             set_kv=tuple(n for n, r in roles.items() if r == "set_kv"),
             row_cond=tagged("row_cond"), set_cond=tagged("set_cond"),
             next_latents=one("next_latents"), uncond_out=one("uncond_out"), attn_maps=attn[0] if attn else None,
+            step_coefs=one("step_coefs"), history=one("history"), history_out=one("history_out"),
+            step_noise=one("step_noise"),
             row_adapters=next((n for n, r in roles.items() if r == "row_adapters"), None),
             adapter_weights=tuple(n for n, r in roles.items() if r == "adapter_weight"),
         )  # fmt: skip

@@ -57,6 +57,9 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
         sig.entry_uncond: s.dev[sig.entry_uncond].view(latent(e)),
         sig.set_index: s.dev[sig.set_index].view((n,)),
         sig.row_ref: s.dev[sig.row_ref].view((n,)),
+        sig.step_coefs: s.dev[sig.step_coefs].view((n, *s.specs[sig.step_coefs][1:])),
+        sig.history: s.dev[sig.history].view((n, 2, *s.latent_shape)),
+        sig.step_noise: s.dev[sig.step_noise].view(latent(n)),
         **{name: s.dev[name].view((n,)) for name in [*sig.step_scalars, *sig.row_scalars]},
         **{name: s.dev[name].view((n, *s.specs[name][1:])) for name in s.row_kv},
         **{name: s.dev[name].view(s._set_shape(name, m)) for name in s.set_kv},
@@ -70,6 +73,7 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
     if missing:  # a role this loop does not fill: the manifest is newer than the runtime
         raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")
     outputs = {name: s.dev[name].view(latent(n)) for name in (sig.next_latents, sig.uncond_out)}
+    outputs[sig.history_out] = s.dev[sig.history_out].view((n, 2, *s.latent_shape))
     graph = s.graph
     if maps:
         graph = s.maps_graph
@@ -79,8 +83,11 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
 
 def bind_blend(s: Any, n: int) -> Binding:
     """``latent_blend`` bound to the first ``n`` rows: the step's next latents, the masks, the
-    bases, the corrections (latent_blend's own inputs) -> the step's input latents."""
-    latent = (n, *s.latent_shape)
+    bases, the corrections (latent_blend's own inputs), its history -> the step's input latents
+    and history."""
+    latent, history = (n, *s.latent_shape), (n, 2, *s.latent_shape)
     inputs = {"next_latents": s.dev[s.sig.next_latents].view(latent), "keep": s.dev["keep"].view((n, 1, *s.latent_shape[1:])),
-              "base": s.dev["base"].view(latent), "add": s.dev["add"].view(latent)}  # fmt: skip
-    return s.blend_graph.bind(inputs, {"latents": s.dev[s.sig.latents].view(latent)})
+              "base": s.dev["base"].view(latent), "add": s.dev["add"].view(latent),
+              "history_out": s.dev[s.sig.history_out].view(history)}  # fmt: skip
+    outputs = {"latents": s.dev[s.sig.latents].view(latent), "history": s.dev[s.sig.history].view(history)}
+    return s.blend_graph.bind(inputs, outputs)

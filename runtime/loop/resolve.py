@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import EditRtError
 from ..model.directions import mixed_kv, token_permutation
 from ..model.edit import TailRow
+from ..model.samplers import Schedule
 from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from ..model.state import KV, BaseState
 from .adapter_rows import NONE, RowAdapters, row_adapters, text_scales
@@ -42,6 +43,8 @@ class Model(Protocol):
     """The pipeline's calls the resolver makes (pipeline.py's EditPipeline has them)."""
 
     ddim_config: Any
+
+    def schedule(self, sampler: Optional[str], steps: int) -> Schedule: ...  # None: the model's own
     pooled: list[str]
     manifest: Any
     metrics: Any  # metrics.Metrics: the kv_mix stage is timed here
@@ -137,9 +140,12 @@ class RowResolver:
         model, base = self.model, job.base
         edit = kv.get((job.row.prompt, base.clip_skip, False, ad.text))  # None: an edit's, adding nothing (TailRow.terms)
         negative = kv.get((base.negative_prompt, 0, True, ad.text))
-        schedule = DDIMSchedule(model.ddim_config, base.steps)
         shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
         conds = model.row_conds(base, edit) if edit is not None else {}
+        if job.kind:  # an image's inversion and its corrections run DDIM (pipeline.invert)
+            schedule = DDIMSchedule(model.ddim_config, base.steps)
+        else:  # a base's own sampler, and every edit's of it: a row never switches sampler
+            schedule = model.schedule((base if job.state is None else job.state.base).sampler, base.steps)
         if job.kind == "invert":  # the source prompt's prediction alone, backwards, recording
             inverse = InverseDDIMSchedule(schedule, job.row.start_step, base.steps)
             K = inverse.num_inference_steps
@@ -154,10 +160,12 @@ class RowResolver:
                        job.state.uncond_kv, record=record, stop=i + 1, conds=conds, owner=job)  # fmt: skip
         if job.state is None:  # a base: its own prompt's K/V, from noise, recording
             T = base.steps
-            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
-            record.latents[0] = job.noise[0]
-            return Row(schedule, 0, job.noise[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
-                       record=record, conds=conds, owner=job)  # fmt: skip
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32),
+                               np.empty((T, *shape), dtype=np.float32) if schedule.history else None)  # fmt: skip
+            # x_0: the noise at the sampler's initial sigma (VP latents: 1 but for Euler's)
+            record.latents[0] = job.noise[0] * np.float32(schedule.init_sigma) if schedule.init_sigma != 1 else job.noise[0]
+            return Row(schedule, 0, record.latents[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
+                       record=record, conds=conds, owner=job, noise_seed=base.seed)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
         # the base prompt's and the negative prompt's K/V under the row's text adapters
@@ -175,6 +183,7 @@ class RowResolver:
             keep=self._keep(tail, shape), base=state, auto=auto,
             corrections=state if state.corrections is not None else None,
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
+            history=state.history(tail.start_step) if schedule.history else None, noise_seed=state.base.seed,
         )  # fmt: skip
 
     def _mixed(self, job: Job, kv: dict, cond_base: KV, text: tuple) -> KV:
@@ -202,7 +211,8 @@ class RowResolver:
         ref = Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
                   [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
                   keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
-                  conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True)  # fmt: skip
+                  conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True,
+                  history=None if row.history is None else state.history(row.step), noise_seed=row.noise_seed)  # fmt: skip
         # the base's own adapters (resident: its edit's row placed them with its own)
         ref.adapter_scale, ref.adapter_slots = row.base_adapter_scale, row.adapter_slots
         return ref
@@ -211,7 +221,7 @@ class RowResolver:
 
     def previews(self, rows: list[Row]) -> list[np.ndarray]:
         """The decoded x_0 estimates of rows that just ran a preview step, [H, W, 3] each."""
-        return list(self.model.decode(np.stack([predicted_x0(row) for row in rows])))
+        return list(self.model.decode(np.stack([row.preview for row in rows])))
 
     def results(self, jobs: list[Job]) -> list[RowResult]:
         """What each finished job gives back: its latent, its image (decoded, with the base's
@@ -230,26 +240,17 @@ class RowResolver:
             state = None
             if row.record is not None and not job.kind:
                 cond = KV([t[None] for t in row.kv], {name: row.conds[name][None] for name in self.model.pooled})
+                x0 = None  # a multistep sampler's: from step -2 on (BaseState.x0)
+                if row.record.x0 is not None:
+                    x0 = np.concatenate([np.zeros((2, *row.record.x0.shape[1:]), np.float32), row.record.x0])
                 state = BaseState(job.base, self.model.manifest.fingerprint, 0, row.record.latents, cond, row.uncond,
-                                  row.record.uncond)  # fmt: skip
+                                  row.record.uncond, x0=x0)  # fmt: skip
             out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
                                  job.preserve, row.keep, row.record))  # fmt: skip
         return out
 
 
-def predicted_x0(row: Row) -> np.ndarray:
-    """A row's estimate of its final latent from the latents before and after its step
-    ``row.previewed`` (``row.preview``). DDIM (eta 0) writes both from the same x_0 and noise:
-    x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) e and x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev) e
-    (Song et al. 2021, eq. 12), two equations whose solution is the x_0 the step predicted."""
-    i = row.previewed
-    a_t, a_p = float(row.schedule.alpha_t[i]), float(row.schedule.alpha_prev[i])
-    x_t, x_p = row.preview
-    det = math.sqrt(a_t) * math.sqrt(1 - a_p) - math.sqrt(a_p) * math.sqrt(1 - a_t)
-    return ((math.sqrt(1 - a_p) * x_t - math.sqrt(1 - a_t) * x_p) / det).astype(np.float32)
-
-
-def entry_latent(state: BaseState, row: TailRow, schedule: DDIMSchedule) -> np.ndarray:
+def entry_latent(state: BaseState, row: TailRow, schedule: Schedule) -> np.ndarray:
     """The base's own x_s, or (``row.seed``) x_s re-noised from the final latent for a variation."""
     if row.seed is None:
         return state.latent(row.start_step)[0].copy()

@@ -11,22 +11,24 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..model.automask import AutoMask
-from ..model.scheduler_ddim import DDIMSchedule
+from ..model.samplers import Schedule
 from ..model.state import KV, BaseState
 
 @dataclass
 class Recording:
-    """What a generation row keeps: x_0..x_T and the unconditional prediction of each step."""
+    """What a generation row keeps: x_0..x_T, the unconditional prediction of each step and,
+    for a multistep sampler, the x_0 each step predicted (its edits' solver history)."""
 
     latents: np.ndarray  # [T + 1, c, h, w]
     uncond: np.ndarray  # [T, c, h, w]
+    x0: Optional[np.ndarray] = None  # [T, c, h, w]
 
 
 @dataclass(eq=False)
 class Row:
     """One row of the step loop: an edit's tail or a base's generation."""
 
-    schedule: DDIMSchedule
+    schedule: Schedule  # its sampler's timesteps and coefficients (a row never switches sampler)
     step: int  # the step this row runs next (its entry step until it has run one)
     latent: np.ndarray  # [c, h, w]: x at ``step`` on admission; x_T when it finishes
     guidance: float
@@ -51,11 +53,15 @@ class Row:
     adapter_scale: Optional[np.ndarray] = None
     adapter_slots: frozenset = frozenset()
     base_adapter_scale: Optional[np.ndarray] = None  # its base's (a structure reference row takes them)
+    # A multistep sampler's x_0 one and two steps before its step ([2, c, h, w]; None: zeros),
+    # and the seed of an ancestral sampler's per-step noise (its base's: solver_slots.py)
+    history: Optional[np.ndarray] = None
+    noise_seed: int = 0
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
     keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds
-    # Previews: every ``preview_every`` steps the latents before and after a step come back
-    # ([2, c, h, w], read with the step's one synchronization), ``previewed`` the step they are of.
+    # Previews: every ``preview_every`` steps the x_0 the step predicted comes back ([c, h, w],
+    # read with the step's one synchronization), ``previewed`` the step it is of.
     preview_every: int = 0
     preview: Optional[np.ndarray] = field(default=None, init=False, repr=False)
     previewed: int = field(default=-1, init=False)

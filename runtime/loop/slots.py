@@ -9,8 +9,9 @@ Where things live (docs/engines.md, "The step loop", says why):
 
 - an admitted row's K/V, guidance, set index, entry latent and mask are written into backend
   memory once; a step writes the per-row step scalars (a masked row also its base's next
-  latent, an inverted base's row its correction). The latents stay there: ``latent_blend``
-  puts each row's next latent back into the step's input on the device; a row's latent comes
+  latent, an inverted base's row its correction, an ancestral row its noise). The latents and
+  the solver history stay there: ``latent_blend`` puts each row's next latent (and history)
+  back into the step's input on the device (solver_slots.py: the sampler's buffers); a row's latent comes
   back when it finishes (a generation's every step; the maps while ``preserve: auto`` collects
   them), with one synchronization per step;
 - the negative prompts' K/V are resident once per distinct set (keyed by value), side by side;
@@ -39,6 +40,7 @@ from ..engine.step_signature import StepSignature
 from ..model.adapters import AdapterBank
 from .bindings import BindingCache, bind_blend, bind_step
 from .rows import Row, SchedulerStats, _floor_pow2, _Set
+from .solver_slots import SolverSlots
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,8 @@ class RowScheduler:
         if maps_graph is not None:
             self.dev[sig.attn_maps] = alloc(sig.attn_maps, max_rows * self.map_elems)
         self.dev[sig.row_ref] = alloc(sig.row_ref, max_rows)
+        self.solver = SolverSlots(sig, graph, self.latent_shape, max_rows, self.dev)
+        self.row_elems[sig.history] = self.solver.history_elems
         self.dev[sig.row_ref].write(self.self_ref)  # every row its own reference until one keeps structure
         self.refs_written = False
 
@@ -248,6 +252,7 @@ class RowScheduler:
             self.uncond_index[r] = positions[row.set_key]
             self.dev[sig.set_index].write(self.uncond_index[r : r + 1], offset=r)
             self.dev[sig.latents].write(row.latent, offset=r * latent)
+            self.solver.place(row)
             self._write_keep(row)
             self.dev["add"].write(self.zero_latent, offset=r * latent)
         self.entry_rows = sum(1 for row in self.joined if given(row))
@@ -301,6 +306,7 @@ class RowScheduler:
         back = [row for row in rows if row.slot >= 0 and id(row) not in joined]
         for row in back:
             self.dev[self.sig.latents].read_async(row.latent, offset=row.slot * self.latent_elems)
+            self.solver.read_history(row)
         if back:
             self._synchronize()
         for row in rows:
@@ -327,6 +333,7 @@ class RowScheduler:
                 values[r] = getattr(row.schedule, attr)[row.step]
             values[n:b] = values[0]  # padding: some valid step, ignored
             self.dev[name].write(values[:b])
+        self.solver.prepare(self.active, b)
         if b > n and (self.uncond_index[n:b] >= m).any():
             self.uncond_index[n:b] = 0
             self.dev[sig.set_index].write(self.uncond_index[n:b], offset=n)
@@ -394,13 +401,9 @@ class RowScheduler:
                 due.append(row)
         maps = self.maps_graph is not None and bool(wants_maps)
         binding = self._binding(maps, b, given, m)
-        # previews: a row's latent before this step (after it comes back below); a generation
-        # records both anyway
         for row in due:
             if row.preview is None:
-                row.preview = np.empty((2, *self.latent_shape), dtype=np.float32)
-            if row.record is None:
-                self.dev[sig.latents].read_async(row.preview[0], offset=row.slot * self.latent_elems)
+                row.preview = np.empty(self.latent_shape, dtype=np.float32)
         start = time.perf_counter_ns()
         binding.run()
         self.ran = True
@@ -420,19 +423,18 @@ class RowScheduler:
             if row.record is not None:
                 self.dev[sig.uncond_out].read_async(row.record.uncond[row.step], offset=r * latent)
                 self.dev[sig.latents].read_async(row.record.latents[row.step + 1], offset=r * latent)
+                if row.record.x0 is not None:
+                    self.solver.read_x0(row, row.record.x0[row.step])
                 reads += 1
             if row.step + 1 == row.end:
                 self.dev[sig.latents].read_async(row.latent, offset=r * latent)
                 reads += 1
-        for row in due:
-            if row.record is None:
-                self.dev[sig.latents].read_async(row.preview[1], offset=row.slot * latent)
-                reads += 1
+        for row in due:  # the x_0 this step predicted
+            self.solver.read_x0(row, row.preview)
+            reads += 1
         if reads:
             self._synchronize()
         for row in due:
-            if row.record is not None:
-                row.preview[:] = row.record.latents[row.step : row.step + 2]
             row.previewed = row.step
         self.stats.nanoseconds[0] = time.perf_counter_ns() - start
         for row in self.active:

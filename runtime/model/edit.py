@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
-from pydantic import AliasChoices, ConfigDict, Field, ValidationError, field_validator, model_validator, with_config
+from pydantic import AfterValidator, AliasChoices, ConfigDict, Field, ValidationError, field_validator, model_validator, with_config
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs, InitErrorDetails
 
@@ -38,10 +38,22 @@ from .schema import (
     Float,
 )
 from .adapters import merged, normalize
+from .samplers import SamplerError, parse_sampler
 from .sweep import Sweep
 from .weighting import prompt_spans
 
 STRICT = ConfigDict(extra="forbid")
+
+
+def _sampler_name(name: str) -> str:
+    try:
+        return parse_sampler(name)
+    except SamplerError as err:
+        raise ValueError(err.message) from None
+
+
+# A sampler's canonical name (samplers.SAMPLER_NAMES) from any name edit-rt accepts for it
+SamplerName = Annotated[Str, AfterValidator(_sampler_name)]
 
 
 class EditError(ValueError):
@@ -206,6 +218,9 @@ class Base:
     # LoRA adapters of the generation, {name: scale} (the config's adapters:); its edits start
     # from these and may change them.
     adapters: Optional[Adapters] = None
+    # The sampler of its chain, and of every edit of it (samplers.py: "dpmpp_2m_karras", or
+    # AUTOMATIC1111's "DPM++ 2M Karras"); None: the model folder's scheduler's.
+    sampler: Optional[SamplerName] = None
 
     def time_ids(self) -> list[float]:
         """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""

@@ -5,20 +5,69 @@ with sigma_t = 0. The update itself is fused into the ``unet_step`` graph; this 
 for every step, the timestep t and the two cumulative alphas that graph takes as per-row
 inputs, exactly as diffusers' ``DDIMScheduler.set_timesteps()`` does (tests/test_scheduler.py
 checks them against it; the fused update is held against diffusers' pipelines themselves,
-tests/test_pipeline.py and test_families.py).
+tests/test_pipeline.py and test_families.py). It matches diffusers'
+``schedulers/scheduling_ddim.py`` (``DDIMScheduler``, eta 0) and ``scheduling_ddim_inverse.py``.
+
+This file also holds what every sampler's schedule shares, ``COEFS`` and ``Schedule`` (re-exported
+by ``samplers.py``, the registry): the step graph's generic linear update, per row,
+
+    next = c_x * x + c_x0 * x0 + c_eps * eps + c_h0 * h0 + c_h1 * h1 + c_noise * noise
+
+with x0 clamped to [-clip, clip]. DDIM eta 0 (eq. 12) is c_x0 = sqrt(alpha_prev),
+c_eps = sqrt(1 - alpha_prev), the rest 0.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import numpy as np
 
 from ..errors import ModelError
 
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
+
+# The columns of ``Schedule.coefs``: the step graph's update is
+#   next = c_x x + c_x0 clamp(x0, -clip, clip) + c_eps eps + c_h0 h0 + c_h1 h1 + c_noise noise
+COEFS = ("x", "x0", "eps", "h0", "h1", "noise", "clip")
+
+
+@dataclass(eq=False)
+class Schedule:
+    """A T-step sampler chain as the step graph runs it; row i maps VP latent x_i to x_{i+1}.
+
+    ``timesteps[i]`` is what the UNet takes at step i, ``alpha_t[i]`` the alpha-bar of x_i (the
+    graph converts the prediction to x0 and eps with it), ``alpha_prev[i]`` that of x_{i+1} (1.0
+    where the final sigma is 0), ``coefs[i]`` the update's coefficients (columns ``COEFS``).
+    x_0 = ``init_sigma`` * standard normal noise; ``ancestral``: the update reads a fresh normal
+    latent per step; ``history``: how many past x0 predictions (h0, h1) it reads.
+    """
+
+    name: str
+    num_inference_steps: int
+    timesteps: np.ndarray
+    alpha_t: np.ndarray
+    alpha_prev: np.ndarray
+    coefs: np.ndarray
+    init_sigma: float = 1.0
+    ancestral: bool = False
+    history: int = 0
+
+
+def ddim_coefs(alpha_prev: np.ndarray, clip: float) -> np.ndarray:
+    """DDIM eta 0 (Song et al. 2020, eq. 12): x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps.
+
+    In float32 as ``np.sqrt(alpha_prev)`` and ``np.sqrt(1 - alpha_prev)``, so the graph's
+    generic update reproduces the old fused formula bit for bit.
+    """
+    alpha_prev = np.asarray(alpha_prev, dtype=np.float32)
+    coefs = np.zeros((len(alpha_prev), len(COEFS)), dtype=np.float32)
+    coefs[:, COEFS.index("x0")] = np.sqrt(alpha_prev)
+    coefs[:, COEFS.index("eps")] = np.sqrt(np.float32(1) - alpha_prev)
+    coefs[:, COEFS.index("clip")] = np.float32(clip)
+    return coefs
 
 
 @dataclass(frozen=True)
@@ -73,11 +122,17 @@ def _betas(cfg: DDIMConfig) -> np.ndarray:
     raise ModelError(f"scheduler_config.json: beta_schedule {cfg.beta_schedule!r} is not supported")
 
 
-class DDIMSchedule:
+class DDIMSchedule(Schedule):
     """The T-step DDIM chain: ``timesteps[i]``, ``alpha_t[i]``, ``alpha_prev[i]`` for step i.
 
     Step i maps latent x_i to x_{i+1}; x_0 is the initial noise and x_T the final latent.
+    ``timesteps`` stay int64 here (consumers cast); ``coefs`` are DDIM eta 0's (``ddim_coefs``).
     """
+
+    name: ClassVar[str] = "ddim"
+    init_sigma: ClassVar[float] = 1.0
+    ancestral: ClassVar[bool] = False
+    history: ClassVar[int] = 0
 
     def __init__(self, config: DDIMConfig, num_inference_steps: int):
         if not 1 <= num_inference_steps <= config.num_train_timesteps:
@@ -104,6 +159,9 @@ class DDIMSchedule:
         self.alpha_prev = np.where(
             prev >= 0, self.alphas_cumprod[np.clip(prev, 0, None)], self.final_alpha_cumprod
         ).astype(np.float32)
+        # 4. the generic update's coefficients (eq. 12, sigma_t = 0); x0 clipped as DDIM clips it
+        self.clip = float(config.clip_sample_range) if config.clip_sample else math.inf
+        self.coefs = ddim_coefs(self.alpha_prev, self.clip)
 
     def _timesteps(self) -> np.ndarray:
         cfg, n = self.config, self.num_inference_steps
@@ -118,15 +176,20 @@ class DDIMSchedule:
         raise ModelError(f"scheduler_config.json: timestep_spacing {cfg.timestep_spacing!r} is not supported")
 
 
-class InverseDDIMSchedule:
+class InverseDDIMSchedule(Schedule):
     """DDIM run backwards over steps ``start..end-1`` of ``forward``: x_{i+1} -> x_i.
 
     Row step k is forward step i = end - 1 - k. As diffusers' ``DDIMInverseScheduler``, the
     noise is predicted at x_{i+1} with timestep t_i, and the DDIM update (eq. 12) is taken with
     the two alphas swapped: x_i = sqrt(a_i) x0 + sqrt(1 - a_i) eps, x0 = (x_{i+1} - sqrt(1 -
     a_{i+1}) eps) / sqrt(a_{i+1}). So the step graph runs it unchanged (guidance 1: the source
-    prompt's conditional prediction alone).
+    prompt's conditional prediction alone). ``coefs`` are eq. 12's from the swapped alphas.
     """
+
+    name: ClassVar[str] = "ddim"
+    init_sigma: ClassVar[float] = 1.0
+    ancestral: ClassVar[bool] = False
+    history: ClassVar[int] = 0
 
     def __init__(self, forward: DDIMSchedule, start: int, end: int):
         steps = np.arange(end - 1, start - 1, -1)
@@ -134,3 +197,4 @@ class InverseDDIMSchedule:
         self.timesteps = forward.timesteps[steps]
         self.alpha_t = forward.alpha_prev[steps]
         self.alpha_prev = forward.alpha_t[steps]
+        self.coefs = ddim_coefs(self.alpha_prev, forward.clip)

@@ -1,15 +1,19 @@
 """What a base keeps: the types the store, the loop and the server share (an edit is edit.py's).
 
-Step i of a T-step DDIM chain maps latent x_i to x_{i+1} (x_0 is the noise, x_T the final
-latent). A base keeps x_i for every i of its cache window, the unconditional prediction u_i the
-chain computed at each of those steps, its prompt's K/V for every cross-attention layer and its
-negative prompt's (unconditional) K/V. An edit row re-enters at x_s with its own K/V and runs
-steps s..T-1; at step s its unconditional prediction is the base's u_s (same latent, timestep
-and negative prompt), so it is taken from the base instead of computed again.
+Step i of a T-step chain (its sampler: ``base.sampler``) maps latent x_i to x_{i+1} (x_0 is the
+noise, x_T the final latent). A base keeps x_i for every i of its cache window, the
+unconditional prediction u_i the chain computed at each of those steps, its prompt's K/V for
+every cross-attention layer and its negative prompt's (unconditional) K/V; a multistep sampler's
+base also the x_0 each step predicted (from two steps before the window on: the solver history
+an edit entering at the window's first step reads). An edit row re-enters at x_s with its own
+K/V, the base's history at s, and runs steps s..T-1; at step s its unconditional prediction is
+the base's u_s (same latent, timestep and negative prompt), so it is taken from the base
+instead of computed again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -69,6 +73,9 @@ class BaseState:
     # An inverted image's base: the pixels it was inverted from, [H, W, 3] uint8 (what its key's
     # sha256 names). A masked edit shows these outside its mask, not their VAE round trip.
     source: Optional[np.ndarray] = None
+    # A multistep sampler's base: [T - window_start + 2, c, h, w], the x_0 predicted at steps
+    # window_start - 2 .. T - 1 (zeros for steps before 0)
+    x0: Optional[np.ndarray] = None
 
     def latent(self, i: int) -> np.ndarray:
         """x_i as a [1, c, h, w] view into the cache (no copy)."""
@@ -80,6 +87,22 @@ class BaseState:
             return None
         return self.uncond_out[i - self.window_start]
 
+    def history(self, i: int) -> Optional[np.ndarray]:
+        """The solver history an edit entering at step i takes: (x_0 of step i - 1, of i - 2),
+        [2, c, h, w] (None: the sampler reads none)."""
+        if self.x0 is None:
+            return None
+        k = i - self.window_start + 2  # x0[k] is step i's
+        return np.ascontiguousarray(self.x0[[k - 1, k - 2]])
+
+    def windowed(self, window_start: int) -> "BaseState":
+        """This generated state (window 0) kept from ``window_start`` on."""
+        x0 = None
+        if self.x0 is not None:  # x0 holds steps -2.. here
+            x0 = self.x0[window_start:]
+        return dataclasses.replace(self, window_start=window_start, latents=self.latents[window_start:],
+                                   uncond_out=None if self.uncond_out is None else self.uncond_out[window_start:], x0=x0)  # fmt: skip
+
     def correction(self, i: int) -> Optional[np.ndarray]:
         """d_i, added after step i (None: a generated base needs none)."""
         return None if self.corrections is None else self.corrections[i - self.window_start]
@@ -90,5 +113,5 @@ class BaseState:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(a.nbytes for a in (self.uncond_out, self.corrections, self.source) if a is not None)
+        extra = sum(a.nbytes for a in (self.uncond_out, self.corrections, self.source, self.x0) if a is not None)
         return self.latents.nbytes + self.cond_kv.nbytes + self.uncond_kv.nbytes + extra

@@ -1,7 +1,7 @@
 """A base's generation, as one reply or as events with previews while it runs.
 
-A preview is the decoded x_0 that a step predicts (resolve.predicted_x0): one VAE decode of
-its row on the engine thread and one PNG encode in the image pool; rows ask for one every
+A preview is the decoded x_0 that a step predicts (the step graph's, whatever the sampler): one
+VAE decode of its row on the engine thread and one PNG encode in the image pool; rows ask for one every
 ``Request.preview_every`` steps. The latest preview's PNG is kept (A1111's ``current_image``).
 """
 

@@ -125,6 +125,8 @@ class BaseStore:
         tensors = encode("latents", state.latents, self.latents_precision, pixels)
         if state.uncond_out is not None:
             tensors.update(encode("uncond_out", state.uncond_out, self.latents_precision, pixels))
+        if state.x0 is not None:  # a multistep sampler's history: a latent per step, as the latents
+            tensors.update(encode("x0", state.x0, self.latents_precision, pixels))
         if state.corrections is not None:  # small differences: kept in fp32 whatever the precision
             tensors.update(encode("corrections", state.corrections, "fp32", pixels))
         if state.source is not None:  # an inverted image's own pixels, as they came (uint8)
@@ -401,4 +403,5 @@ class BaseStore:
             uncond_out=decode("uncond_out", entry.tensors) if "uncond_out" in entry.tensors else None,
             corrections=decode("corrections", entry.tensors) if "corrections" in entry.tensors else None,
             source=entry.tensors.get("source"),
+            x0=decode("x0", entry.tensors) if "x0" in entry.tensors else None,
         )

@@ -27,8 +27,9 @@ from ..errors import ArtifactError
 from ..model.schema import StoragePrecision
 
 # 2: K/V in the attention layout, u of the window steps; 3: header in the sha256; 4: every file
-# records its key (an uncond file its negative prompt and precision, a base its K/V precision)
-FILE_FORMAT = "edit-rt-base/4"
+# records its key (an uncond file its negative prompt and precision, a base its K/V precision);
+# 5: a base's sampler (in its key) and a multistep sampler's x_0 per step
+FILE_FORMAT = "edit-rt-base/5"
 
 
 def encode(name: str, x: np.ndarray, precision: StoragePrecision, reduce_axes: tuple[int, ...]) -> dict[str, np.ndarray]:

@@ -1,0 +1,13 @@
+"""The step graph's sampler inputs for a DDIM (eta 0) step, written out from Song et al. 2020,
+eq. 12 (x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev) eps), for tests that call ``unet_step``
+directly: coefficients (runtime/model/samplers.COEFS order), no history, no noise."""
+
+import numpy as np
+
+
+def ddim_feeds(a_prev, n: int, latent_shape) -> dict[str, np.ndarray]:
+    a = np.broadcast_to(np.asarray(a_prev, np.float32), (n,))
+    zero = np.zeros(n, np.float32)
+    coefs = np.stack([zero, np.sqrt(a), np.sqrt(np.float32(1) - a), zero, zero, zero, np.full(n, np.inf, np.float32)], axis=1)
+    return {"coefs": coefs.astype(np.float32), "history": np.zeros((n, 2, *latent_shape), np.float32),
+            "noise": np.zeros((n, *latent_shape), np.float32)}

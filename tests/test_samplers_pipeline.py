@@ -1,0 +1,133 @@
+"""The samplers through the whole runtime (the step graph's linear update, the history slots, the
+ancestral noise), against diffusers' own pipelines with its own schedulers:
+
+- a generation with Euler, Euler ancestral (the same noise), DPM-Solver++ 2M (Karras on and
+  off) and UniPC equals diffusers' StableDiffusionPipeline with EulerDiscreteScheduler,
+  EulerAncestralDiscreteScheduler, DPMSolverMultistepScheduler and UniPCMultistepScheduler, on
+  the tiny SD 1.x model (epsilon) and the tiny SD 2.x model (v-prediction);
+- an identity edit on every sampler reproduces its base from any window step (the tail takes
+  the base's solver history and, for Euler a, its noise);
+- rows of different samplers' bases batched in one call equal each run alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    UniPCMultistepScheduler,
+)
+from diffusers.schedulers import scheduling_euler_ancestral_discrete
+
+from edit_rt.runtime.loop.jobs import Job, Request
+from edit_rt.runtime.loop.solver_slots import ancestral_noise
+from edit_rt.runtime.model.edit import TailRow
+from edit_rt.runtime.pipeline import EditPipeline
+
+from .conftest import TEST_BASE
+
+BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch sizes
+
+# diffusers' scheduler for each of edit-rt's samplers, from the model's own scheduler config
+REFERENCE = {
+    "euler": lambda cfg: EulerDiscreteScheduler.from_config(cfg),
+    "euler_karras": lambda cfg: EulerDiscreteScheduler.from_config(cfg, use_karras_sigmas=True),
+    "euler_a": lambda cfg: EulerAncestralDiscreteScheduler.from_config(cfg),
+    "dpmpp_2m": lambda cfg: DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="dpmsolver++", solver_order=2),
+    "dpmpp_2m_karras": lambda cfg: DPMSolverMultistepScheduler.from_config(
+        cfg, algorithm_type="dpmsolver++", solver_order=2, use_karras_sigmas=True),
+    "unipc": lambda cfg: UniPCMultistepScheduler.from_config(cfg),
+}
+
+
+@pytest.fixture(scope="module")
+def sd2(tmp_path_factory):
+    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
+    onnx = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"
+    export_onnx(model, onnx)
+    with EditPipeline(onnx, model) as pipe:
+        yield pipe, model
+
+
+def _reference(model_dir: Path, sampler: str, base, latents: np.ndarray, monkeypatch) -> np.ndarray:
+    """diffusers' image for ``base`` with ``sampler``'s scheduler from ``latents`` (x_0 before
+    the scheduler's initial sigma); an ancestral scheduler draws edit-rt's per-step noise."""
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
+    pipe.scheduler = REFERENCE[sampler](pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    steps = iter(range(base.steps))
+
+    def noise(shape, generator=None, device=None, dtype=None, layout=None):
+        out = np.empty(tuple(shape), np.float32)
+        return torch.from_numpy(ancestral_noise(base.seed, next(steps), out)).to(dtype)
+
+    monkeypatch.setattr(scheduling_euler_ancestral_discrete, "randn_tensor", noise)
+    return pipe(
+        base.prompt, negative_prompt=base.negative_prompt, num_inference_steps=base.steps,
+        guidance_scale=base.guidance, height=base.height, width=base.width,
+        latents=torch.from_numpy(latents), output_type="np",
+    ).images  # fmt: skip
+
+
+@pytest.mark.parametrize("sampler", list(REFERENCE))
+def test_a_generation_equals_diffusers_with_its_scheduler(pipeline, model_dir, sampler, monkeypatch):
+    base = dataclasses.replace(TEST_BASE, sampler=sampler)
+    noise = pipeline.initial_noise(base)
+    ours = pipeline.decode(pipeline.generate_base(base, noise=noise).final_latent)
+    # 1e-4 on images in [0, 1], as for DDIM (tests/test_pipeline.py): fp32 differences of the
+    # graphs and of the coefficients (float64 on the host, float32 in torch) through 10 steps
+    np.testing.assert_allclose(ours, _reference(model_dir, sampler, base, noise, monkeypatch), atol=1e-4)
+
+
+@pytest.mark.parametrize("sampler", ["euler_a", "dpmpp_2m_karras", "unipc"])
+def test_a_v_prediction_generation_equals_diffusers_with_its_scheduler(sd2, sampler, monkeypatch):
+    pipe, model_dir = sd2
+    base = dataclasses.replace(TEST_BASE, sampler=sampler, steps=8)
+    noise = pipe.initial_noise(base)
+    ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
+    np.testing.assert_allclose(ours, _reference(model_dir, sampler, base, noise, monkeypatch), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def sampler_states(pipeline):
+    return {s: pipeline.generate_base(dataclasses.replace(TEST_BASE, sampler=s)) for s in ("euler_a", "dpmpp_2m_karras", "unipc")}
+
+
+@pytest.mark.parametrize("sampler", ["euler_a", "dpmpp_2m_karras", "unipc"])
+def test_an_identity_edit_reproduces_its_base_on_every_sampler(pipeline, sampler_states, sampler):
+    state = sampler_states[sampler]
+    g = TEST_BASE.guidance
+    rows = [row for s in (1, 2, 5, 9) for row in (TailRow("a green square", 0.0, s, g), TailRow(TEST_BASE.prompt, 1.0, s, g))]
+    for final in pipeline.run_tail(state, rows):
+        np.testing.assert_allclose(final, state.final_latent[0], atol=BATCH_ATOL)
+
+
+def test_rows_of_different_samplers_batched_equal_each_alone(pipeline, sampler_states, base_state):
+    g = TEST_BASE.guidance
+    states = [base_state, *sampler_states.values()]  # DDIM and the three others
+    edits = [TailRow("a blue square", 1.0, 3, g), TailRow("a green circle", 0.7, 6, 3.0)]
+    alone = [pipeline.run_tail(state, [row])[0] for state in states for row in edits]
+    request = Request("mixed", decode=False)
+    jobs = [Job(request, k, state.base, row, state=state)
+            for k, (state, row) in enumerate((s, r) for s in states for r in edits)]  # fmt: skip
+    batcher = pipeline.batcher(base_state.latents.shape[1:])
+    before = dataclasses.replace(batcher.scheduler.stats)
+    together = batcher.run(request, jobs)
+    stats = batcher.scheduler.stats
+    # every call ran rows of several bases: 8 rows' 46 tail steps in 7 calls (the longest tail)
+    assert stats.calls - before.calls == 7 and stats.row_steps - before.row_steps == 4 * (7 + 4)
+    for result, expected in zip(together, alone):
+        np.testing.assert_allclose(result.latent, expected, atol=BATCH_ATOL)
+    # and they differ by sampler: the same edit of another sampler's base is another image
+    assert np.abs(alone[0] - alone[2]).max() > 1e-2
