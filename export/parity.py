@@ -80,8 +80,8 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     schedules = [schedule_for(name, manifest.scheduler_config, 20) for name in ("unipc", "euler_a")]
     picks = rng.integers(0, 20, size=n)
 
-    def per_row(attr: str) -> np.ndarray:
-        return np.stack([getattr(schedules[r % 2], attr)[picks[r]] for r in range(n)]).astype(np.float32)
+    def per_row(values) -> np.ndarray:  # values(schedule) -> its per-step array
+        return np.stack([values(schedules[r % 2])[picks[r]] for r in range(n)]).astype(np.float32)
 
     vocab = manifest.data["model"].get("vocab_size", 49408)
     # the step graphs' inputs by role (step_signature.py), the other graphs' by name
@@ -101,9 +101,9 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
         elif role == "row_cond:time_ids":  # SDXL's sizes and crop corner, in pixels
             feeds[spec.name] = rng.integers(0, 1024, size=shape).astype(np.float32)
         elif role.startswith("step_scalar:"):  # the schedule's value at a random step per row
-            feeds[spec.name] = per_row(role.split(":", 1)[1])
+            feeds[spec.name] = per_row(lambda schedule, attr=role.split(":", 1)[1]: getattr(schedule, attr))
         elif role == "step_coefs":  # the samplers' updates at those steps (samplers.COEFS)
-            feeds[spec.name] = per_row("coefs")
+            feeds[spec.name] = per_row(lambda schedule: schedule.coefs)
         elif role == "row_scalar:guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)
         elif spec.name == "adapter_scale":  # a slider's range

@@ -11,6 +11,7 @@ from .engine.manifest import sha256_file
 from .model.adapters import lora_source
 from .errors import ArtifactError, ConfigError
 from .model.config import RunConfig
+from .model.samplers import SamplerError, check_sampler
 from .pipeline import EditPipeline
 from .storage.store import BaseStore
 
@@ -62,6 +63,11 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     skips = pipe.family["clip_skips"]
     if cfg.base.clip_skip >= skips:
         raise ConfigError(f"base.clip_skip: {cfg.base.clip_skip} is outside [0, {skips - 1}] for this model's text encoder")
+    if cfg.base.sampler is not None:  # a name edit-rt does not know is refused when the config is read
+        try:
+            check_sampler(cfg.base.sampler, pipe.manifest.scheduler_config, "base.sampler")
+        except SamplerError as err:
+            raise ConfigError(str(err)) from None
     if not any(c["source"] == "time_ids" for c in pipe.conds):
         for name in ("original_width", "original_height"):
             if getattr(cfg.base, name) is not None:

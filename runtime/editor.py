@@ -200,12 +200,13 @@ class Editor:
                  seed: Optional[int] = None, steps: Optional[int] = None, guidance: Optional[float] = None,
                  clip_skip: Optional[int] = None, size: Optional[str] = None, original_width: Optional[int] = None,
                  original_height: Optional[int] = None, crop_top: Optional[int] = None, crop_left: Optional[int] = None,
-                 previews: int = 0, on_preview: Optional[Preview] = None) -> BaseResult:  # fmt: skip
+                 previews: int = 0, on_preview: Optional[Preview] = None, sampler: Optional[str] = None) -> BaseResult:  # fmt: skip
         """Generate a base and keep it in the store. An argument left out is the config's
         ``base:`` value; ``seed=-1`` draws a random seed (as AUTOMATIC1111's API; the result says
         which); ``size`` ("WxH") is one the config serves (``base.width`` x ``base.height``, the
         default, or one of ``engines.sizes``); ``original_width``, ``original_height``,
-        ``crop_top``, ``crop_left``: SDXL's size conditioning (refused on other models).
+        ``crop_top``, ``crop_left``: SDXL's size conditioning (refused on other models);
+        ``sampler``: "dpmpp_2m_karras", or A1111's "DPM++ 2M Karras" (its edits run it too).
         ``previews``: that many ``on_preview`` calls spread over the steps. The same settings again generate the same base, under the same id."""
         _check_previews(previews, on_preview)
         if size is not None and not isinstance(size, str):
@@ -222,7 +223,7 @@ class Editor:
         async def generate():
             s = self.service
             base = s.base_of(given["prompt"], given["negative_prompt"], size, steps, guidance, given["seed"], clip_skip,
-                             sizes)  # fmt: skip
+                             sizes, sampler=sampler)  # fmt: skip
             async with aclosing(s.generate_events(base, previews)) as events:
                 async for kind, data in events:
                     if kind == "edit_rt.preview":

@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 from .model.edit import Base, Direction, Mask
 from .model.edit import TailRow
+from .model.samplers import a1111_label
 
 
 def quote(value: object) -> str:
@@ -34,9 +35,14 @@ def parameters_text(prompt: str, negative_prompt: Optional[str], fields: Mapping
 
 
 def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str, object]:
+    # What ran, as A1111 names it: ``Sampler: DPM++ 2M, Schedule type: Karras`` (a scheduler
+    # other than Automatic, as A1111 >= 1.9 writes it). The doors set ``base.sampler`` to what
+    # runs (service.base_of, run.py); one naming none is written as DDIM.
+    sampler, schedule = a1111_label(base.sampler or "ddim")
     return {
         "Steps": base.steps,
-        "Sampler": "DDIM",
+        "Sampler": sampler,
+        **({"Schedule type": schedule} if schedule != "Automatic" else {}),
         "CFG scale": f"{base.guidance:g}",
         "Seed": base.seed,
         "Size": f"{base.width}x{base.height}",

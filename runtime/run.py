@@ -108,10 +108,15 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
     writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
     upload = None
     if base.image is not None:  # a base from an image: its key holds the pixels' hash
+        if base.sampler not in (None, "ddim"):
+            raise ConfigError(f"base.sampler: {base.sampler}, but a base from an image is inverted with DDIM and its "
+                              "edits run DDIM; remove base.sampler (or set ddim)")  # fmt: skip
         upload = image_of(cfg)
-        base = dataclasses.replace(base, image=upload.key)
+        base = dataclasses.replace(base, image=upload.key, sampler="ddim")
     with timer.stage("load"):
         pipe = pipeline_of(cfg).activate()
+    # what runs, named in the base (its store key, its PNG's Sampler)
+    base = dataclasses.replace(base, sampler=pipe.sampler_of(base))
     try:
         store = store_of(cfg, pipe.manifest.fingerprint)
         bid = base_id(pipe.manifest.fingerprint, base)
@@ -184,7 +189,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "onnxruntime": onnxruntime.__version__, "threads": cfg.threads or "all"},  # fmt: skip
         "base": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,
-                 "steps": T, "guidance": base.guidance, "size": f"{base.width}x{base.height}"},  # fmt: skip
+                 "steps": T, "guidance": base.guidance, "size": f"{base.width}x{base.height}", "sampler": base.sampler},  # fmt: skip
         "edits": edits_report,
         "files": files + ["grid.png"],
         "seconds": timer.stages,

@@ -181,8 +181,9 @@ def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops
 
 
 def test_samplers_schedulers_options_vae_memory_through_webuiapi(api, server):
-    assert api.util_get_sampler_names() == ["DDIM"] and api.get_samplers()[0]["aliases"] == ["ddim"]
-    assert api.util_get_scheduler_names() == ["automatic"]
+    assert sorted(api.util_get_sampler_names()) == ["DDIM", "DPM++ 2M", "Euler", "Euler a", "UniPC"]
+    assert api.get_samplers()[0]["aliases"] == ["ddim"]
+    assert sorted(api.util_get_scheduler_names()) == ["automatic", "karras", "normal", "uniform"]
     models = api.util_get_model_names()
     api.util_set_model(models[0])  # sets sd_model_checkpoint to the served model's title: accepted
     assert api.util_get_current_model() == api.get_sd_models()[0]["model_name"]
@@ -265,10 +266,11 @@ COMMON = {
     "override_settings": ({"override_settings": {"CLIP_stop_at_last_layers": 2}}, lambda r: "Clip skip: 2," in _text(r)),
     "override_settings_restore_afterwards": ({"override_settings_restore_afterwards": False,
                                               "override_settings": {"CLIP_stop_at_last_layers": 1}}, REFUSED),
-    "sampler_name": ({"sampler_name": "DPM++ 2M"}, lambda r: _info(r)["accepted"]["sampler_name"] == "DDIM"
-                     and "Sampler: DDIM," in _text(r)),
-    "scheduler": ({"scheduler": "Karras"}, lambda r: _info(r)["accepted"]["scheduler"].startswith("Automatic")),
-    "sampler_index": ({"sampler_index": "Euler"}, lambda r: _info(r)["accepted"]["sampler_index"] == "DDIM"),
+    # img2img of an uploaded image runs DDIM: another sampler is accepted and reported
+    "sampler_name": ({"sampler_name": "DPM++ 2M"}, lambda r: _info(r)["accepted"]["sampler_name"].startswith("DDIM (")
+                     and "Sampler: DDIM," in _text(r) and _info(r)["sampler_name"] == "DDIM"),
+    "scheduler": ({"scheduler": "Karras"}, lambda r: _info(r)["accepted"]["scheduler"].startswith("Automatic (")),
+    "sampler_index": ({"sampler_index": "Euler"}, lambda r: _info(r)["accepted"]["sampler_index"].startswith("DDIM (")),
     "script_name": ({"script_name": "x/y/z plot"}, REFUSED),
     "script_args": ({"script_args": [1]}, REFUSED),
     "send_images": ({"send_images": False}, lambda r: r["images"] == [] and len(_info(r)["infotexts"]) == 1),
@@ -302,6 +304,12 @@ TXT2IMG = {
     "firstphase_height": ({"firstphase_height": 16}, REFUSED),
     # hires fix's strength: inert without it (as in A1111), reported in info
     "denoising_strength": ({"denoising_strength": 0.3}, lambda r: _info(r)["denoising_strength"] == 0.3),
+    # txt2img runs the sampler it names ("DPM++ 2M": Karras, A1111's Automatic for it)
+    "sampler_name": ({"sampler_name": "DPM++ 2M"}, lambda r: "sampler_name" not in _info(r)["accepted"]
+                     and "Sampler: DPM++ 2M, Schedule type: Karras," in _text(r) and _info(r)["scheduler"] == "Karras"),
+    "scheduler": ({"sampler_name": "Euler", "scheduler": "Karras"},
+                  lambda r: "Sampler: Euler, Schedule type: Karras," in _text(r) and _info(r)["accepted"] == {}),
+    "sampler_index": ({"sampler_index": "Euler"}, lambda r: "Sampler: Euler," in _text(r) and _info(r)["accepted"] == {}),
 }
 MASKED = {"mask": WHITE}
 IMG2IMG = {
@@ -347,13 +355,18 @@ def test_the_field_walk_covers_every_field_webuiapi_sends_and_every_field_a1111_
 @pytest.mark.parametrize("route", ["txt2img", "img2img"])
 def test_webuiapis_default_payload_is_taken_whole(server, route):
     """Every field at webuiapi's own default (with the served size): accepted, and what ran
-    instead of what it names reported (its sampler)."""
+    instead of what it names reported (img2img of an uploaded image: its sampler)."""
     body = {**_webuiapi_payloads()[route], **DEFAULTS[route]}
     body.pop("mask", None)
     r = httpx.post(f"{server.url}/sdapi/v1/{route}", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    # "Euler a" ran as DDIM, webuiapi's eta 1 as DDIM's 0
-    assert _info(r.json())["accepted"] == {"sampler_name": "DDIM", "sampler_index": "DDIM", "eta": "0 (DDIM, deterministic)"}
+    info = _info(r.json())
+    if route == "txt2img":  # "Euler a" ran, at its eta 1
+        assert info["accepted"] == {} and info["sampler_name"] == "Euler a" and "Sampler: Euler a," in _text(r.json())
+    else:  # an uploaded image is inverted and edited with DDIM: "Euler a" ran as DDIM, webuiapi's eta 1 as DDIM's 0
+        assert {k: v.split(" (")[0] for k, v in info["accepted"].items()} == {"sampler_name": "DDIM", "sampler_index": "DDIM",
+                                                                             "eta": "0"}, info["accepted"]  # fmt: skip
+        assert info["sampler_name"] == "DDIM" and "Sampler: DDIM," in _text(r.json())
     _DEFAULT[route] = r.json()
 
 

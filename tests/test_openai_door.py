@@ -187,9 +187,9 @@ def test_sdk_generate_reports_what_ran(client, model_dir):
     result = client.images.generate(prompt=PROMPT, n=2, model="dall-e-3", size="32x32", quality="standard", moderation="low",
                                     user="someone", extra_body={"seed": 11, "steps": STEPS})  # fmt: skip
     info = result.model_extra["info"]
-    assert info["model"] == model_dir.name and info["sampler"] == "DDIM" and info["steps"] == STEPS
+    assert info["model"] == model_dir.name and info["sampler"] == "ddim (DDIM)" and info["steps"] == STEPS  # the model's
     assert info["seeds"] == [11, 12] and set(info["accepted"]) == {"model", "quality", "moderation", "user"}
-    assert f"{STEPS} DDIM steps" in info["accepted"]["quality"] and result.safety_identifier == "someone"
+    assert f"{STEPS} sampling steps" in info["accepted"]["quality"] and result.safety_identifier == "someone"
     text = _image(result.data[1].b64_json).text["parameters"]
     assert "Seed: 12" in text and f"Model: {model_dir.name}" in text and "Sampler: DDIM" in text  # what ran, not dall-e-3
     import openai

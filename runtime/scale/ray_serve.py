@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import ray
@@ -199,6 +199,10 @@ class RayService(Service):
     def family(self) -> dict:
         return self.manifest.family
 
+    @property
+    def scheduler_config(self) -> dict:
+        return self.manifest.scheduler_config
+
     async def call(self, send, http=None):
         """A worker's answer to ``send()``; a client that leaves cancels it (its rows go at the
         next step). Once, a request whose replica died is sent again (every operation here is
@@ -235,7 +239,7 @@ class RayService(Service):
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         if prompt:
             self.check_prompt(prompt, "source_prompt")
-        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
+        base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
         route = {"base": base_id(self.fingerprint, base), "new": True}
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
                                                                   clip_skip, route=route))  # fmt: skip

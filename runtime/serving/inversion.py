@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..images import png_bytes
+from ..model.edit import Base
 from ..loop.jobs import CancelledError, RowError, ShuttingDownError, StepError
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
@@ -46,6 +47,13 @@ class Uploads:
         except ImageInputError as err:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
 
+    def inversion_base(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
+                       guidance: Optional[float], clip_skip: Optional[int]) -> Base:  # fmt: skip
+        """The base an upload inverts into: the request's fields, seed 0, the image's key, and
+        DDIM (an image is inverted with DDIM, and its edits run DDIM: pipeline.invert)."""
+        made = self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip, sampler="ddim")
+        return replace(made, image=upload.key)
+
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         """A base from an uploaded image (its inversion; kept in the store like a generation).
@@ -54,7 +62,7 @@ class Uploads:
         with the same settings finds the stored base instead of inverting again."""
         if prompt:
             self.check_prompt(prompt, "source_prompt")
-        base = replace(self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip), image=upload.key)
+        base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
         pipe = self.pipe
         bid = base_id(pipe.manifest.fingerprint, base)
         start = time.perf_counter()

@@ -27,10 +27,14 @@ class Edited:
     strength: float
     # The edit's directions as they ran, {prompt, strength} each (none: a plain edit)
     directions: tuple[dict, ...] = ()
+    # The sampler it ran, its base's (service.sampler_label: "euler_a (Euler a)")
+    sampler: Optional[str] = None
 
     def info(self) -> dict:
         out = {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
                "preserve": self.preserve}  # fmt: skip
         if self.directions:
             out["directions"] = list(self.directions)
+        if self.sampler is not None:
+            out["sampler"] = self.sampler
         return out

@@ -31,6 +31,7 @@ from ..metrics import Metrics, timed
 from ..model.adapters import check_uses
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
+from ..model.samplers import SamplerError, a1111_label, check_sampler, default_sampler, parse_sampler
 from ..model.state import BaseState
 from ..model.weighting import PromptSyntaxError, prompt_spans
 from ..pipeline import EditPipeline
@@ -157,11 +158,16 @@ class Service(Generation, Uploads, JobControl):
 
     def base_of(self, prompt: str, negative_prompt: Optional[str] = None, size: Optional[str] = None, steps: Optional[int] = None,
                 guidance: Optional[float] = None, seed: int = -1, clip_skip: Optional[int] = None,
-                sizes: Optional[dict[str, Optional[int]]] = None, adapters: Optional[dict[str, float]] = None) -> Base:  # fmt: skip
+                sizes: Optional[dict[str, Optional[int]]] = None, adapters: Optional[dict[str, float]] = None,
+                sampler: Optional[str] = None, sampler_param: str = "sampler") -> Base:  # fmt: skip
         """A base from request fields (the server's defaults for what they leave out). ``sizes``:
         SDXL's size conditioning (original_width/height, crop_top/left), where the model takes it;
-        ``adapters`` its LoRA adapters, {name: scale} (None: the config base's)."""
+        ``adapters`` its LoRA adapters, {name: scale} (None: the config base's); ``sampler`` any
+        name samplers.py accepts (None: the config base's, else the model's), set on the base as
+        the canonical name that runs (its store key, replies and PNG name it), or a 400 naming
+        ``sampler_param``."""
         default, serve = self.cfg.base, self.cfg.serve
+        sampler = self.sampler_of(sampler, sampler_param)
         self.check_adapters(adapters, "adapters")
         self.check_prompt(prompt, "prompt")
         if negative_prompt is not None:  # None: the family's default (SDXL: zeros)
@@ -192,7 +198,41 @@ class Service(Generation, Uploads, JobControl):
                 raise ApiError(400, f"{name}: must lie in [0, 16384]", param=name, code="out_of_range")
         return replace(default, width=width, height=height, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
                        clip_skip=clip_skip, image=None, adapters=default.adapters if adapters is None else dict(adapters),
-                       **given)  # fmt: skip
+                       sampler=sampler, **given)  # fmt: skip
+
+    def sampler_of(self, name: Optional[str], param: str = "sampler") -> str:
+        """The canonical sampler that runs for a request's ``name`` (None: the served config's
+        ``base.sampler``, else the model's default), or 400 ``unknown_sampler`` naming ``param``:
+        a name edit-rt does not run, or one this model's scheduler config cannot run."""
+        if name is None:
+            return self.cfg.base.sampler or self.default_sampler
+        try:
+            canonical = parse_sampler(name, param)
+            check_sampler(canonical, self.scheduler_config, param)
+        except SamplerError as err:
+            raise sampler_error(err) from None
+        return canonical
+
+    def same_sampler(self, asked: str, ran: str, why: str, param: str = "sampler") -> None:
+        """An edit request's ``sampler``: the one its base runs (``ran``, as ``why`` says), or 400
+        naming ``param`` with the fix (a row never switches sampler mid-chain)."""
+        if self.sampler_of(asked, param) != ran:
+            raise ApiError(400, f"{param}: {asked[:64]!r}, but {why}; its edits run {ran}: leave {param} out or send {ran}",
+                           param=param, code="unsupported_value")  # fmt: skip
+
+    @property
+    def scheduler_config(self) -> dict:
+        """The served model's ``scheduler_config.json`` (what its samplers' schedules come from)."""
+        return self.pipe.manifest.scheduler_config
+
+    @property
+    def default_sampler(self) -> str:
+        """The sampler a base that names none runs: the model folder's scheduler's."""
+        if self.pipe is not None:
+            return self.pipe.default_sampler
+        if getattr(self, "_default_sampler", None) is None:  # Ray Serve's ingress: from the manifest, once
+            self._default_sampler = default_sampler(self.scheduler_config)
+        return self._default_sampler
 
     def check_adapters(self, adapters: Optional[dict], where: str) -> None:
         """400 naming the field for an unknown adapter, a scale out of range, more adapters than
@@ -369,7 +409,8 @@ class Service(Generation, Uploads, JobControl):
                 r, row = job.future.result(), job.row
                 png = self.edit_png(state, row, r.image, r.preserve, per(png_fields, job.index))
                 edited = Edited(job.index, png, r.seconds, r.preserve, state.base.steps - row.start_step, row.strength,
-                                tuple({"prompt": d.prompt, "strength": d.strength} for d in row.directions))  # fmt: skip
+                                tuple({"prompt": d.prompt, "strength": d.strength} for d in row.directions),
+                                sampler_label(state.base.sampler or self.default_sampler))  # fmt: skip
                 yield "image_edit.completed", {"index": job.index, "png": edited.png, "info": edited.info()}
             yield "edit_rt.done", {"base_id": bid}
         finally:
@@ -389,7 +430,7 @@ class Service(Generation, Uploads, JobControl):
             if kind == "image_edit.completed":
                 info = data["info"]
                 out.append(Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
-                                  info["strength"], tuple(info.get("directions", ()))))  # fmt: skip
+                                  info["strength"], tuple(info.get("directions", ())), info.get("sampler")))  # fmt: skip
         return sorted(out, key=lambda e: e.index)
 
     async def has_base(self, bid: str) -> bool:
@@ -420,3 +461,15 @@ class Service(Generation, Uploads, JobControl):
     @property
     def family(self) -> dict:
         return self.pipe.family
+
+
+def sampler_error(err: SamplerError) -> ApiError:
+    """A sampler (or A1111 scheduler) edit-rt cannot run, as the API's 400 naming its field."""
+    return ApiError(400, str(err), param=err.field, code="unknown_sampler")
+
+
+def sampler_label(name: str) -> str:
+    """A canonical sampler with AUTOMATIC1111's name for it: ``dpmpp_2m_karras (DPM++ 2M Karras)``,
+    ``dpmpp_2m (DPM++ 2M Uniform)``, ``ddim (DDIM)`` (the replies' ``sampler``)."""
+    a1111, schedule = a1111_label(name)
+    return f"{name} ({a1111}{'' if schedule == 'Automatic' else ' ' + schedule})"

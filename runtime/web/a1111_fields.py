@@ -22,9 +22,19 @@ disable_extra_networks          implemented: the tags taken out, none loaded
 override_settings               ``CLIP_stop_at_last_layers`` implemented; ``sd_model_checkpoint``
                                 the served model (another: 400), ``sd_vae`` its own VAE,
                                 ``eta_ddim`` 0, ``samples_format`` png; any other key 400
-sampler_name, sampler_index,    accepted, reported as what ran: DDIM, its own timesteps
-scheduler                       (``info.accepted``; the PNG says ``Sampler: DDIM``)
-eta                             0 (what DDIM runs) or 1 (webuiapi's default: reported as 0)
+sampler_name, sampler_index,    txt2img: implemented (``GET /sdapi/v1/samplers``, ``/schedulers``:
+scheduler                       DDIM, Euler, Euler a, DPM++ 2M, UniPC; Automatic, Uniform, Karras,
+                                Normal; "DPM++ 2M Karras" names the scheduler too, as in A1111;
+                                none: the served default); a sampler or scheduler edit-rt does
+                                not run 400 naming the field and listing what runs. img2img:
+                                the base's sampler runs (an uploaded image's: DDIM), another
+                                named is accepted and reported (``info.accepted``); the reply's
+                                ``sampler_name``/``scheduler`` and the PNG's ``Sampler``,
+                                ``Schedule type`` say what ran. ``sampler_index``: read without
+                                ``sampler_name`` (as A1111), else reported if it names another
+eta                             0 or 1: DDIM runs eta 0, Euler a eta 1 (diffusers'), the others
+                                none; another value the sampler did not run reported (webuiapi
+                                sends 1); any other value 400
 mask, mask_blur(_x, _y),        implemented (a1111_masks.py): white may change, blurred as A1111
 inpainting_mask_invert,         blurs, the reply's pixels outside it are the init image's own;
 mask_round                      ``mask_round`` true only (edit-rt's latent mask is binary)
@@ -62,12 +72,13 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..model.samplers import SamplerError, a1111_label, a1111_sampler
 from ..model.schema import Guidance, Steps, bounds_of
 from ..serving.errors import ApiError
+from ..serving.service import sampler_error
 
 A1111 = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 SEED = {"ge": -1, "le": 2**63 - 1}
-RAN_SAMPLER, RAN_SCHEDULER = "DDIM", "Automatic"
 EXTRA_NETWORK = re.compile(r"<(\w+):([^>]+)>")  # A1111's re_extra_net
 
 
@@ -178,12 +189,13 @@ OFF: dict[str, tuple[tuple, str]] = {
     "subseed_strength": ((0.0,), "variation seeds (subseed) are not supported: send 0, and vary seed instead"),
     "seed_resize_from_h": ((-1, 0), "resizing a seed's noise is not supported; send -1"),
     "seed_resize_from_w": ((-1, 0), "resizing a seed's noise is not supported; send -1"),
-    "eta": ((None, 0.0, 1.0), "this server's DDIM runs eta 0 (deterministic); send 0 or leave it out"),
-    "s_min_uncond": ((None, 0.0), "k-diffusion's s_min_uncond does not apply to DDIM; leave it out"),
-    "s_churn": ((None, 0.0), "k-diffusion's s_churn does not apply to DDIM; leave it out"),
-    "s_tmax": ((None, 0.0), "k-diffusion's s_tmax does not apply to DDIM; leave it out"),
-    "s_tmin": ((None, 0.0), "k-diffusion's s_tmin does not apply to DDIM; leave it out"),
-    "s_noise": ((None, 1.0), "k-diffusion's s_noise does not apply to DDIM; leave it out"),
+    "eta": ((None, 0.0, 1.0), "this server runs DDIM at eta 0 and Euler a at eta 1 (diffusers' samplers); send 0 or "
+            "1, or leave it out"),
+    "s_min_uncond": ((None, 0.0), "k-diffusion's s_min_uncond is not run here (diffusers' samplers); leave it out"),
+    "s_churn": ((None, 0.0), "k-diffusion's s_churn is not run here (diffusers' samplers, churn 0); leave it out"),
+    "s_tmax": ((None, 0.0), "k-diffusion's s_tmax is not run here (diffusers' samplers, churn 0); leave it out"),
+    "s_tmin": ((None, 0.0), "k-diffusion's s_tmin is not run here (diffusers' samplers, churn 0); leave it out"),
+    "s_noise": ((None, 1.0), "k-diffusion's s_noise is not run here (diffusers' samplers, noise 1); leave it out"),
     "refiner_checkpoint": ((None, "", "None"), "no refiner model runs here; leave it out"),
     "refiner_switch_at": ((None, 0.8), "no refiner model runs here; leave it out"),
     "firstpass_image": ((None,), "a first pass image is hires fix's; leave it out"),
@@ -244,18 +256,66 @@ def _same(value: Any, default: Any) -> bool:
     return value == default
 
 
-def accepted(body: Common) -> dict[str, str]:
+def requested_sampler(body: Common, default: str) -> tuple[Optional[str], str]:
+    """txt2img's sampler: (the canonical one A1111's ``sampler_name`` (else ``sampler_index``)
+    and ``scheduler`` name, None for the served ``default``; the field that names it), or 400
+    naming the field, listing what runs. A scheduler without a sampler applies to the default,
+    as A1111 applies it to its default sampler."""
+    name, field = (body.sampler_name, "sampler_name") if body.sampler_name else (body.sampler_index, "sampler_index")
+    try:
+        if not name and body.scheduler not in (None, "") and body.scheduler.strip().lower() != "automatic":
+            return a1111_sampler(a1111_label(default)[0], body.scheduler, "scheduler"), "scheduler"
+        return a1111_sampler(name or None, body.scheduler, field), field
+    except SamplerError as err:
+        raise sampler_error(err) from None
+
+
+IGNORED_INDEX = "sampler_name's: A1111 reads sampler_index only without sampler_name"
+
+
+def shown(sampler: str) -> str:
+    """A canonical sampler as A1111 names it with its scheduler: ``DPM++ 2M Karras``, ``Euler a``."""
+    name, schedule = a1111_label(sampler)
+    return name if schedule == "Automatic" else f"{name} {schedule}"
+
+
+def accepted(body: Common, ran: str, why: Optional[str] = None) -> dict[str, str]:
     """The fields every client sends by default that ran as this server's own: field -> what
-    ran (``info.accepted``)."""
+    ran (``info.accepted``). ``ran``: the canonical sampler that ran; ``why``: why another than
+    the request's (img2img: the base's), None where the request's sampler ran (txt2img)."""
     out = {}
-    for field in ("sampler_name", "sampler_index"):
-        if getattr(body, field) not in (None, RAN_SAMPLER):
-            out[field] = RAN_SAMPLER
-    if body.scheduler not in (None, RAN_SCHEDULER, RAN_SCHEDULER.lower()):
-        out["scheduler"] = f"{RAN_SCHEDULER} (DDIM's own timesteps)"
-    if body.eta not in (None, 0):
-        out["eta"] = "0 (DDIM, deterministic)"
+    fields = ("sampler_index",) if why is None else ("sampler_name", "sampler_index")
+    for field in fields:
+        asked = getattr(body, field)
+        if asked in (None, "") or (field == "sampler_index" and why is None and not body.sampler_name):
+            continue  # txt2img's sampler_index without sampler_name is what ran
+        if not _names(asked, body.scheduler, ran):
+            out[field] = f"{shown(ran)} ({why or IGNORED_INDEX})"
+    asked = body.sampler_name or body.sampler_index  # as A1111 reads them; a scheduler in its name wins
+    if why is not None and body.scheduler not in (None, "") and not (asked and _names(asked, body.scheduler, ran)):
+        if not _names(a1111_label(ran)[0], body.scheduler, ran):
+            out["scheduler"] = f"{a1111_label(ran)[1]} ({why})"
+    if body.eta not in (None,):
+        if ran == "ddim" and body.eta != 0:
+            out["eta"] = "0 (DDIM, deterministic)"
+        elif ran == "euler_a" and body.eta != 1:
+            out["eta"] = "1 (Euler a: diffusers' ancestral sampler, eta 1)"
+        elif ran not in ("ddim", "euler_a") and body.eta != 0:
+            out["eta"] = f"unused ({shown(ran)} is deterministic: it takes no eta, as in A1111)"
     return out
+
+
+def _names(sampler_name: str, scheduler: Optional[str], ran: str) -> bool:
+    """Whether A1111's (sampler_name, scheduler) is the canonical sampler ``ran``."""
+    try:
+        return a1111_sampler(sampler_name, scheduler) == ran
+    except SamplerError:
+        return False
+
+
+def eta_of(sampler: str) -> float:
+    """The eta ``sampler`` runs (A1111's ``info.eta``): Euler a's 1, the rest 0."""
+    return 1.0 if sampler == "euler_a" else 0.0
 
 
 @dataclass

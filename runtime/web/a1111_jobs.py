@@ -12,7 +12,8 @@ like work against edit-rt as against A1111.
   next step; a request wholly queued goes on. A1111's skip ends the current batch and goes on
   with the next of ``n_iter``; here a request's ``batch_size x n_iter`` images run as one batch,
   so skip stops what interrupt stops (and says ``skipped``).
-- ``GET /samplers``, ``/schedulers``: what runs, DDIM on its own timesteps, in A1111's shapes.
+- ``GET /samplers``, ``/schedulers``: what runs (DDIM, Euler, Euler a, DPM++ 2M, UniPC; Automatic,
+  Uniform, Karras, Normal: samplers.py), in A1111's shapes.
 - ``GET /options``; ``POST /options``: ``CLIP_stop_at_last_layers`` is set for the A1111 routes'
   later requests; ``sd_model_checkpoint`` (the served model's name or title), ``sd_vae`` (its own
   VAE), ``eta_ddim`` (0) and ``samples_format`` (png) are accepted as they are; any other
@@ -34,7 +35,8 @@ from fastapi import APIRouter, Body
 
 from ..serving.errors import ApiError
 from ..serving.service import Service
-from .a1111_fields import RAN_SAMPLER, Settings, checked_option
+from ..model.samplers import a1111_samplers, a1111_schedulers
+from .a1111_fields import Settings, checked_option
 from .api import b64, errors
 
 
@@ -82,13 +84,13 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
         settings.last_stop = "skip"
         return {"skipped": service.interrupt()}
 
-    @router.get("/samplers", responses=errors(401), summary="The one sampler that runs")
+    @router.get("/samplers", responses=errors(401), summary="The samplers that run")
     async def samplers():
-        return [{"name": RAN_SAMPLER, "aliases": ["ddim"], "options": {"eta": "0"}}]
+        return a1111_samplers()
 
-    @router.get("/schedulers", responses=errors(401), summary="The one schedule that runs")
+    @router.get("/schedulers", responses=errors(401), summary="The schedulers that run")
     async def schedulers():
-        return [{"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1.0, "need_inner_model": False}]
+        return a1111_schedulers()
 
     @router.get("/options", responses=errors(401), summary="Settings")
     async def get_options():

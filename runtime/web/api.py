@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.edit import Edit
+from ..model.samplers import SAMPLER_NAMES
 from ..model.schema import Adapters, ClipSkip, Guidance, Int, SizeCond, Steps, between
 from ..serving.errors import ApiError
 from ..uploads import ImageInputError, decode_base64
@@ -24,6 +25,9 @@ from ..uploads import ImageInputError, decode_base64
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 BASE64 = {"format": "byte", "contentEncoding": "base64"}  # how OpenAPI says "an image as base64 text"
 SIZE = r"^(\d{1,5}x\d{1,5}|auto)$"
+SAMPLERS = ", ".join(SAMPLER_NAMES)
+SAMPLER = (f"The sampler: {SAMPLERS}, or AUTOMATIC1111's name for one (\"DPM++ 2M Karras\", \"Euler a\"); the "
+           "server's (its config's base.sampler, else the model's scheduler) if omitted. A base's edits run its sampler.")
 
 
 class OpenAiOptions(BaseModel):
@@ -41,7 +45,7 @@ class OpenAiOptions(BaseModel):
     output_compression: Optional[between(Int, 0, 100)] = Field(None, description="jpeg, webp: the encoder's quality (100 by default).")
     background: Optional[Literal["transparent", "opaque", "auto"]] = Field(None, description="auto or opaque (the images are opaque); transparent is refused.")
     quality: Optional[Literal["low", "medium", "high", "xhigh", "max", "auto", "standard", "hd"]] = Field(
-        None, description="auto or standard: the server's DDIM steps (send steps to change them); others are refused.")
+        None, description="auto or standard: the server's sampling steps (send steps to change them); others are refused.")
     moderation: Optional[Literal["low", "auto"]] = Field(None, description="Accepted: this server filters nothing (said in info.accepted).")
     complexity: Optional[Literal["low", "medium", "high"]] = Field(None, description="Refused: send steps.")
     frame_count: Optional[int] = Field(None, description="Refused: no GIF output.")
@@ -58,9 +62,10 @@ class GenerationRequest(OpenAiOptions):
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. Shared by the base and all its edits.")
     n: int = Field(1, ge=1, le=8, description="Bases to generate, from consecutive seeds (seed, seed + 1, ...).")
     style: Optional[Literal["vivid", "natural"]] = Field(None, description="Refused: describe the style in the prompt.")
-    steps: Optional[Steps] = Field(None, description="DDIM steps; the server's default if omitted.")
+    steps: Optional[Steps] = Field(None, description="Sampling steps; the server's default if omitted.")
     cfg_scale: Optional[Guidance] = Field(None, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
+    sampler: Optional[str] = Field(None, max_length=100, description=SAMPLER)
     clip_skip: Optional[ClipSkip] = Field(None, description="Text-encoder layers to skip from the end (diffusers' clip_skip).")
     original_width: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original width.")
     original_height: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original height.")
@@ -91,6 +96,7 @@ class EditsRequest(BaseModel):
     n: int = Field(1, ge=1, le=8, description="Variations per edit: n > 1 runs each edit with n seeds (its seed, seed + 1, ..., or random ones), returned in each image's info.")
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.partial_image, image_edit.completed, done.")
     partial_images: int = Field(0, ge=0, le=3, description="With stream: that many decoded previews per edit (image_edit.partial_image events).")
+    sampler: Optional[str] = Field(None, max_length=100, description="The base's sampler runs its edits (an image's: ddim); another is refused. Omit it, or send the base's (its info.sampler).")
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -116,7 +122,7 @@ class Ran(BaseModel):
     """What ran, where a request's OpenAI fields could have said otherwise."""
 
     model: Optional[str] = Field(None, description="The served model.")
-    sampler: Optional[str] = Field(None, description="DDIM (eta 0): the one sampler.")
+    sampler: Optional[str] = Field(None, description=f"The sampler that ran: its name ({SAMPLERS}) and AUTOMATIC1111's, as \"dpmpp_2m_karras (DPM++ 2M Karras)\".")
     steps: Optional[int] = None
     seeds: Optional[list[Optional[int]]] = Field(None, description="Each image's seed (an edit without one: null, the deterministic edit).")
     output_compression: Optional[int] = None
@@ -154,6 +160,7 @@ class EditInfo(BaseModel):
     directions: Optional[list[dict[str, Any]]] = Field(None, description="The edit's directions as they ran ({prompt, strength} each); absent for a plain edit.")
     preserve: str
     seed: Optional[int] = Field(None, description="The variation's seed (null: the deterministic edit).")
+    sampler: Optional[str] = Field(None, description="The sampler it ran: its base's (an uploaded image's: ddim).")
 
 
 class EditData(ImageData):

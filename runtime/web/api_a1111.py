@@ -36,11 +36,12 @@ from pydantic import BaseModel, Field, ValidationError
 from .. import __version__
 from ..loop.jobs import CancelledError
 from ..model.edit import Edit
+from ..model.samplers import a1111_label
 from ..pnginfo import base_id_of
 from ..serving.errors import ApiError, row_error, validation_error
 from ..serving.service import Edited, Service, watch
-from .a1111_fields import (RAN_SAMPLER, Common, Img2Img, Settings, Txt2Img, accepted, check_off, override, prompts_of,
-                           refuse)  # fmt: skip
+from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_off, eta_of, override, prompts_of, refuse,
+                           requested_sampler)  # fmt: skip
 from .a1111_jobs import job_routes, model_names, vae_names
 from .a1111_loras import PromptLoras, adapters_info, base_adapters, edit_adapters, lora_routes, prompt_loras
 from .a1111_masks import a1111_pixel_mask, mask_from_bytes
@@ -85,14 +86,16 @@ def a1111_routes(service: Service) -> APIRouter:
         clip_skip, _ = clip_skip_of(body)
         want = served_size(body, service.cfg.served_sizes())
         epoch = service.interrupts
+        sampler, field = requested_sampler(body, service.sampler_of(None))
         first = service.base_of(body.prompt, body.negative_prompt, f"{want[0]}x{want[1]}", body.steps, body.cfg_scale,
-                                body.seed, clip_skip)  # fmt: skip
+                                body.seed, clip_skip, sampler=sampler, sampler_param=field)  # fmt: skip
         first = replace(first, adapters=base_adapters(service, first.adapters, loras))
         bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
         results = await together([service.generate(b, http, previews=live_previews(b.steps)) for b in bases], epoch, service)
         made = finished(results, epoch, service)
         info = info_of(service, body, first, [g.base.seed for g in made], [png_text(g.png) for g in made],
-                       interrupted=len(made) < len(bases), clip_skip=first.clip_skip, accepted_=stripped)  # fmt: skip
+                       interrupted=len(made) < len(bases), clip_skip=first.clip_skip, sampler=first.sampler,
+                       accepted_={**accepted(body, first.sampler), **stripped})  # fmt: skip
         info.update(base_id=made[0].id, base_ids=[g.id for g in made], **({"adapters": adapters_info(loras)} if loras.uses else {}))
         return {"images": [b64(g.png) for g in made] if body.send_images else [], "parameters": sent.model_dump(),
                 "info": json.dumps(info)}  # fmt: skip
@@ -123,7 +126,7 @@ def a1111_routes(service: Service) -> APIRouter:
             binary = await service.in_image_pool("mask", mask_from_bytes, raw, "mask", s.max_image_bytes, s.max_image_pixels)
         seed = body.seed if body.seed >= 0 else secrets.randbelow(2**31)
         epoch = service.interrupts
-        ran = {**accepted(body), **inpainting_accepted(body), **stripped}
+        ran = {**inpainting_accepted(body), **stripped}
         bases = []  # per init image: (base id, its Base fields, the init image's pixels when masked)
         for i, data in enumerate(body.init_images):
             param = f"init_images[{i}]"
@@ -145,9 +148,14 @@ def a1111_routes(service: Service) -> APIRouter:
                 upload = await service.upload(raw, param)
                 made = await inverted(service, upload, body, clip_skip, epoch)
                 found = {"width": made.base.width, "height": made.base.height, "steps": made.base.steps,
-                         "clip_skip": made.base.clip_skip}  # fmt: skip
+                         "clip_skip": made.base.clip_skip, "sampler": made.base.sampler, "image": made.base.image}  # fmt: skip
                 bid, pixels = made.id, upload.pixels
             bases.append((bid, found, pixels))
+        # what the edits run: the first image's base's sampler (an uploaded image's: DDIM)
+        sampler = bases[0][1].get("sampler") or service.sampler_of(None)
+        why = ("an uploaded image is inverted with DDIM, and its edits run DDIM" if bases[0][1].get("image") else
+               "this image's base's: an edit re-enters its base's chain with its sampler")  # fmt: skip
+        ran = {**accepted(body, sampler, why), **ran}
         # image j of batch_size x n_iter: init image j % per_iter (or the one), seed + j
         where = [(0 if k == 1 else j % per_iter, j) for j in range(per_iter * body.n_iter)]
         try:
@@ -176,7 +184,7 @@ def a1111_routes(service: Service) -> APIRouter:
         made = finished([done[j] for j in range(len(where))], epoch, service)
         seeds = [seed + j for j in range(len(where)) if isinstance(done[j], Edited)]
         info = info_of(service, body, None, seeds, [png_text(e.png) for e in made], interrupted=len(made) < len(where),
-                       clip_skip=bases[0][1]["clip_skip"], steps=bases[0][1]["steps"],
+                       clip_skip=bases[0][1]["clip_skip"], steps=bases[0][1]["steps"], sampler=sampler,
                        size=(bases[0][1]["width"], bases[0][1]["height"]),
                        accepted_=ran, extra=png_fields if binary is not None else {})  # fmt: skip
         info.update(base_ids=[b[0] for b in bases], tail_steps=[e.tail_steps for e in made],
@@ -290,7 +298,7 @@ async def edits_or_errors(service: Service, bid: str, specs: list[Edit], http: O
         elif kind == "image_edit.completed":
             info = data["info"]
             out[data["index"]] = Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
-                                        info["strength"])  # fmt: skip
+                                        info["strength"], sampler=info.get("sampler"))  # fmt: skip
     return out
 
 
@@ -344,9 +352,11 @@ def png_text(png: bytes) -> str:
 
 
 def info_of(service: Service, body: Common, base, seeds: list[int], infotexts: list[str], interrupted: bool,
-            clip_skip: Optional[int], steps: Optional[int] = None, size: Optional[tuple[int, int]] = None,
+            clip_skip: Optional[int], sampler: str, steps: Optional[int] = None, size: Optional[tuple[int, int]] = None,
             accepted_: Optional[dict] = None, extra: Optional[dict] = None) -> dict[str, Any]:  # fmt: skip
-    """A1111's ``info`` of a job (its ``Processed.js()`` keys) as it ran here."""
+    """A1111's ``info`` of a job (its ``Processed.js()`` keys) as it ran here: ``sampler`` the
+    canonical one that ran, ``accepted_`` what ran instead of what the request said."""
+    sampler_name, scheduler = a1111_label(sampler)
     cfg = service.cfg.base
     steps = steps if steps is not None else (base.steps if base is not None else cfg.steps)
     width, height = size or ((base.width, base.height) if base is not None else (cfg.width, cfg.height))
@@ -356,7 +366,7 @@ def info_of(service: Service, body: Common, base, seeds: list[int], infotexts: l
         "prompt": body.prompt, "all_prompts": [body.prompt] * n, "negative_prompt": negative,
         "all_negative_prompts": [negative] * n, "seed": seeds[0], "all_seeds": seeds, "subseed": -1,
         "all_subseeds": [-1] * n, "subseed_strength": 0, "width": width, "height": height,
-        "sampler_name": RAN_SAMPLER, "scheduler": "Automatic", "eta": 0.0,
+        "sampler_name": sampler_name, "scheduler": scheduler, "eta": eta_of(sampler),
         "cfg_scale": body.cfg_scale if body.cfg_scale is not None else (base.guidance if base is not None else cfg.guidance),
         "steps": steps, "batch_size": body.batch_size, "n_iter": body.n_iter, "restore_faces": False,
         "face_restoration_model": None, "sd_model_name": service.model_name, "sd_model_hash": service.fingerprint[:10],
@@ -364,5 +374,5 @@ def info_of(service: Service, body: Common, base, seeds: list[int], infotexts: l
         "denoising_strength": getattr(body, "denoising_strength", None), "extra_generation_params": extra or {},
         "index_of_first_image": 0, "infotexts": infotexts, "styles": [], "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
         "clip_skip": (clip_skip if clip_skip is not None else cfg.clip_skip) + 1, "is_using_inpainting_conditioning": False,
-        "version": f"edit-rt {__version__}", "accepted": {**accepted(body), **(accepted_ or {})}, "interrupted": interrupted,
+        "version": f"edit-rt {__version__}", "accepted": dict(accepted_ or {}), "interrupted": interrupted,
     }  # fmt: skip

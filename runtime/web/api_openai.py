@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..model.sweep import expand_all
 from ..serving.errors import ApiError, validation_error
-from ..serving.service import Service
+from ..serving.service import Service, sampler_label
 from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
     decode_base64_or_400, errors  # fmt: skip
 from .forms import edit_upload, seeds_of, variation_upload
@@ -49,10 +49,10 @@ def openai_routes(service: Service) -> APIRouter:
         size = None if body.size == "auto" else body.size
         sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
-                                body.clip_skip, sizes, body.adapters)  # fmt: skip
+                                body.clip_skip, sizes, body.adapters, body.sampler)  # fmt: skip
         delivery = delivery_of(body, service.model_name, first.steps)
         bases = [replace(first, seed=first.seed + k) for k in range(body.n)]
-        ran = {"model": service.model_name, "sampler": "DDIM", "steps": first.steps, "seeds": [b.seed for b in bases],
+        ran = {"model": service.model_name, "sampler": sampler_label(first.sampler), "steps": first.steps, "seeds": [b.seed for b in bases],
                "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
         size = f"{first.width}x{first.height}"
         if delivery.stream:
@@ -113,6 +113,10 @@ def openai_routes(service: Service) -> APIRouter:
         if body.partial_images and not body.stream:
             raise ApiError(400, "partial_images: partial images are streamed: send stream true with it, or leave it out",
                            param="partial_images", code="unsupported_value")  # fmt: skip
+        if body.sampler is not None:  # a base's edits run its sampler (an image's: DDIM); another is refused
+            ran = "ddim" if body.image is not None else await base_sampler(service, body.base_id)
+            service.same_sampler(body.sampler, ran, "this image is inverted with DDIM" if body.image is not None else
+                         "this base ran " + sampler_label(ran))  # fmt: skip
         if body.image is not None:
             upload = await service.upload(decode_base64_or_400(body.image), "image")
             made = await service.invert(upload, body.source_prompt, body.negative_prompt)
@@ -167,6 +171,11 @@ def openai_routes(service: Service) -> APIRouter:
         return adapter_list(service)
 
     return router
+
+
+async def base_sampler(service: Service, bid: str) -> str:
+    """The sampler stored base ``bid`` ran (and its edits run); 404 for an unknown base."""
+    return (await service.base_info(bid))["base"].get("sampler") or service.default_sampler
 
 
 def adapter_list(service: Service) -> dict:

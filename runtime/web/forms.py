@@ -23,7 +23,7 @@ from starlette.requests import Request as HttpRequest
 from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
 from ..serving.errors import ApiError, echo, validation_error
-from ..serving.service import Service
+from ..serving.service import Service, sampler_label
 from .api import OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
 from .openai_mask import mask_from_bytes
@@ -44,12 +44,13 @@ class EditForm(OpenAiOptions):
     input_fidelity: Optional[Literal["high", "low"]] = Field(None, description="low (OpenAI's default): the tail; high is refused (send tail_steps).")
     source_prompt: str = Field("", description="What the image shows: the inversion's prompt.")
     negative_prompt: Optional[str] = Field(None, description="The new base's negative prompt (omitted: the family's default).")
-    steps: Optional[Steps] = Field(None, description="DDIM steps of the inversion.")
+    steps: Optional[Steps] = Field(None, description="DDIM steps of the inversion (its edits run them too).")
     cfg_scale: Optional[Guidance] = Field(None, description="Guidance of the inversion and the edit.")
     strength: Optional[Strength] = Field(None, description="The edit's strength (cache.default_strength by default).")
     tail_steps: Optional[between(Int, 1, 1000)] = Field(None, description="The edit's tail (cache.default_tail_fraction by default).")
     seed: Optional[Seed] = Field(None, description="A variation's seed (n > 1: seed, seed + 1, ...; random if omitted).")
     preserve: Optional[PreserveMode] = Field(None, description="auto: only where the changed words attend may the image change.")
+    sampler: Optional[str] = Field(None, max_length=100, description="ddim: an uploaded image is inverted with DDIM and its edits run DDIM (another is refused).")
 
 
 class VariationForm(OpenAiOptions):
@@ -58,10 +59,11 @@ class VariationForm(OpenAiOptions):
     n: between(Int, 1, 8) = Field(1, description="Variations: seeds seed, seed + 1, ...")
     source_prompt: str = Field("", description="What the image shows: the inversion's prompt and the variations'.")
     negative_prompt: Optional[str] = Field(None, description="The new base's negative prompt (omitted: the family's default).")
-    steps: Optional[Steps] = Field(None, description="DDIM steps of the inversion.")
+    steps: Optional[Steps] = Field(None, description="DDIM steps of the inversion (its edits run them too).")
     cfg_scale: Optional[Guidance] = Field(None, description="Guidance of the inversion and the variations.")
     tail_steps: Optional[between(Int, 1, 1000)] = Field(None, description="The re-noised tail (cache.default_tail_fraction by default).")
     seed: Optional[Seed] = Field(None, description="The first variation's seed (random if omitted).")
+    sampler: Optional[str] = Field(None, max_length=100, description="ddim: an uploaded image is inverted with DDIM and its variations run DDIM (another is refused).")
 
 
 EDIT_FILES = ("image", "image[]", "mask", "markup")
@@ -150,6 +152,8 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     if len(masks) > 1:
         raise ApiError(400, "mask: one mask (it applies to the first image, as OpenAI's does)", param="mask", code="too_many")
     size = check_size(service, fields.size)
+    if fields.sampler is not None:
+        service.same_sampler(fields.sampler, "ddim", "an uploaded image is inverted with DDIM")
     cfg = service.cfg
     steps = fields.steps or cfg.base.steps
     tail = fields.tail_steps or max(1, round(cfg.cache.default_tail_fraction * steps))
@@ -171,7 +175,7 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     # The mask is the first image's (as OpenAI's); outside it the reply is that upload's own
     # pixels (an inverted base composites onto its source pixels: pipeline.base_image).
     masked = lambda k: {} if k or pixel_mask is None else {"pixel_masks": [pixel_mask] * len(specs), "mask_param": "mask"}  # noqa: E731
-    ran = {"model": service.model_name, "sampler": "DDIM", "steps": steps, "seeds": seeds * len(bids),
+    ran = {"model": service.model_name, "sampler": sampler_label("ddim"), "steps": steps, "seeds": seeds * len(bids),
            "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
     extra = lambda index: {"seed": seeds[index % len(seeds)]}  # noqa: E731
     if delivery.stream:
@@ -222,6 +226,8 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
         raise ApiError(400, "image: one file field named image (create_variation takes one image)", param="image",
                        code="missing" if not images else "too_many")  # fmt: skip
     size = check_size(service, fields.size)
+    if fields.sampler is not None:
+        service.same_sampler(fields.sampler, "ddim", "an uploaded image is inverted with DDIM")
     steps = fields.steps or service.cfg.base.steps
     delivery = delivery_of(fields, service.model_name, steps)
     if delivery.stream:
@@ -238,7 +244,7 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
     upload = await service.upload(await images[0].read(), "image")
     made = await service.invert(upload, fields.source_prompt, fields.negative_prompt, fields.steps, fields.cfg_scale)
     done = await service.edit_base(made.id, specs, http)
-    ran = {"model": service.model_name, "sampler": "DDIM", "steps": steps, "seeds": seeds,
+    ran = {"model": service.model_name, "sampler": sampler_label("ddim"), "steps": steps, "seeds": seeds,
            "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
     return {"created": int(time.time()), "base_id": made.id, "base_ids": [made.id], **delivery.reply_fields(size), "info": ran,
             "data": [{"index": e.index, "b64_json": b64(await encode(delivery, e.png)), "info": {**e.info(), "seed": seeds[e.index]}}

@@ -21,7 +21,7 @@ output_compression  implemented for jpeg and webp (the encoder's quality, 100 by
 background          ``auto`` and ``opaque`` accepted (Stable Diffusion images are opaque);
                     ``transparent`` 400
 quality             ``auto`` and ``standard`` (the default of the clients that send it)
-                    accepted, reported as the DDIM steps that ran; any other 400 (send steps)
+                    accepted, reported as the sampling steps that ran; any other 400 (send steps)
 moderation          accepted: this server filters nothing, which ``info.accepted`` says
 input_fidelity      ``low`` (OpenAI's default) accepted and reported as the tail that ran;
                     ``high`` 400 (send fewer tail_steps or a lower strength)
@@ -93,7 +93,7 @@ def refuse(param: str, message: str) -> ApiError:
 
 def delivery_of(body: Any, served_model: str, steps: int, tail: Optional[str] = None) -> Delivery:
     """``body``'s OpenAI fields (an :class:`~edit_rt.runtime.web.api.OpenAiOptions`) checked
-    and read as a :class:`Delivery`. ``steps``: the DDIM steps that will run (what ``quality``
+    and read as a :class:`Delivery`. ``steps``: the sampling steps that will run (what ``quality``
     is reported as); ``tail``: what the edit's tail is (what ``input_fidelity`` is reported as)."""
     got = lambda name: getattr(body, name, None)  # noqa: E731 (not every route has every field)
     out = Delivery(stream=bool(got("stream")))
@@ -125,9 +125,9 @@ def delivery_of(body: Any, served_model: str, steps: int, tail: Optional[str] = 
     quality = got("quality")
     if quality is not None:
         if quality not in DEFAULT_QUALITIES:
-            raise refuse("quality", f"{quality!r} is not supported: quality here is the number of DDIM steps; send "
+            raise refuse("quality", f"{quality!r} is not supported: quality here is the number of sampling steps; send "
                          "steps (extra_body) and quality auto, or leave it out")  # fmt: skip
-        out.accepted["quality"] = f"{steps} DDIM steps (the server's; send steps to change them)"
+        out.accepted["quality"] = f"{steps} sampling steps (the server's; send steps to change them)"
     if got("moderation") is not None:
         out.accepted["moderation"] = "none: this server filters nothing"
     fidelity = got("input_fidelity")
@@ -137,7 +137,7 @@ def delivery_of(body: Any, served_model: str, steps: int, tail: Optional[str] = 
     if fidelity is not None:
         out.accepted["input_fidelity"] = f"the tail that ran: {tail}" if tail else "the default tail"
     for name, why in (("style", "DALL-E 3's vivid/natural are not supported; describe the style in the prompt"),
-                      ("complexity", "not supported; the effort here is the number of DDIM steps: send steps"),
+                      ("complexity", "not supported; the effort here is the number of sampling steps: send steps"),
                       ("frame_count", "GIF output is not supported"), ("frame_duration_ms", "GIF output is not supported"),
                       ("svg", "SVG output is not supported")):  # fmt: skip
         if got(name) is not None:
