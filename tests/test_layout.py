@@ -108,6 +108,7 @@ def test_runtime_imports_no_torch_world_and_no_cli():
 STEP_NAMES = {"timestep", "alpha_t", "coefs", "noise", "guidance", "uncond_index", "uncond_given", "self_ref",
               "uncond_out", "attn_maps"}  # fmt: skip
 LOOP_FILES = ["runtime/loop/slots.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
+              "runtime/loop/solver_slots.py", "runtime/loop/uncond_sets.py", "runtime/loop/bindings.py",
               "runtime/engine/backend.py", "runtime/engine/backend_ort.py", "runtime/engine/backend_trt.py",
               "runtime/pipeline.py", "export/parity.py", "scripts/gpu_bench.py"]  # fmt: skip
 

@@ -31,6 +31,7 @@ from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.loop.solver_slots import ancestral_noise
 from edit_rt.runtime.model.edit import TailRow
 from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .conftest import TEST_BASE
 
@@ -131,3 +132,20 @@ def test_rows_of_different_samplers_batched_equal_each_alone(pipeline, sampler_s
         np.testing.assert_allclose(result.latent, expected, atol=BATCH_ATOL)
     # and they differ by sampler: the same edit of another sampler's base is another image
     assert np.abs(alone[0] - alone[2]).max() > 1e-2
+
+
+def test_a_multistep_base_keeps_its_history_through_the_disk_tier(pipeline, sampler_states, tmp_path):
+    """A windowed DPM++ base written to the store's disk tier and read back by a fresh store
+    (another process, a restart) still reproduces itself from the window's first step: its x_0
+    per step (from two steps before the window) came back with it."""
+    state = sampler_states["dpmpp_2m_karras"].windowed(4)
+    assert state.x0.shape[0] == TEST_BASE.steps - 4 + 2
+    BaseStore(pipeline.manifest.fingerprint, 1 << 26, tmp_path, 1 << 28).put(state)
+    again = BaseStore(pipeline.manifest.fingerprint, 1 << 26, tmp_path, 1 << 28).get(base_id(pipeline.manifest.fingerprint, state.base))
+    np.testing.assert_array_equal(again.x0, state.x0)
+    g = TEST_BASE.guidance
+    for final in pipeline.run_tail(again, [TailRow(TEST_BASE.prompt, 1.0, 4, g), TailRow("a cat", 0.0, 6, g)]):
+        np.testing.assert_allclose(final, state.final_latent[0], atol=BATCH_ATOL)
+    # without its history the same tail is another image: the test can tell
+    lost = dataclasses.replace(again, x0=np.zeros_like(again.x0))
+    assert np.abs(pipeline.run_tail(lost, [TailRow(TEST_BASE.prompt, 1.0, 4, g)])[0] - state.final_latent[0]).max() > 1e-3

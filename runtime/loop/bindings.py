@@ -62,9 +62,9 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
         sig.step_noise: s.dev[sig.step_noise].view(latent(n)),
         **{name: s.dev[name].view((n,)) for name in [*sig.step_scalars, *sig.row_scalars]},
         **{name: s.dev[name].view((n, *s.specs[name][1:])) for name in s.row_kv},
-        **{name: s.dev[name].view(s._set_shape(name, m)) for name in s.set_kv},
+        **{name: s.dev[name].view(s.uncond.shape(name, m)) for name in s.uncond.set_kv},
         **{name: s.dev[name].view((n, *s.specs[name][1:])) for name in s.row_cond},
-        **{name: s.dev[name].view((m, *s.specs[name][1:])) for name in s.set_cond},
+        **{name: s.dev[name].view((m, *s.specs[name][1:])) for name in s.uncond.set_cond},
         **{name: s.dev[name].view(tuple(s.specs[name])) for name in sig.adapter_weights},
     }
     if sig.row_adapters is not None:

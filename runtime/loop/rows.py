@@ -82,12 +82,6 @@ class Row:
 
 
 @dataclass
-class _Set:
-    kv: KV
-    users: int = 0
-
-
-@dataclass
 class SchedulerStats:
     calls: int = 0
     map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)

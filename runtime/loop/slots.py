@@ -14,7 +14,8 @@ Where things live (docs/engines.md, "The step loop", says why):
   back into the step's input on the device (solver_slots.py: the sampler's buffers); a row's latent comes
   back when it finishes (a generation's every step; the maps while ``preserve: auto`` collects
   them), with one synchronization per step;
-- the negative prompts' K/V are resident once per distinct set (keyed by value), side by side;
+- the negative prompts' K/V are resident once per distinct set (keyed by value), side by side
+  (uncond_sets.py);
 - a call runs at a *bucket* of rows (``buckets``: pow2 on a GPU, one captured graph each; every
   count on the CPU), the padding bound but ignored; bindings per bucket live in an LRU
   (bindings.py);
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import numpy as np
@@ -39,8 +39,9 @@ from ..engine.device import DeviceTensor
 from ..engine.step_signature import StepSignature
 from ..model.adapters import AdapterBank
 from .bindings import BindingCache, bind_blend, bind_step
-from .rows import Row, SchedulerStats, _floor_pow2, _Set
+from .rows import Row, SchedulerStats, _floor_pow2
 from .solver_slots import SolverSlots
+from .uncond_sets import UncondSets
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,6 @@ class RowScheduler:
         self.stats = SchedulerStats()
         self.active: list[Row] = []
         self.pending: list[Row] = []
-        self.sets: OrderedDict[str, _Set] = OrderedDict()
         self.entry_rows = 0  # trailing active rows whose u is given at this step
         # The rows the current step placed (a failed step's suspects, batcher.py), and whether
         # its graph ran: before that a failed step has changed no row's latent or step.
@@ -102,8 +102,7 @@ class RowScheduler:
 
         latent_elems = math.prod(self.latent_shape)
         hw = math.prod(self.latent_shape[1:])
-        self.row_kv, self.set_kv = list(sig.row_kv), list(sig.set_kv)
-        self.row_cond, self.set_cond = sig.row_cond, sig.set_cond  # input -> the family's cond
+        self.row_kv, self.row_cond = list(sig.row_kv), sig.row_cond  # row_cond: input -> the family's cond
         # Per-row element counts of everything a slot holds (moved together on a leave).
         self.row_elems: dict[str, int] = {sig.set_index: 1, sig.latents: latent_elems, "keep": hw, "add": latent_elems,
                                           **{name: 1 for name in sig.row_scalars}}  # fmt: skip
@@ -133,9 +132,7 @@ class RowScheduler:
             sig.set_index: alloc(sig.set_index, max_rows),
             **{name: alloc(name, max_rows) for name in [*sig.step_scalars, *sig.row_scalars]},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_kv},
-            **{name: alloc(name, max_sets * self._set_elems(name)) for name in self.set_kv},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
-            **{name: alloc(name, max_sets * math.prod(self.specs[name][1:])) for name in self.set_cond},
             **{name: alloc(name, math.prod(self.specs[name])) for name in sig.adapter_weights},
         }
         if sig.row_adapters is not None:
@@ -146,6 +143,7 @@ class RowScheduler:
             self.dev[sig.attn_maps] = alloc(sig.attn_maps, max_rows * self.map_elems)
         self.dev[sig.row_ref] = alloc(sig.row_ref, max_rows)
         self.solver = SolverSlots(sig, graph, self.latent_shape, max_rows, self.dev)
+        self.uncond = UncondSets(sig, text_len, max_sets, alloc, self.dev, self.stats)  # the negative prompts' K/V
         self.row_elems[sig.history] = self.solver.history_elems
         self.dev[sig.row_ref].write(self.self_ref)  # every row its own reference until one keeps structure
         self.refs_written = False
@@ -159,12 +157,6 @@ class RowScheduler:
         if name == self.sig.attn_maps:
             return self.maps_graph.dtype(name)
         return self.graph.dtype(name)
-
-    def _set_elems(self, name: str) -> int:
-        return math.prod(self.text_len if d == "S" else d for d in self.specs[name])
-
-    def _set_shape(self, name: str, sets: int) -> tuple[int, ...]:
-        return tuple(sets * self.text_len if d == "S" else d for d in self.specs[name])
 
     def bucket(self, n: int) -> int:
         """The rows a call of ``n`` active rows runs at."""
@@ -193,8 +185,7 @@ class RowScheduler:
         """A free slot, and room for the row's negative prompt among the call's sets."""
         if self.free_slots <= 0:
             return False
-        needed = {k for k, s in self.sets.items() if s.users} | {r.uncond.digest for r in self.pending}
-        return len(needed | {row.uncond.digest}) <= self.max_sets
+        return self.uncond.fits([r.uncond.digest for r in self.pending] + [row.uncond.digest])
 
     def admit(self, row: Row) -> None:
         """Queue ``row`` for the next step (its slot is written when that step starts)."""
@@ -219,24 +210,16 @@ class RowScheduler:
         self.pending.sort(key=given)
         self.joined.clear()  # in place: a step allocates nothing
         self.joined.extend(self.pending)
-        needed = {r.uncond.digest for r in self.pending}
-        new = [key for key in needed if key not in self.sets]
-        if new:
-            # Sets nobody uses make room, but never one a joining row needs (it has no users yet).
-            for key in [k for k, s in self.sets.items() if not s.users and k not in needed]:
-                del self.sets[key]
-            for row in self.pending:
-                self.sets.setdefault(row.uncond.digest, _Set(row.uncond))
-            self._write_sets()
-        positions = {key: k for k, key in enumerate(self.sets)}
+        if self.uncond.place(self.pending):
+            self._reindex()
+        positions = self.uncond.positions()
         latent, sig = self.latent_elems, self.sig
         while self.pending:
             # The bookkeeping first, then the writes: a row is pending or placed, never half
             # of each, whatever raises (remove() undoes either).
             row = self.pending.pop(0)
             self.references += row.reference
-            row.set_key = row.uncond.digest
-            self.sets[row.set_key].users += 1
+            self.uncond.join(row)
             r = row.slot = len(self.active)
             self.active.append(row)
             for name, kv in zip(self.row_kv, row.kv):
@@ -262,19 +245,13 @@ class RowScheduler:
         self.dev["keep"].write(keep, offset=row.slot * self.row_elems["keep"])
         row.keep_written = row.keep
 
-    def _write_sets(self) -> None:
-        """Lay the resident sets side by side on the token axis and re-index every row."""
-        for j, name in enumerate(self.set_kv):
-            axis = self.specs[name].index("S")
-            self.dev[name].write(np.concatenate([s.kv.tensors[j][0] for s in self.sets.values()], axis=axis))
-        for name, cond in self.set_cond.items():  # [sets, dim]: one row per set
-            self.dev[name].write(np.concatenate([s.kv.extras[cond] for s in self.sets.values()]))
-        positions = {key: k for k, key in enumerate(self.sets)}
+    def _reindex(self) -> None:
+        """Every placed row's set index, after the sets' layout was rewritten."""
+        positions = self.uncond.positions()
         for r, row in enumerate(self.active):
             self.uncond_index[r] = positions[row.set_key]
         if self.active:
             self.dev[self.sig.set_index].write(self.uncond_index[: len(self.active)])
-        self.stats.set_writes += 1
 
     def remove(self, row: Row) -> None:
         """Take ``row`` out (finished or cancelled); the last row moves into its slot."""
@@ -294,9 +271,9 @@ class RowScheduler:
         self.active.pop()
         self.references -= row.reference
         row.slot = -1
-        self.sets[row.set_key].users -= 1
+        self.uncond.leave(row)
         if not self.active and not self.pending:
-            self.sets.clear()  # idle: the next rows start with only their own sets
+            self.uncond.clear()
 
     def suspend(self, rows: Sequence[Row]) -> None:
         """Take ``rows`` out so that they can be admitted again where they are: each placed
@@ -316,10 +293,8 @@ class RowScheduler:
         """After a failed step: keep only the sets rows use, written afresh with every index
         (a set write the failure cut short leaves nothing behind)."""
         needed = {row.set_key for row in self.active} | {row.uncond.digest for row in self.pending}
-        for key in [k for k in self.sets if k not in needed]:
-            del self.sets[key]
-        if self.sets:
-            self._write_sets()
+        if self.uncond.keep_only(needed):
+            self._reindex()
         self.joined.clear()
 
     # --- the step ----------------------------------------------------------------------------
@@ -374,7 +349,7 @@ class RowScheduler:
         n = len(self.active)
         if n == 0:
             return []
-        b, m = self.bucket(n), len(self.sets)
+        b, m = self.bucket(n), len(self.uncond)
         # The call's last E rows take their unconditional prediction as given: rows at their
         # entry step (placed last) and the bucket's padding. At least one row computes it
         # (ONNX Runtime's MatMul cannot broadcast the sets over an empty batch); with buckets
