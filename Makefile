@@ -8,14 +8,15 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench serve loadtest loadtest-ray train train64 gates64 quality quality64 sliders test clean help
+.PHONY: setup model export engines parity demo bench bench-samplers serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
 	@echo "make test    set up and run the test suite"
 	@echo "make engines build the engines this machine can run (ONNX Runtime CPU; TensorRT with a GPU)"
 	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
-	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png)"
+	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png), then bench-samplers"
+	@echo "make bench-samplers  the samplers at equal image quality on the shapes model (out/bench-samplers/)"
 	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
 	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
@@ -72,6 +73,12 @@ quality: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes.yaml
 
+# make quality on DPM++ 2M Karras bases at the steps that match DDIM's 30 (docs/samplers.md)
+quality-dpmpp: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt engines configs/shapes.yaml
+	$(BIN)/edit-rt quality configs/shapes-dpmpp.yaml --sliders without
+
 # The 64x64 world-2 model (issue 26): one or two objects, VAE factor 4, cross-attention at 16x16
 # and 8x8. A cut run resumes from build/train-shapes64 (its budget counting the time spent).
 train64: setup
@@ -99,10 +106,16 @@ BENCH_MODEL ?= build/models/bench-sd
 $(BENCH_MODEL)/model_index.json: | setup
 	$(BIN)/edit-rt model --preset bench --out $(BENCH_MODEL)
 
-bench: setup $(BENCH_MODEL)/model_index.json
+bench: setup $(BENCH_MODEL)/model_index.json bench-samplers
 	$(BIN)/edit-rt export $(BENCH_CONFIG)
 	$(BIN)/edit-rt engines $(BENCH_CONFIG)
 	$(BIN)/edit-rt bench $(BENCH_CONFIG)
+
+# the samplers at equal image quality on the shapes model (docs/samplers.md), ~15 min on 2 cores
+bench-samplers: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt engines configs/shapes.yaml
+	$(BIN)/python scripts/bench_samplers.py configs/shapes.yaml --out out/bench-samplers
 
 test: setup
 	$(BIN)/python -m pytest -q

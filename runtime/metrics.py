@@ -137,6 +137,13 @@ class Metrics:
             "edit_rt_unet_rows_saved_total": Counter("edit_rt_unet_rows_saved", "UNet rows finished edits did not "
                                                      "run: the steps of their base's chain before their entry step",
                                                      registry=r),  # fmt: skip
+            # Related generations (serving/related.py): served from a stored base's state, or not
+            "edit_rt_related_hits_total": Counter("edit_rt_related_hits", "Generations served related: a stored "
+                                                  "base's tail from a later step", registry=r),  # fmt: skip
+            "edit_rt_related_misses_total": Counter("edit_rt_related_misses", "Generations that looked for a related "
+                                                    "base and were generated from scratch", registry=r),  # fmt: skip
+            "edit_rt_related_steps_saved_total": Counter("edit_rt_related_steps_saved", "Steps related generations "
+                                                         "skipped (UNet calls per row not run)", registry=r),  # fmt: skip
         }
         self.stages = Histogram("edit_rt_stage_seconds", "Seconds of one call of a pipeline stage, by stage",
                                 ["stage"], buckets=STAGE_SECONDS, registry=r)  # fmt: skip

@@ -54,6 +54,8 @@ def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str,
         "Model": model,
         "Model hash": fingerprint[:10],
         "Base id": bid,
+        # a related generation (serving/related.py): the stored base it re-entered, and where
+        **(dict(zip(("Related base", "Skipped steps"), base.related.rsplit("@", 1))) if base.related else {}),
     }
 
 

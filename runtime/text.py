@@ -105,6 +105,27 @@ class PromptEncoding:
         extras = {k: np.concatenate([e[k] for _, e in parts]) for k in parts[0][1]}
         return KV(tensors, extras)
 
+    @timed("text_encode")
+    def prompt_embeddings(self, prompts: Sequence[str], clip_skip: int = 0) -> np.ndarray:
+        """Each prompt's text embedding for finding related bases, [B, D] float32, unit length:
+        the mean of the text encoder's hidden states (at ``clip_skip``'s layer, the states the
+        K/V come from) over its tokens, BOS to EOS (padding left out: it would pull every short
+        prompt together). docs/related.md says why this one and what it separates."""
+        names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
+        out = []
+        for lo in range(0, len(prompts), self.max_batch):
+            chunk = list(prompts[lo : lo + self.max_batch])
+            feeds = {name: np.stack([w.ids for w in ws]) for name, ws in zip(names, self.weighted_ids(chunk))}
+            feeds.update(self._adapter_feeds("text_encoder", None, len(chunk)))
+            hidden = self.graphs["text_encoder"].infer(feeds)[0][:, clip_skip]  # [b, 77, D]
+            ids = feeds[names[0]]
+            eos = self.input_ids([""])[0][1]  # BOS, EOS, padding
+            for b in range(len(chunk)):
+                n = int(np.argmax(ids[b] == eos)) + 1 if (ids[b] == eos).any() else ids.shape[1]
+                v = hidden[b, :n].mean(axis=0).astype(np.float64)
+                out.append((v / max(np.linalg.norm(v), 1e-12)).astype(np.float32))
+        return np.stack(out)
+
     def row_conds(self, base: Base, kv: KV) -> dict[str, np.ndarray]:
         """A row's values of the family's per-row conditioning (none for SD 1.x/2.x): the
         pooled embedding from ``kv`` (already mixed by strength), the size ids from ``base``."""

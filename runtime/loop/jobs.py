@@ -68,7 +68,8 @@ class Job:
     preserve: str = "none"
     # "": an edit (state) or a generation (noise); "invert": DDIM inversion of the image latent
     # ``noise`` over steps row.start_step..T-1; "correct": one forward step of ``state`` from
-    # step row.start_step (pipeline.invert's two phases)
+    # step row.start_step (pipeline.invert's two phases); "related": a related generation of
+    # ``base`` as ``state``'s tail from row.start_step, recorded as a base of its own
     kind: str = ""
 
 

@@ -142,7 +142,7 @@ class RowResolver:
         negative = kv.get((base.negative_prompt, 0, True, ad.text))
         shape = job.noise.shape[1:] if job.state is None else job.state.latents.shape[1:]
         conds = model.row_conds(base, edit) if edit is not None else {}
-        if job.kind:  # an image's inversion and its corrections run DDIM (pipeline.invert)
+        if job.kind in ("invert", "correct"):  # an image's inversion and its corrections run DDIM (pipeline.invert)
             schedule = DDIMSchedule(model.ddim_config, base.steps)
         else:  # a base's own sampler, and every edit's of it: a row never switches sampler
             schedule = model.schedule((base if job.state is None else job.state.base).sampler, base.steps)
@@ -166,6 +166,15 @@ class RowResolver:
             record.latents[0] = job.noise[0] * np.float32(schedule.init_sigma) if schedule.init_sigma != 1 else job.noise[0]
             return Row(schedule, 0, record.latents[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
                        record=record, conds=conds, owner=job, noise_seed=base.seed)  # fmt: skip
+        if job.kind == "related":  # a related generation (serving/related.py): its related base's
+            # tail at strength 1, i.e. with its own prompt's K/V, recording from the entry step
+            state, T, k = job.state, base.steps, job.row.start_step
+            record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32),
+                               np.empty((T, *shape), dtype=np.float32) if schedule.history else None)  # fmt: skip
+            record.latents[k] = state.latent(k)[0]
+            return Row(schedule, k, record.latents[k].copy(), job.row.guidance, [t[0] for t in edit.tensors], state.uncond_kv,
+                       entry_uncond=state.entry_uncond(k), record=record, conds=conds, owner=job,
+                       history=state.history(k) if schedule.history else None, noise_seed=state.base.seed)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
         # the base prompt's and the negative prompt's K/V under the row's text adapters
@@ -238,16 +247,24 @@ class RowResolver:
         for job in jobs:
             row = job.scheduled
             state = None
-            if row.record is not None and not job.kind:
-                cond = KV([t[None] for t in row.kv], {name: row.conds[name][None] for name in self.model.pooled})
-                x0 = None  # a multistep sampler's: from step -2 on (BaseState.x0)
-                if row.record.x0 is not None:
-                    x0 = np.concatenate([np.zeros((2, *row.record.x0.shape[1:]), np.float32), row.record.x0])
-                state = BaseState(job.base, self.model.manifest.fingerprint, 0, row.record.latents, cond, row.uncond,
-                                  row.record.uncond, x0=x0)  # fmt: skip
+            if row.record is not None and job.kind in ("", "related"):
+                state = self._recorded_state(job, row)
             out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
                                  job.preserve, row.keep, row.record))  # fmt: skip
         return out
+
+    def _recorded_state(self, job: Job, row: Row) -> BaseState:
+        """What a generation row recorded, as a base state: from step 0, or a related
+        generation's from its entry step k (window k: steps before it were its related base's,
+        under another prompt; its history at k is that base's)."""
+        cond = KV([t[None] for t in row.kv], {name: row.conds[name][None] for name in self.model.pooled})
+        k, record = row.entry, row.record
+        x0 = None  # a multistep sampler's: from step k - 2 on (BaseState.x0)
+        if record.x0 is not None:
+            before = np.zeros((2, *record.x0.shape[1:]), np.float32) if job.state is None else job.state.history(k)[::-1]
+            x0 = np.concatenate([before, record.x0[k:]])
+        return BaseState(job.base, self.model.manifest.fingerprint, k, record.latents[k:], cond, row.uncond,
+                         record.uncond[k:], x0=x0)
 
 
 def entry_latent(state: BaseState, row: TailRow, schedule: Schedule) -> np.ndarray:

@@ -146,6 +146,32 @@ class RayServe:
 
 @with_config(STRICT)
 @dataclass(frozen=True)
+class Threshold:
+    """One step of the related-generation policy: a prompt at least ``similarity`` close to a
+    stored base's starts from that base's state with ``skip`` of its steps skipped."""
+
+    similarity: between(Float, 0.0, 1.0, lo_open=True)
+    skip: between(Float, 0.0, 1.0, lo_open=True, hi_open=True)
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Related:
+    """Related generations (runtime/serving/related.py): a generation whose prompt is close to
+    a stored base's runs as that base's edit tail at strength 1 (NIRVANA's approximate caching)."""
+
+    # Off by default: a related result is an approximation of the exact generation; a request
+    # says `related: true` to ask, or `false` to refuse, and one with its own seed is exact
+    # unless it asks.
+    enabled: Bool = False
+    # Cosine similarity of the prompts' mean-token text embeddings -> the fraction of steps
+    # skipped, ascending in both (the closer, the later the entry); below the first, a
+    # generation from scratch. Chosen by `make related` on the shapes world (docs/related.md).
+    thresholds: tuple[Threshold, ...] = (Threshold(0.95, 0.2), Threshold(0.98, 0.4))
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
 class Serve:
     """`edit-rt serve`: where it listens and what it accepts."""
 
@@ -182,6 +208,7 @@ class Serve:
     header_timeout_s: Seconds = 10.0
     body_timeout_s: Seconds = 30.0
     ray: RayServe = field(default_factory=RayServe)
+    related: Related = field(default_factory=Related)
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -247,8 +274,17 @@ class RunConfig:
         if not e.min_batch <= e.opt_batch <= e.max_batch:
             raise ConfigError(f"{where}engines: need min_batch <= opt_batch <= max_batch, got "
                               f"{e.min_batch}/{e.opt_batch}/{e.max_batch}")  # fmt: skip
+        thresholds = self.serve.related.thresholds
+        for k in range(1, len(thresholds)):
+            a, b = thresholds[k - 1], thresholds[k]
+            if not (a.similarity < b.similarity and a.skip < b.skip):
+                raise ConfigError(f"{where}serve.related.thresholds[{k}]: similarity {b.similarity:g} / skip {b.skip:g} after "
+                                  f"{a.similarity:g} / {a.skip:g}; list them with both similarity and skip ascending "
+                                  "(the closer the prompt, the more steps skipped)")  # fmt: skip
         if self.serve.token is not None and not self.serve.token.strip():
             raise ConfigError(f"{where}serve.token: empty; set a token, or remove the key to serve without one")
+        if self.base.related is not None:
+            raise ConfigError(f"{where}base.related: set by the server for related generations; remove it")
         if self.base.image is not None and not Path(self.base.image).is_file():
             raise ConfigError(f"{where}base.image: {self.base.image} is not a file; give the path of a PNG or JPEG")
         if self.store.disk_dir is not None and self.store.disk_dir.exists() and not self.store.disk_dir.is_dir():

@@ -221,6 +221,10 @@ class Base:
     # The sampler of its chain, and of every edit of it (samplers.py: "dpmpp_2m_karras", or
     # AUTOMATIC1111's "DPM++ 2M Karras"); None: the model folder's scheduler's.
     sampler: Optional[SamplerName] = None
+    # Set by the server, never in a config: a related generation's "<base id>@<step>", the
+    # stored base whose chain it re-entered at that step (serving/related.py). Its key then
+    # differs from the exact generation's of the same prompt and seed.
+    related: Optional[Str] = None
 
     def time_ids(self) -> list[float]:
         """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""

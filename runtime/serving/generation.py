@@ -1,4 +1,5 @@
-"""A base's generation, as one reply or as events with previews while it runs.
+"""A base's generation, as one reply or as events with previews while it runs; served related
+(serving/related.py: a stored near twin's tail) where the request and the server say so.
 
 A preview is the decoded x_0 that a step predicts (the step graph's, whatever the sampler): one
 VAE decode of its row on the engine thread and one PNG encode in the image pool; rows ask for one every
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Optional
 
+import numpy as np
+
 from starlette.requests import Request as HttpRequest
 
 from ..images import png_bytes
@@ -18,6 +21,7 @@ from ..model.edit import Base, TailRow
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
 from .errors import ApiError, row_error
+from .related import RelatedPlan
 from .results import Generated
 
 Event = tuple[str, dict]
@@ -27,39 +31,68 @@ class Generation:
     """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its pipe, store, metrics,
     image pool and submit / wait / keep)."""
 
-    async def generate(self, base: Base, http: Optional[HttpRequest] = None, previews: int = 0) -> Generated:
+    async def generate(self, base: Base, http: Optional[HttpRequest] = None, previews: int = 0,
+                       related: Optional[bool] = None, seed_given: bool = False) -> Generated:  # fmt: skip
         """Generate ``base``, keep it in the store, return its PNG (with its parameters).
-        ``previews``: made while it runs (the latest kept as ``last_preview``), not returned."""
+        ``previews``: made while it runs (the latest kept as ``last_preview``), not returned.
+        ``related``: serve it from a related stored base (True), never (False), or as the
+        server's ``serve.related.enabled`` says unless the request gave its own seed (None)."""
         if previews > 0:
-            async for kind, data in watch(self.generate_events(base, previews), http):
+            async for kind, data in watch(self.generate_events(base, previews, related, seed_given), http):
                 if kind == "generated":
                     return data
             raise RuntimeError("a generation's events ended without its result")  # generate_events raises first
-        bid, request, job = self._generation(base)
+        vector, plan = await self._related_of(base, related, seed_given)
+        bid, request, job = self._generation(base, plan)
         self.submit(request, [job])
-        (result,) = await self.wait(http, request, [job])
-        return await self._generated(base, bid, result)
+        ok = False
+        try:
+            (result,) = await self.wait(http, request, [job])
+            ok = True
+        finally:
+            self.related_done(plan, ok)
+        return await self._generated(job.base, bid, result, plan, vector)
 
-    def _generation(self, base: Base) -> tuple[str, Request, Job]:
-        """``base``'s id, and its generation as a request of one row from its initial noise."""
+    async def _related_of(self, base: Base, related: Optional[bool], seed_given: bool
+                          ) -> tuple[Optional[np.ndarray], Optional[RelatedPlan]]:  # fmt: skip
+        """The prompt's embedding where related generations are in play (to look up, and to
+        index the result), and the related base the request is served from (None: a miss, or
+        not asked)."""
+        wanted = self.related_wanted(related, seed_given)
+        if not (wanted or self.indexing()):
+            return None, None
+        vector = await self.prompt_vector(base)
+        return vector, (await self.related_plan(base, vector) if wanted else None)
+
+    def _generation(self, base: Base, plan: Optional[RelatedPlan] = None) -> tuple[str, Request, Job]:
+        """``base``'s id, and its generation as a request of one row from its initial noise (or,
+        related, from ``plan``'s base at its entry step, with ``base``'s prompt)."""
         request = self._new_request()
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=self.pipe.initial_noise(base))
+        if plan is not None:
+            base = self.related_base(base, plan)
+            job = Job(request, 0, base, TailRow(base.prompt, 1.0, plan.step, base.guidance), state=plan.state, kind="related")
+        else:
+            job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=self.pipe.initial_noise(base))
         return base_id(self.pipe.manifest.fingerprint, base), request, job
 
-    async def _generated(self, base: Base, bid: str, result) -> Generated:
-        """A finished generation kept in the store, as its reply."""
+    async def _generated(self, base: Base, bid: str, result, plan: Optional[RelatedPlan] = None,
+                         vector: Optional[np.ndarray] = None) -> Generated:  # fmt: skip
+        """A finished generation kept in the store (and in the related index), as its reply."""
         await self.keep(result.state)
+        self.index_base(bid, result.state, vector)
         self.metrics.inc("edit_rt_bases_generated_total")
         fields = base_fields(base, self.model_name, self.pipe.manifest.fingerprint, bid)
         with self.metrics.stage("png_encode"):
             png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, result.seconds, self.store.tier(bid))
+        return Generated(bid, base, png, result.seconds, self.store.tier(bid), None if plan is None else plan.info())
 
-    async def generate_events(self, base: Base, previews: int = 0) -> AsyncIterator[Event]:
+    async def generate_events(self, base: Base, previews: int = 0, related: Optional[bool] = None,
+                              seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
         """``generate`` as events: ``previews`` x "edit_rt.preview" (index, step, of, png: the
         decoded x_0 the step predicts) spread over the steps, then ("generated", Generated).
         Wrap it in :func:`watch` for a client that may leave."""
-        bid, request, job = self._generation(base)
+        vector, plan = await self._related_of(base, related, seed_given)
+        bid, request, job = self._generation(base, plan)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._send_previews(request, events, previews, base.steps)
@@ -72,8 +105,11 @@ class Generation:
                 result = job.future.result()
             except (CancelledError, ShuttingDownError, RowError, StepError) as err:
                 raise row_error(err) from None
-            yield "generated", await self._generated(base, bid, result)
+            self.related_done(plan, True)
+            done, plan = plan, None
+            yield "generated", await self._generated(job.base, bid, result, done, vector)
         finally:
+            self.related_done(plan, False)  # a failed or abandoned row's pin (None once let go above)
             if not job.future.done():
                 request.cancelled.set()  # a client that left: its row goes at the next step
 

@@ -36,10 +36,12 @@ from ..model.state import BaseState
 from ..model.weighting import PromptSyntaxError, prompt_spans
 from ..pipeline import EditPipeline
 from ..pnginfo import edit_fields, parameters_text
+from ..storage.related_index import RelatedIndex
 from ..storage.store import BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, base_id
 from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id, queue_errors, row_error, store_busy,
                      until_done)  # fmt: skip
 from .generation import Generation, watch
+from .related import RelatedGenerations
 from .inversion import Uploads
 from .job_control import JobControl
 from .results import Edited
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 Event = tuple[str, dict]
 
 
-class Service(Generation, Uploads, JobControl):
+class Service(Generation, RelatedGenerations, Uploads, JobControl):
     """The loaded engines, store and batcher, and the operations every route uses."""
 
     def __init__(self, cfg: RunConfig, engines: bool = True):
@@ -64,6 +66,7 @@ class Service(Generation, Uploads, JobControl):
         self.metrics = Metrics(lambda: self.store.stats() if self.store is not None else None, engines)
         self.pipe: Optional[EditPipeline] = None
         self.store: Optional[BaseStore] = None
+        self.related_index: Optional[RelatedIndex] = None
         self.batcher: Optional[Batcher] = None  # the first served size's
         self.batchers: dict[tuple[int, int], Batcher] = {}  # (width, height) -> its step loop
         self.ready = threading.Event()
@@ -90,6 +93,7 @@ class Service(Generation, Uploads, JobControl):
             pipe = pipeline_of(cfg).activate()
             pipe.metrics = self.metrics  # the pipeline's stages (text encode, decode, inversion) time themselves here
             self.store = store_of(cfg, pipe.manifest.fingerprint)
+            self.related_index = RelatedIndex(cfg.store.disk_dir)  # the stored bases by prompt (serving/related.py)
             sizes = cfg.served_sizes()
             if len(sizes) > 1 and pipe.graph_set.backend == "ort-tensorrt":
                 # its provider options take one profile per session; native `trt` plans hold one per size

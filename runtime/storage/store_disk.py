@@ -216,6 +216,7 @@ class DiskTier:
         with self._mem:
             self.bases.pop(bid, None)
         self._unlink(self.path(bid))
+        self._unlink(self.folder / "related" / f"{bid}.json")  # its related-index entry (related_index.py)
 
     @staticmethod
     def _unlink(path: Path) -> None:

@@ -66,6 +66,10 @@ class GenerationRequest(OpenAiOptions):
     cfg_scale: Optional[Guidance] = Field(None, description="Classifier-free guidance; <= 1 turns it off.")
     seed: int = Field(-1, ge=-1, le=2**63 - 1, description="-1 picks a random seed (returned).")
     sampler: Optional[str] = Field(None, max_length=100, description=SAMPLER)
+    related: Optional[bool] = Field(None, description="Serve it from a stored base whose prompt is close (its tail "
+                                    "from a later step: cheaper, approximate; the reply's info.related says which and "
+                                    "how many steps it skipped): true asks, false refuses; none follows the server's "
+                                    "serve.related.enabled, except that a request with its own seed is exact. n must be 1.")
     clip_skip: Optional[ClipSkip] = Field(None, description="Text-encoder layers to skip from the end (diffusers' clip_skip).")
     original_width: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original width.")
     original_height: Optional[SizeCond] = Field(None, description="SDXL: the size conditioning's original height.")
@@ -133,6 +137,9 @@ class GenerationInfo(Ran):
     seconds: float
     store_tier: Optional[str]
     base_ids: list[str]
+    related: list[Optional[dict[str, Any]]] = Field(default_factory=list, description="Per image: the stored base it was "
+                                                    "served from ({base_id, skipped_steps, similarity}), or null: generated "
+                                                    "from scratch.")
 
 
 class OpenAiReply(BaseModel):

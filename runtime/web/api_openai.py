@@ -16,7 +16,7 @@ import asyncio
 import time
 from dataclasses import replace
 
-from fastapi import APIRouter, Request as HttpRequest
+from fastapi import APIRouter, Request as HttpRequest, Response
 from pydantic import ValidationError
 
 from ..model.sweep import expand_all
@@ -45,32 +45,40 @@ def openai_routes(service: Service) -> APIRouter:
 
     @router.post("/v1/images/generations", response_model=GenerationResponse, summary="Generate a base (and keep its state for edits)",
                  responses={200: {"content": SSE}, **errors(*COMMON_ERRORS)})  # fmt: skip
-    async def generations(body: GenerationRequest, http: HttpRequest):
+    async def generations(body: GenerationRequest, http: HttpRequest, response: Response):
         size = None if body.size == "auto" else body.size
         sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
                                 body.clip_skip, sizes, body.adapters, body.sampler)  # fmt: skip
         delivery = delivery_of(body, service.model_name, first.steps)
+        if body.related and body.n > 1:
+            raise ApiError(400, f"related: true serves one image (n of them would all come from the one related base's "
+                           f"noise); send n=1, or related false (n={body.n})", param="related", code="unsupported_value")  # fmt: skip
         bases = [replace(first, seed=first.seed + k) for k in range(body.n)]
+        related = dict(related=body.related if body.n == 1 else False, seed_given=body.seed >= 0)
         ran = {"model": service.model_name, "sampler": sampler_label(first.sampler), "steps": first.steps, "seeds": [b.seed for b in bases],
                "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
         size = f"{first.width}x{first.height}"
         if delivery.stream:
-            return await generation_stream(bases, delivery, size, http)
-        made = await asyncio.gather(*(service.generate(b, http) for b in bases))
+            return await generation_stream(bases, delivery, size, http, related)
+        made = await asyncio.gather(*(service.generate(b, http, related=related["related"], seed_given=related["seed_given"]) for b in bases))
         base = made[0].base
+        ran["seeds"] = [g.base.seed for g in made]  # a related result's is its related base's (its noise)
+        if made[0].related is not None:  # served related: said in a header too
+            r = made[0].related
+            response.headers["X-Edit-RT-Related"] = f"base={r['base_id']}; skipped={r['skipped_steps']}; similarity={r['similarity']}"
         return {
             "id": made[0].id, "created": int(time.time()), "seed": base.seed, **delivery.reply_fields(size),
             "data": [{"b64_json": b64(await encoder(delivery, g.png))} for g in made],
             "parameters": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "steps": base.steps,
                            "cfg_scale": base.guidance, "seed": base.seed, "size": size},
             "info": {"seconds": round(max(g.seconds for g in made), 4), "store_tier": made[0].tier,
-                     "base_ids": [g.id for g in made], **ran},
+                     "base_ids": [g.id for g in made], "related": [g.related for g in made], **ran},
         }  # fmt: skip
 
-    async def generation_stream(bases, delivery: Delivery, size: str, http: HttpRequest) -> EventStream:
+    async def generation_stream(bases, delivery: Delivery, size: str, http: HttpRequest, related: dict) -> EventStream:
         async def events():  # the n generations side by side (their rows batch together), each event indexed
-            side_by_side = merged([service.generate_events(b, delivery.partial_images) for b in bases])
+            side_by_side = merged([service.generate_events(b, delivery.partial_images, **related) for b in bases])
             try:
                 async for k, (kind, data) in side_by_side:
                     yield kind, ({"index": k, "generated": data} if kind == "generated" else {**data, "index": k})

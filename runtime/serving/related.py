@@ -1,0 +1,119 @@
+"""Related generations (approximate caching, NIRVANA: Agarwal et al., NSDI 2024): a generation
+whose prompt is close to a stored base's starts from that base's state.
+
+The same machinery that makes an edit cheap makes a near-repeat cheap: "a green circle ..." when
+"a red circle ..." is stored is an edit of that base at strength 1, entering its chain at step
+k and running only T - k steps, batched with every other row. NIRVANA keeps noise states and
+runs each request alone; here a base's whole state is kept and the tail shares the step loop.
+
+- :meth:`RelatedGenerations.related_plan`: whether a request is served related (``related:
+  true`` asks, ``false`` refuses, none follows ``serve.related.enabled``, except that a request
+  with its own seed is exact unless it asks), the nearest stored base of its group
+  (storage/related_index.py: the prompt's mean-token text embedding, cosine) and the entry step
+  its similarity buys (``serve.related.thresholds``, the closer the later, at or after the base's
+  cache window); below the lowest threshold, a miss: generated from scratch;
+- the related result is stored as a base of its own (its key names the base and step it came
+  from: ``Base.related``; its window starts at k), indexed, so it serves the next request;
+- every reply served related says so (the reply's ``related``, the ``X-Edit-RT-Related``
+  header, the PNG's ``Related base: <id>, Skipped steps: k``), and ``/metrics`` counts hits,
+  misses and the steps saved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..model.edit import Base
+from ..model.state import BaseState
+from ..storage.related_index import RelatedIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RelatedPlan:
+    """A request served related: the stored base it re-enters, at which step, how close."""
+
+    bid: str
+    state: BaseState  # pinned until the row finishes (release())
+    step: int
+    similarity: float
+
+    def info(self) -> dict:
+        return {"base_id": self.bid, "skipped_steps": self.step, "similarity": round(self.similarity, 4)}
+
+
+def entry_step(similarity: float, thresholds, steps: int, window_start: int) -> Optional[int]:
+    """The step a related generation enters at for ``similarity`` (the highest threshold it
+    reaches: its ``skip`` of ``steps``), or None below the lowest, or where that step lies
+    before the base's cache window (its latent was not kept)."""
+    reached = [t for t in thresholds if similarity >= t.similarity]
+    if not reached:
+        return None
+    k = min(steps - 1, max(1, round(reached[-1].skip * steps)))
+    return k if k >= window_start else None
+
+
+class RelatedGenerations:
+    """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its cfg, pipe, store,
+    metrics, store_pool and ``related_index``)."""
+
+    related_index: Optional[RelatedIndex]
+
+    def related_wanted(self, related: Optional[bool], seed_given: bool) -> bool:
+        if related is not None:
+            return related
+        return self.cfg.serve.related.enabled and not seed_given
+
+    def indexing(self) -> bool:
+        """Whether new bases go into the index (a server with related generations on)."""
+        return self.cfg.serve.related.enabled
+
+    async def prompt_vector(self, base: Base) -> np.ndarray:
+        """``base``'s prompt embedding, on the engine thread (one text-encoder call)."""
+        future = self.pipe.engine.call(self.pipe.prompt_embeddings, [base.prompt], base.clip_skip)
+        return (await asyncio.wrap_future(future))[0]
+
+    async def related_plan(self, base: Base, vector: np.ndarray) -> Optional[RelatedPlan]:
+        """The stored base ``base`` is served from, pinned; None: a miss (counted)."""
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(self.store_pool, self.related_index.nearest, base, vector, self.store.__contains__)
+        thresholds = self.cfg.serve.related.thresholds
+        k = None if found is None else entry_step(found[1], thresholds, base.steps, found[2])
+        if k is None:
+            self.metrics.inc("edit_rt_related_misses_total")
+            return None
+        bid, similarity, _ = found
+        try:
+            state = await loop.run_in_executor(self.store_pool, self.store.pin, bid)
+        except Exception as err:  # evicted or damaged meanwhile: generated from scratch
+            log.info("related base %s not served (%s)", bid, err)
+            self.related_index.remove(bid)
+            self.metrics.inc("edit_rt_related_misses_total")
+            return None
+        self.metrics.inc("edit_rt_related_hits_total")
+        return RelatedPlan(bid, state, k, similarity)
+
+    def related_base(self, base: Base, plan: RelatedPlan) -> Base:
+        """The base a related result is stored as: the request's prompt on the related base's
+        noise (its seed), marked with where it came from (so its key is not the exact one's)."""
+        return dataclasses.replace(base, seed=plan.state.base.seed, related=f"{plan.bid}@{plan.step}")
+
+    def related_done(self, plan: Optional[RelatedPlan], ok: bool) -> None:
+        """The row of ``plan`` finished (``ok``: it ran to the end): its base unpinned, the
+        steps it saved counted."""
+        if plan is None:
+            return
+        self.store.unpin(plan.bid)
+        if ok:
+            self.metrics.inc("edit_rt_related_steps_saved_total", plan.step)
+
+    def index_base(self, bid: str, state: BaseState, vector: Optional[np.ndarray]) -> None:
+        if vector is not None and self.related_index is not None:
+            self.related_index.add(bid, state.base, vector, state.window_start)
