@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-samplers serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders test clean help
+.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -17,6 +17,7 @@ help:
 	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
 	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png), then bench-samplers"
 	@echo "make bench-samplers  the samplers at equal image quality on the shapes model (out/bench-samplers/)"
+	@echo "make related near-repeat prompts served related vs exact on the shapes model (out/related/)"
 	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
 	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
@@ -116,6 +117,13 @@ bench-samplers: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/python scripts/bench_samplers.py configs/shapes.yaml --out out/bench-samplers
+
+# related generations (issue 28) on a near-repeat prompt stream: rows saved vs quality at several
+# threshold settings against a real server, and the prompt embedding's similarities (docs/related.md)
+related: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt engines configs/shapes.yaml
+	$(BIN)/python scripts/related_workload.py configs/shapes.yaml --out out/related
 
 test: setup
 	$(BIN)/python -m pytest -q

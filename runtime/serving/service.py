@@ -31,7 +31,6 @@ from ..metrics import Metrics, timed
 from ..model.adapters import check_uses
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
-from ..model.samplers import SamplerError, a1111_label, check_sampler, default_sampler, parse_sampler
 from ..model.state import BaseState
 from ..model.weighting import PromptSyntaxError, prompt_spans
 from ..pipeline import EditPipeline
@@ -42,6 +41,7 @@ from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id
                      until_done)  # fmt: skip
 from .generation import Generation, watch
 from .related import RelatedGenerations
+from .sampler_fields import SamplerFields, sampler_label
 from .inversion import Uploads
 from .job_control import JobControl
 from .results import Edited
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 Event = tuple[str, dict]
 
 
-class Service(Generation, RelatedGenerations, Uploads, JobControl):
+class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl):
     """The loaded engines, store and batcher, and the operations every route uses."""
 
     def __init__(self, cfg: RunConfig, engines: bool = True):
@@ -67,6 +67,7 @@ class Service(Generation, RelatedGenerations, Uploads, JobControl):
         self.pipe: Optional[EditPipeline] = None
         self.store: Optional[BaseStore] = None
         self.related_index: Optional[RelatedIndex] = None
+        self._default_sampler: Optional[str] = None  # the model's (SamplerFields), where no pipe is loaded
         self.batcher: Optional[Batcher] = None  # the first served size's
         self.batchers: dict[tuple[int, int], Batcher] = {}  # (width, height) -> its step loop
         self.ready = threading.Event()
@@ -203,40 +204,6 @@ class Service(Generation, RelatedGenerations, Uploads, JobControl):
         return replace(default, width=width, height=height, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
                        clip_skip=clip_skip, image=None, adapters=default.adapters if adapters is None else dict(adapters),
                        sampler=sampler, **given)  # fmt: skip
-
-    def sampler_of(self, name: Optional[str], param: str = "sampler") -> str:
-        """The canonical sampler that runs for a request's ``name`` (None: the served config's
-        ``base.sampler``, else the model's default), or 400 ``unknown_sampler`` naming ``param``:
-        a name edit-rt does not run, or one this model's scheduler config cannot run."""
-        if name is None:
-            return self.cfg.base.sampler or self.default_sampler
-        try:
-            canonical = parse_sampler(name, param)
-            check_sampler(canonical, self.scheduler_config, param)
-        except SamplerError as err:
-            raise sampler_error(err) from None
-        return canonical
-
-    def same_sampler(self, asked: str, ran: str, why: str, param: str = "sampler") -> None:
-        """An edit request's ``sampler``: the one its base runs (``ran``, as ``why`` says), or 400
-        naming ``param`` with the fix (a row never switches sampler mid-chain)."""
-        if self.sampler_of(asked, param) != ran:
-            raise ApiError(400, f"{param}: {asked[:64]!r}, but {why}; its edits run {ran}: leave {param} out or send {ran}",
-                           param=param, code="unsupported_value")  # fmt: skip
-
-    @property
-    def scheduler_config(self) -> dict:
-        """The served model's ``scheduler_config.json`` (what its samplers' schedules come from)."""
-        return self.pipe.manifest.scheduler_config
-
-    @property
-    def default_sampler(self) -> str:
-        """The sampler a base that names none runs: the model folder's scheduler's."""
-        if self.pipe is not None:
-            return self.pipe.default_sampler
-        if getattr(self, "_default_sampler", None) is None:  # Ray Serve's ingress: from the manifest, once
-            self._default_sampler = default_sampler(self.scheduler_config)
-        return self._default_sampler
 
     def check_adapters(self, adapters: Optional[dict], where: str) -> None:
         """400 naming the field for an unknown adapter, a scale out of range, more adapters than
@@ -466,14 +433,3 @@ class Service(Generation, RelatedGenerations, Uploads, JobControl):
     def family(self) -> dict:
         return self.pipe.family
 
-
-def sampler_error(err: SamplerError) -> ApiError:
-    """A sampler (or A1111 scheduler) edit-rt cannot run, as the API's 400 naming its field."""
-    return ApiError(400, str(err), param=err.field, code="unknown_sampler")
-
-
-def sampler_label(name: str) -> str:
-    """A canonical sampler with AUTOMATIC1111's name for it: ``dpmpp_2m_karras (DPM++ 2M Karras)``,
-    ``dpmpp_2m (DPM++ 2M Uniform)``, ``ddim (DDIM)`` (the replies' ``sampler``)."""
-    a1111, schedule = a1111_label(name)
-    return f"{name} ({a1111}{'' if schedule == 'Automatic' else ' ' + schedule})"

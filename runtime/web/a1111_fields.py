@@ -75,7 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..model.samplers import SamplerError, a1111_label, a1111_sampler
 from ..model.schema import Guidance, Steps, bounds_of
 from ..serving.errors import ApiError
-from ..serving.service import sampler_error
+from ..serving.sampler_fields import sampler_error
 
 A1111 = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 SEED = {"ge": -1, "le": 2**63 - 1}

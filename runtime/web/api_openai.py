@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from ..model.sweep import expand_all
 from ..serving.errors import ApiError, validation_error
-from ..serving.service import Service, sampler_label
+from ..serving.sampler_fields import sampler_label
+from ..serving.service import Service
 from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
     decode_base64_or_400, errors  # fmt: skip
 from .forms import edit_upload, seeds_of, variation_upload

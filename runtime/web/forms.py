@@ -23,7 +23,8 @@ from starlette.requests import Request as HttpRequest
 from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
 from ..serving.errors import ApiError, echo, validation_error
-from ..serving.service import Service, sampler_label
+from ..serving.sampler_fields import sampler_label
+from ..serving.service import Service
 from .api import OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
 from .openai_mask import mask_from_bytes
