@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from edit_rt.export.related_replay import free_port, terminate
 
 
 class ServerProcess:
@@ -63,13 +58,7 @@ class ServerProcess:
         uvicorn re-raises the signal once its graceful shutdown is done, so the exit status is
         -SIGTERM either way; the log tells a clean shutdown apart.
         """
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         self.log.close()
         text = Path(self.log.name).read_text()
         return self.proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in text

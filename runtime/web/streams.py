@@ -164,7 +164,8 @@ class Renderer:
             index, made = data["index"], data["generated"]
             payload = {**self.common(), "index": index, "id": made.id, "seed": made.base.seed,
                        "b64_json": b64(await self.encode(made.png)),
-                       "info": {"seconds": round(made.seconds, 4), "store_tier": made.tier, "base_ids": [made.id]}}  # fmt: skip
+                       "info": {"seconds": round(made.seconds, 4), "store_tier": made.tier, "base_ids": [made.id],
+                                "related": [made.related]}}  # fmt: skip
             if self.delivery.safety_identifier:
                 payload["safety_identifier"] = self.delivery.safety_identifier
             return sse("image_generation.completed", payload)
