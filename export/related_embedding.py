@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .related_workload import ATTRIBUTES, vary
-from .shapes import Scene, prompt, random_scene
+from .shapes import ATTRIBUTES, Scene, prompt, random_scene, vary
 
 
 # --- the embedding ---------------------------------------------------------------------------

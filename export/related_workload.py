@@ -42,9 +42,9 @@ import numpy as np
 
 from .judges import judge_for
 from .related_replay import ROWS, decode_png, replay_setting
-from .shapes import COLOURS, POSITIONS, SHAPES, Scene, prompt, random_scene
+from .related_embedding import embedding_study
+from .shapes import ATTRIBUTES, Scene, prompt, random_scene, vary
 
-ATTRIBUTES = ("colour", "shape", "background", "position")
 # name -> serve.related.thresholds (None: related off, the exact reference). One-threshold
 # settings across similarity and skip, and two-threshold ones (the config's default among them).
 # On the shapes model's text encoder an identical prompt scores 0.9999999 and the closest two
@@ -80,18 +80,6 @@ class Item:
     prompt: str
     popular: Optional[int]
     changed: tuple[str, ...]
-
-
-def vary(scene: Scene, attribute: str, rng: np.random.Generator) -> Scene:
-    """``scene`` with ``attribute`` set to another value (a colour never the background's, a
-    background never the colour: the world draws them distinct)."""
-    if attribute == "shape":
-        values = [s for s in SHAPES if s != scene.shape]
-    elif attribute == "position":
-        values = [p for p in POSITIONS if p != scene.position]
-    else:
-        values = [c for c in COLOURS if c not in (scene.colour, scene.background)]
-    return dataclasses.replace(scene, **{attribute: values[rng.integers(len(values))]})
 
 
 def workload(n: int = 150, k: int = 12, zipf: float = 1.1, p_popular: float = 0.8,
@@ -276,8 +264,6 @@ def run_related(config: Path, n: int = 150, k: int = 12, clients: int = 4, seed:
                 settings: Optional[dict[str, Optional[list[dict]]]] = None, pairs: int = 300,
                 log: Callable[[str], None] = print) -> dict:  # fmt: skip
     from edit_rt.runtime.model.config import load_config
-
-    from .related_embedding import embedding_study  # (it draws its pairs with this file's vary)
 
     cfg = load_config(config)
     settings = dict(SETTINGS if settings is None else settings)

@@ -35,7 +35,7 @@ no scene, are in ``export/shape_looks.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -119,6 +119,22 @@ def prompt(scene: Scene) -> str:
         return f"{subject} on a {scene.background} background, {scene.position}"
     o = scene.other
     return f"{subject} {scene.position} a {o.size} {o.colour} {o.shape} on a {scene.background} background"
+
+
+# A world-1 scene's attributes, in prompt order of importance (what a one-word variation changes)
+ATTRIBUTES = ("colour", "shape", "background", "position")
+
+
+def vary(scene: Scene, attribute: str, rng: np.random.Generator) -> Scene:
+    """``scene`` with ``attribute`` set to another value (a colour never the background's, a
+    background never the colour: the world draws them distinct)."""
+    if attribute == "shape":
+        values = [s for s in SHAPES if s != scene.shape]
+    elif attribute == "position":
+        values = [p for p in POSITIONS if p != scene.position]
+    else:
+        values = [c for c in COLOURS if c not in (scene.colour, scene.background)]
+    return replace(scene, **{attribute: values[rng.integers(len(values))]})
 
 
 def random_scene(rng: np.random.Generator, world: int = 1, two: float = 0.5) -> Scene:

@@ -88,8 +88,9 @@ class EditWorker:
             raise RuntimeError(f"edit-rt worker: {self.service.load_error}")
         self.replica = serve.get_replica_context().replica_id.unique_id
 
-    async def generate(self, base: Base, route: Optional[dict] = None) -> Generated:
-        return await refusing(self.service.generate(base))
+    async def generate(self, base: Base, route: Optional[dict] = None, related: Optional[bool] = None,
+                       seed_given: bool = False) -> Generated:  # fmt: skip
+        return await refusing(self.service.generate(base, related=related, seed_given=seed_given))
 
     async def invert(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
                      guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
@@ -103,9 +104,10 @@ class EditWorker:
         except ApiError as err:
             yield "refused", {"error": err}
 
-    async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None) -> AsyncIterator[Event]:
+    async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None, related: Optional[bool] = None,
+                              seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
         try:
-            async for event in self.service.generate_events(base, previews):
+            async for event in self.service.generate_events(base, previews, related, seed_given):
                 yield event
         except ApiError as err:
             yield "refused", {"error": err}
@@ -229,11 +231,14 @@ class RayService(Service):
             raise value.error
         return value
 
-    async def generate(self, base: Base, http=None, previews: int = 0) -> Generated:
+    async def generate(self, base: Base, http=None, previews: int = 0, related: Optional[bool] = None,
+                       seed_given: bool = False) -> Generated:  # fmt: skip
         """On a replica. ``previews`` (A1111's live previews) are not made here: the ingress could
-        not show a replica's (its /progress current_image stays None on Ray Serve)."""
+        not show a replica's (its /progress current_image stays None on Ray Serve). ``related``:
+        the replica looks its related base up (docs/related.md: routed as any generation)."""
         bid = base_id(self.fingerprint, base)
-        return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}), http)
+        return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}, related=related,
+                                                                    seed_given=seed_given), http)  # fmt: skip
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
@@ -282,10 +287,12 @@ class RayService(Service):
             self.resent.inc()
             return await super().edit_base(bid, specs, http, param, **masks)
 
-    async def generate_events(self, base: Base, previews: int = 0) -> AsyncIterator[Event]:
+    async def generate_events(self, base: Base, previews: int = 0, related: Optional[bool] = None,
+                              seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
         """A streamed generation on the replica it is routed to (previews, then "generated")."""
         bid = base_id(self.fingerprint, base)
-        stream = self.workers.options(stream=True).generate_events.remote(base, previews, route={"base": bid, "new": True})
+        stream = self.workers.options(stream=True).generate_events.remote(base, previews, route={"base": bid, "new": True},
+                                                                          related=related, seed_given=seed_given)  # fmt: skip
         finished = False
         try:
             async for kind, data in stream:
