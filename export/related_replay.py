@@ -46,7 +46,9 @@ def server_config(config: Path, folder: Path, port: int, thresholds: Optional[li
     raw["output_dir"] = str(folder / "out")
     raw["store"] = {**raw.get("store", {}), "ram_mb": 512, "disk_dir": str(folder / "bases"), "disk_mb": 2048}
     related = {"enabled": thresholds is not None}
-    if thresholds is not None:
+    if isinstance(thresholds, dict):  # the whole section: {thresholds, embedding}
+        related.update(thresholds)
+    elif thresholds is not None:
         related["thresholds"] = thresholds
     raw["serve"] = {**raw.get("serve", {}), "host": "127.0.0.1", "port": port, "related": related}
     path = folder / "serve.yaml"

@@ -106,11 +106,12 @@ class PromptEncoding:
         return KV(tensors, extras)
 
     @timed("text_encode")
-    def prompt_embeddings(self, prompts: Sequence[str], clip_skip: int = 0) -> np.ndarray:
-        """Each prompt's text embedding for finding related bases, [B, D] float32, unit length:
-        the mean of the text encoder's hidden states (at ``clip_skip``'s layer, the states the
-        K/V come from) over its tokens, BOS to EOS (padding left out: it would pull every short
-        prompt together). docs/related.md says why this one and what it separates."""
+    def prompt_embeddings(self, prompts: Sequence[str], clip_skip: int = 0, kind: str = "mean") -> np.ndarray:
+        """Each prompt's text embedding for finding related bases, [B, D] float32, unit length,
+        from the text encoder's hidden states at ``clip_skip``'s layer (the states the K/V come
+        from): ``mean`` over its tokens, BOS to EOS (padding left out: it would pull every short
+        prompt together), or ``eos``, the state at its EOS token (CLIP's pooled position).
+        docs/related.md measures what each separates."""
         names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
         out = []
         for lo in range(0, len(prompts), self.max_batch):
@@ -122,7 +123,7 @@ class PromptEncoding:
             eos = self.input_ids([""])[0][1]  # BOS, EOS, padding
             for b in range(len(chunk)):
                 n = int(np.argmax(ids[b] == eos)) + 1 if (ids[b] == eos).any() else ids.shape[1]
-                v = hidden[b, :n].mean(axis=0).astype(np.float64)
+                v = (hidden[b, :n].mean(axis=0) if kind == "mean" else hidden[b, n - 1]).astype(np.float64)
                 out.append((v / max(np.linalg.norm(v), 1e-12)).astype(np.float32))
         return np.stack(out)
 

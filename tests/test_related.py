@@ -174,3 +174,29 @@ def test_bad_thresholds_are_refused_naming_the_field(tmp_path, model_dir, thresh
     raw = {"model": str(model_dir), "base": {"prompt": A}, "serve": {"related": {"thresholds": thresholds}}}
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         config_from_dict(raw, tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("kind", ["mean", "eos"])
+def test_prompt_embeddings_are_the_text_encoders_states_averaged_or_at_eos(pipeline, torch_components, kind):
+    """Against transformers' CLIP text model: the mean of its last hidden states over BOS..EOS,
+    or the state at EOS, unit length."""
+    _, text_encoder, _, tokenizer, _ = torch_components
+    prompts = [A, "a cat", ""]
+    ids = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    import torch
+
+    with torch.no_grad():
+        hidden = text_encoder(ids).last_hidden_state.numpy()
+    ours = pipeline.prompt_embeddings(prompts, 0, kind)
+    for b in range(len(prompts)):
+        n = int((ids[b] == tokenizer.eos_token_id).nonzero()[0]) + 1
+        v = hidden[b, :n].mean(axis=0) if kind == "mean" else hidden[b, n - 1]
+        np.testing.assert_allclose(ours[b], v / np.linalg.norm(v), atol=1e-5)
+    assert abs(float(ours[0] @ ours[1])) < 0.9999  # different prompts are not the same vector
+
+
+def test_an_index_of_one_embedding_leaves_the_other_kinds_entries_alone(tmp_path):
+    folder = tmp_path / "bases"
+    state = fake_state(0)
+    RelatedIndex(folder, "mean").add("b" * 32, state.base, _vector(0), 0)
+    assert "b" * 32 in RelatedIndex(folder, "mean") and "b" * 32 not in RelatedIndex(folder, "eos")

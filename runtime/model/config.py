@@ -171,6 +171,10 @@ class Related:
     # skips 95% of the steps, 70% of the rows saved on its stream with prompt following within
     # noise; near-repeats at any lower threshold kept their base's layout (position -0.13).
     thresholds: tuple[Threshold, ...] = (Threshold(0.99999, 0.95),)
+    # The prompt embedding compared: "mean", the mean of the text encoder's hidden states over
+    # the prompt's tokens; "eos", the hidden state at its EOS token (CLIP's pooled position).
+    # docs/related.md measures what each calls close.
+    embedding: Literal["mean", "eos"] = "mean"
 
 
 @with_config(STRICT)

@@ -77,7 +77,7 @@ class RelatedGenerations:
 
     async def prompt_vector(self, base: Base) -> np.ndarray:
         """``base``'s prompt embedding, on the engine thread (one text-encoder call)."""
-        future = self.pipe.engine.call(self.pipe.prompt_embeddings, [base.prompt], base.clip_skip)
+        future = self.pipe.engine.call(self.pipe.prompt_embeddings, [base.prompt], base.clip_skip, self.cfg.serve.related.embedding)
         return (await asyncio.wrap_future(future))[0]
 
     async def related_plan(self, base: Base, vector: np.ndarray) -> Optional[RelatedPlan]:

@@ -94,7 +94,8 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
             pipe = pipeline_of(cfg).activate()
             pipe.metrics = self.metrics  # the pipeline's stages (text encode, decode, inversion) time themselves here
             self.store = store_of(cfg, pipe.manifest.fingerprint)
-            self.related_index = RelatedIndex(cfg.store.disk_dir)  # the stored bases by prompt (serving/related.py)
+            # the stored bases by prompt (serving/related.py), compared by the configured embedding
+            self.related_index = RelatedIndex(cfg.store.disk_dir, cfg.serve.related.embedding)
             sizes = cfg.served_sizes()
             if len(sizes) > 1 and pipe.graph_set.backend == "ort-tensorrt":
                 # its provider options take one profile per session; native `trt` plans hold one per size

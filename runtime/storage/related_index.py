@@ -57,8 +57,11 @@ class RelatedIndex:
     """Every indexed base's embedding, by group; thread-safe (the server's event loop and the
     store's threads both reach it)."""
 
-    def __init__(self, folder: Optional[Path] = None):
-        """``folder``: the disk tier's (entries persist in ``folder/related``); None: RAM only."""
+    def __init__(self, folder: Optional[Path] = None, kind: str = "mean"):
+        """``folder``: the disk tier's (entries persist in ``folder/related``); None: RAM only.
+        ``kind``: the embedding its vectors are (entries of another kind in the folder, from a
+        server configured otherwise, are not comparable: left alone)."""
+        self.kind = kind
         self.folder = None if folder is None else Path(folder) / "related"
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,7 @@ class RelatedIndex:
     # --- the disk side ---------------------------------------------------------------------------
 
     def _write(self, entry: Entry) -> None:
-        data = json.dumps({"id": entry.bid, "group": entry.group, "window_start": entry.window_start,
+        data = json.dumps({"id": entry.bid, "group": entry.group, "window_start": entry.window_start, "kind": self.kind,
                            "vector": [float(v) for v in entry.vector]})  # fmt: skip
         try:
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
@@ -154,6 +157,8 @@ class RelatedIndex:
         for bid in new:
             try:
                 data = json.loads(on_disk[bid].read_text())
+                if data.get("kind", "mean") != self.kind:
+                    continue
                 loaded[bid] = Entry(data["id"], data["group"], np.asarray(data["vector"], dtype=np.float32), int(data["window_start"]))
             except (OSError, ValueError, KeyError, TypeError) as err:  # being replaced, or damaged: skipped
                 log.debug("related entry %s unreadable (%s)", bid, err)
