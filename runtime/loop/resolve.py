@@ -43,14 +43,13 @@ class Model(Protocol):
     """The pipeline's calls the resolver makes (pipeline.py's EditPipeline has them)."""
 
     ddim_config: Any
-
-    def schedule(self, sampler: Optional[str], steps: int) -> Schedule: ...  # None: the model's own
     pooled: list[str]
     manifest: Any
     metrics: Any  # metrics.Metrics: the kv_mix stage is timed here
     special_ids: set[int]  # BOS, EOS (and padding): tokens that are no word
     word_ends: Optional[frozenset[int]]  # ids that end a word (directions.word_end_ids)
 
+    def schedule(self, sampler: Optional[str], steps: int) -> Schedule: ...  # None: the model's own
     def input_ids(self, prompts: Sequence[str]) -> np.ndarray: ...
 
     def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False,

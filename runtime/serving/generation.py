@@ -44,9 +44,9 @@ class Generation:
             raise RuntimeError("a generation's events ended without its result")  # generate_events raises first
         vector, plan = await self._related_of(base, related, seed_given)
         bid, request, job = self._generation(base, plan)
-        self.submit(request, [job])
         ok = False
-        try:
+        try:  # a refused submit (a full queue) lets the related base's pin go too
+            self.submit(request, [job])
             (result,) = await self.wait(http, request, [job])
             ok = True
         finally:
@@ -97,8 +97,8 @@ class Generation:
         events: asyncio.Queue = asyncio.Queue()
         self._send_previews(request, events, previews, base.steps)
         job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
-        self.submit(request, [job])
         try:
+            self.submit(request, [job])
             while (item := await events.get())[0] == "preview":
                 yield "edit_rt.preview", await self._preview_event(item[1])
             try:
