@@ -103,6 +103,20 @@ def test_metrics_count_hits_misses_and_steps_saved(server):
     assert "edit_rt_related_misses_total" in values
 
 
+def test_the_a1111_door_serves_one_unseeded_image_related_and_its_png_says_so(server):
+    import json
+
+    _generate(server, A, seed=31, related=False)
+    body = {"prompt": B, "seed": -1, "width": 32, "height": 32, "steps": STEPS}
+    reply = httpx.post(server.url + "/sdapi/v1/txt2img", json=body, timeout=120).json()
+    info = json.loads(reply["info"])
+    assert info["related"][0] is not None and info["related"][0]["skipped_steps"] == STEPS // 2
+    image = Image.open(io.BytesIO(base64.b64decode(reply["images"][0])))
+    assert parse_fields(image.text["parameters"].splitlines()[-1])["Related base"] == info["related"][0]["base_id"]
+    seeded = json.loads(httpx.post(server.url + "/sdapi/v1/txt2img", json={**body, "seed": 33}, timeout=120).json()["info"])
+    assert seeded["related"] == [None]
+
+
 def test_n_images_with_related_true_is_refused_naming_the_field(server):
     r = httpx.post(server.url + "/v1/images/generations", json={"prompt": A, "n": 2, "related": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "related"

@@ -91,12 +91,17 @@ def a1111_routes(service: Service) -> APIRouter:
                                 body.seed, clip_skip, sampler=sampler, sampler_param=field)  # fmt: skip
         first = replace(first, adapters=base_adapters(service, first.adapters, loras))
         bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
-        results = await together([service.generate(b, http, previews=live_previews(b.steps)) for b in bases], epoch, service)
+        # related generations (docs/related.md) as the server's serve.related.enabled says, for one
+        # image without its own seed (a batch asks for variety: exact)
+        related = dict(related=None if len(bases) == 1 else False, seed_given=body.seed >= 0)
+        results = await together([service.generate(b, http, previews=live_previews(b.steps), **related) for b in bases],
+                                 epoch, service)  # fmt: skip
         made = finished(results, epoch, service)
         info = info_of(service, body, first, [g.base.seed for g in made], [png_text(g.png) for g in made],
                        interrupted=len(made) < len(bases), clip_skip=first.clip_skip, sampler=first.sampler,
                        accepted_={**accepted(body, first.sampler), **stripped})  # fmt: skip
-        info.update(base_id=made[0].id, base_ids=[g.id for g in made], **({"adapters": adapters_info(loras)} if loras.uses else {}))
+        info.update(base_id=made[0].id, base_ids=[g.id for g in made], related=[g.related for g in made],
+                    **({"adapters": adapters_info(loras)} if loras.uses else {}))  # fmt: skip
         return {"images": [b64(g.png) for g in made] if body.send_images else [], "parameters": sent.model_dump(),
                 "info": json.dumps(info)}  # fmt: skip
 
