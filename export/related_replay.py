@@ -46,8 +46,11 @@ def server_config(config: Path, folder: Path, port: int, thresholds: Optional[li
     raw["output_dir"] = str(folder / "out")
     raw["store"] = {**raw.get("store", {}), "ram_mb": 512, "disk_dir": str(folder / "bases"), "disk_mb": 2048}
     related = {"enabled": thresholds is not None}
-    if isinstance(thresholds, dict):  # the whole section: {thresholds, embedding}
-        related.update(thresholds)
+    if isinstance(thresholds, dict):  # the whole section ({thresholds, embedding}), and "store": its overrides
+        section = dict(thresholds)
+        store = {**raw["store"], **section.pop("store", {})}
+        raw["store"] = {k: v for k, v in store.items() if v is not None}  # disk_dir: null, RAM only
+        related.update(section)
     elif thresholds is not None:
         related["thresholds"] = thresholds
     raw["serve"] = {**raw.get("serve", {}), "host": "127.0.0.1", "port": port, "related": related}

@@ -19,7 +19,7 @@ from .storage.store import BaseStore
 def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
     s = cfg.store
     return BaseStore(fingerprint, int(s.ram_mb * 2**20), s.disk_dir, int(s.disk_mb * 2**20),
-                     s.latents_precision, s.kv_precision)  # fmt: skip
+                     s.latents_precision, s.kv_precision, s.eviction)  # fmt: skip
 
 
 def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ from edit_rt.runtime.storage.related_index import RelatedIndex
 from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .server_process import ServerProcess
-from .test_store import BASE_BYTES, FP, fake_state
+from .test_store import BASE_BYTES, FP, UNCOND_BYTES, fake_state
 
 A = "a red circle on a blue background"
 B = "a green circle on a blue background"
@@ -214,3 +214,20 @@ def test_an_index_of_one_embedding_leaves_the_other_kinds_entries_alone(tmp_path
     state = fake_state(0)
     RelatedIndex(folder, "mean").add("b" * 32, state.base, _vector(0), 0)
     assert "b" * 32 in RelatedIndex(folder, "mean") and "b" * 32 not in RelatedIndex(folder, "eos")
+
+
+@pytest.mark.parametrize("eviction,kept", [("lru", [False, True, True, True]), ("lcbfu", [True, False, True, True])])
+def test_lcbfu_eviction_keeps_the_base_related_generations_reuse(eviction, kept):
+    """A RAM tier of three bases gets a fourth: LRU lets the oldest go; "lcbfu" keeps it when
+    its related generations saved steps, and lets the next uncredited one go."""
+    store = BaseStore(FP, ram_bytes=3 * BASE_BYTES + UNCOND_BYTES + 1024, eviction=eviction)
+    bids = [store.put(fake_state(i)) for i in range(3)]
+    store.credit(bids[0], 12)
+    bids.append(store.put(fake_state(3)))
+    assert [bid in store for bid in bids] == kept
+
+
+def test_an_unknown_eviction_policy_is_refused_naming_the_field(tmp_path, model_dir):
+    raw = {"model": str(model_dir), "base": {"prompt": A}, "store": {"eviction": "lfu"}}
+    with pytest.raises(ConfigError, match=r"store\.eviction"):
+        config_from_dict(raw, tmp_path / "c.yaml")

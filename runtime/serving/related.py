@@ -113,6 +113,7 @@ class RelatedGenerations:
         self.store.unpin(plan.bid)
         if ok:
             self.metrics.inc("edit_rt_related_steps_saved_total", plan.step)
+            self.store.credit(plan.bid, plan.step)  # what store.eviction "lcbfu" keeps
 
     def index_base(self, bid: str, state: BaseState, vector: Optional[np.ndarray]) -> None:
         if vector is not None and self.related_index is not None:

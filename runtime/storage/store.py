@@ -96,11 +96,16 @@ class BaseStore:
         disk_bytes: int = 0,
         latents_precision: StoragePrecision = "fp32",
         kv_precision: StoragePrecision = "fp32",
+        eviction: str = "lru",
     ):
         self.fingerprint = fingerprint
         self.ram_budget = ram_bytes
         self.latents_precision = latents_precision
         self.kv_precision = kv_precision
+        if eviction not in ("lru", "lcbfu"):
+            raise ValueError(f"store.eviction: {eviction!r} is not lru or lcbfu")
+        self.eviction = eviction
+        self._benefit: dict[str, float] = {}  # base id -> steps its related generations saved ("lcbfu")
         self._lock = threading.RLock()
         self._ram: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._uncond_ram: dict[str, dict[str, np.ndarray]] = {}
@@ -329,13 +334,27 @@ class BaseStore:
                 f"({need / 2**20:.2f} MiB); raise store.ram_mb"
             )
         while self._ram_bytes() + need > self.ram_budget:
-            victim = next((b for b in self._ram if not self._pins[b]), None)
+            victim = self._ram_victim()
             if victim is None:
                 raise StoreFullError("the RAM tier is full of bases in use; retry when they finish")
             self._drop_ram(victim)
             need = entry.nbytes + (0 if uid in self._uncond_ram else sum(t.nbytes for t in uncond.values()))
         self._uncond_ram.setdefault(uid, uncond)
         self._ram[bid] = entry
+
+    def _ram_victim(self) -> Optional[str]:
+        """The unpinned base the RAM tier lets go first: the least recently used ("lru"), or the
+        one whose related generations saved the fewest steps, least recent among equals ("lcbfu")."""
+        free = (b for b in self._ram if not self._pins[b])  # least recently used first
+        if self.eviction == "lru":
+            return next(free, None)
+        return min(free, key=lambda b: self._benefit.get(b, 0.0), default=None)  # min keeps the first of equals
+
+    def credit(self, bid: str, steps: float) -> None:
+        """``bid`` saved ``steps`` UNet steps (a related generation re-entered it): what "lcbfu"
+        eviction keeps."""
+        with self._lock:
+            self._benefit[bid] = self._benefit.get(bid, 0.0) + steps
 
     def _drop_ram(self, bid: str, count: bool = True) -> None:
         entry = self._ram.pop(bid, None)
