@@ -112,7 +112,7 @@ bench: setup $(BENCH_MODEL)/model_index.json bench-samplers
 	$(BIN)/edit-rt engines $(BENCH_CONFIG)
 	$(BIN)/edit-rt bench $(BENCH_CONFIG)
 
-# the samplers at equal image quality on the shapes model (docs/samplers.md), ~15 min on 2 cores
+# the samplers at equal image quality on the shapes model (docs/samplers.md), ~6 min on 2 cores
 bench-samplers: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
