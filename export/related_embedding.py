@@ -16,25 +16,6 @@ from .shapes import ATTRIBUTES, Scene, prompt, random_scene, vary
 # --- the embedding ---------------------------------------------------------------------------
 
 
-def eos_embeddings(pipe, prompts: list[str], clip_skip: int = 0) -> np.ndarray:
-    """Each prompt's hidden state at its EOS token (CLIP's pooled position), unit length, from
-    the same text-encoder states ``prompt_embeddings`` averages."""
-    names = [spec.name for spec in pipe.manifest.graphs["text_encoder"].inputs]
-    eos = pipe.input_ids([""])[0][1]
-    out = []
-    for lo in range(0, len(prompts), pipe.max_batch):
-        chunk = list(prompts[lo : lo + pipe.max_batch])
-        feeds = {name: np.stack([w.ids for w in ws]) for name, ws in zip(names, pipe.weighted_ids(chunk))}
-        feeds.update(pipe._adapter_feeds("text_encoder", None, len(chunk)))
-        hidden = pipe.graphs["text_encoder"].infer(feeds)[0][:, clip_skip]
-        ids = feeds[names[0]]
-        for b in range(len(chunk)):
-            n = int(np.argmax(ids[b] == eos)) if (ids[b] == eos).any() else ids.shape[1] - 1
-            v = hidden[b, n].astype(np.float64)
-            out.append((v / max(np.linalg.norm(v), 1e-12)).astype(np.float32))
-    return np.stack(out)
-
-
 def prompt_pairs(pairs: int = 300, seed: int = 1) -> dict[str, list[tuple[Scene, Scene]]]:
     """Pairs of scenes per kind: one attribute changed (each attribute apart, and all), two
     changed, unrelated (two independent random scenes that differ)."""
@@ -76,7 +57,8 @@ def embedding_study(cfg, pairs: int = 300, seed: int = 1) -> dict:
     prompts = sorted({prompt(s) for ps in kinds.values() for pair in ps for s in pair})
     where = {p: i for i, p in enumerate(prompts)}
     with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
-        vectors = {"mean_token": pipe.prompt_embeddings(prompts, cfg.base.clip_skip), "eos": eos_embeddings(pipe, prompts, cfg.base.clip_skip)}
+        vectors = {"mean_token": pipe.prompt_embeddings(prompts, cfg.base.clip_skip, "mean"),
+                   "eos": pipe.prompt_embeddings(prompts, cfg.base.clip_skip, "eos")}
     out: dict[str, Any] = {"pairs": pairs, "prompts": len(prompts), "embeddings": {}}
     for name, v in vectors.items():
         sims = {kind: np.array([float(v[where[prompt(a)]] @ v[where[prompt(b)]]) for a, b in ps]) for kind, ps in kinds.items()}

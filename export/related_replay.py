@@ -73,28 +73,35 @@ class Server:
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                tail = Path(self.log.name).read_text()[-3000:]
-                raise RuntimeError(f"edit-rt serve exited with {self.proc.returncode}; its log ends:\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"edit-rt serve not ready after {timeout} s; see {self.log.name}")
+        try:
+            wait_healthy(self.proc, self.url, Path(self.log.name), timeout, interval=0.3)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 60) -> bool:
         """SIGTERM and wait: True when it shut down gracefully."""
         terminate(self.proc, timeout)
         self.log.close()
         return "Application shutdown complete" in Path(self.log.name).read_text()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, interval: float = 0.2) -> None:
+    """Until ``url``/health answers 200: RuntimeError (with the end of ``log``) if ``proc`` exits
+    first, TimeoutError after ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"edit-rt serve exited with {proc.returncode}; its log ({log}) ends:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"edit-rt serve not ready after {timeout} s; see {log}")
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -113,6 +113,7 @@ class PromptEncoding:
         prompt together), or ``eos``, the state at its EOS token (CLIP's pooled position).
         docs/related.md measures what each separates."""
         names = [spec.name for spec in self.manifest.graphs["text_encoder"].inputs]
+        eos = self.input_ids([""])[0][1]  # the empty prompt is BOS, EOS, padding
         out = []
         for lo in range(0, len(prompts), self.max_batch):
             chunk = list(prompts[lo : lo + self.max_batch])
@@ -120,7 +121,6 @@ class PromptEncoding:
             feeds.update(self._adapter_feeds("text_encoder", None, len(chunk)))
             hidden = self.graphs["text_encoder"].infer(feeds)[0][:, clip_skip]  # [b, 77, D]
             ids = feeds[names[0]]
-            eos = self.input_ids([""])[0][1]  # BOS, EOS, padding
             for b in range(len(chunk)):
                 n = int(np.argmax(ids[b] == eos)) + 1 if (ids[b] == eos).any() else ids.shape[1]
                 v = (hidden[b, :n].mean(axis=0) if kind == "mean" else hidden[b, n - 1]).astype(np.float64)

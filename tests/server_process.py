@@ -6,13 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
-from edit_rt.export.related_replay import free_port, terminate
+from edit_rt.export.related_replay import free_port, terminate, wait_healthy
 
 
 class ServerProcess:
@@ -40,17 +38,7 @@ class ServerProcess:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s; see {self.log.name}")
+        wait_healthy(self.proc, self.url, Path(self.log.name), timeout)
 
     def stop(self, timeout: float = 60) -> bool:
         """SIGTERM, then wait: True when the server shut down gracefully.

@@ -67,7 +67,8 @@ class RelatedIndex:
             self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
-        self._matrices: dict[str, tuple[list[str], np.ndarray]] = {}  # group -> (ids, [n, D]), rebuilt on change
+        # group -> (ids, [n, D] vectors, window starts), rebuilt when the group changes
+        self._matrices: dict[str, tuple[list[str], np.ndarray, list[int]]] = {}
         self._seen_mtime = -1.0
         self.refresh()
 
@@ -108,11 +109,12 @@ class RelatedIndex:
         vector = np.asarray(vector, dtype=np.float32).reshape(-1)
         with self._lock:
             if key not in self._matrices:
-                ids = [e.bid for e in self._entries.values() if e.group == key]
-                vectors = [self._entries[i].vector for i in ids]
-                self._matrices[key] = (ids, np.stack(vectors) if ids else np.zeros((0, vector.size), np.float32))
-            ids, matrix = self._matrices[key]
-            windows = {i: self._entries[i].window_start for i in ids}
+                group_entries = [e for e in self._entries.values() if e.group == key]
+                vectors = [e.vector for e in group_entries]
+                self._matrices[key] = ([e.bid for e in group_entries],
+                                       np.stack(vectors) if vectors else np.zeros((0, vector.size), np.float32),
+                                       [e.window_start for e in group_entries])  # fmt: skip
+            ids, matrix, windows = self._matrices[key]
         if not ids or matrix.shape[1] != vector.size:
             return None
         scores = matrix @ vector
@@ -121,7 +123,7 @@ class RelatedIndex:
             if bid in exclude:
                 continue
             if holds(bid):
-                return bid, float(scores[k]), windows[bid]
+                return bid, float(scores[k]), windows[k]
             self.remove(bid)  # the store let it go
         return None
 
