@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders test clean help
+.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders check-sd15 test clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -27,6 +27,7 @@ help:
 	@echo "make train64 train the 64x64 two-object shapes model (world 2; CPU, ~70 min on 2 cores; resumes if cut)"
 	@echo "make gates64 measure its gates (prompt following, oracle-mask ceiling, maps' overlap; ~15 min)"
 	@echo "make quality64 make quality on it (out/quality64/)"
+	@echo "make check-sd15  a random SD 1.5 at true size: single file, export, engines, 4 edits at 512x512 (build/check-sd15/)"
 	@echo "make setup | model | export | clean"
 
 setup: $(VENV)/.installed
@@ -124,6 +125,11 @@ related: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/python scripts/related_workload.py configs/shapes.yaml --out out/related
+
+# The real-size check (issue 34; docs/performance.md): time, peak RSS and disk of every stage on a
+# random-weight SD 1.5 at its true size (~10 GB of RAM, 30+ minutes on 2 cores)
+check-sd15: setup
+	$(BIN)/python scripts/check_sd15.py --out build/check-sd15
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -68,7 +68,7 @@ def run_bench(
     base, T = cfg.base, cfg.base.steps
     prompts = [f"{base.prompt}, {EDIT_WORDS[i % len(EDIT_WORDS)]} {i // len(EDIT_WORDS)}" for i in range(max(ns))]
 
-    pipe = StableDiffusionPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
+    pipe = StableDiffusionPipeline.from_pretrained(cfg.model_dir, safety_checker=None, requires_safety_checker=False)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     img2img = StableDiffusionImg2ImgPipeline(**pipe.components)

@@ -90,14 +90,14 @@ def _tail_seconds(pipe: EditPipeline, cfg: RunConfig, settings: list[tuple[str, 
 
 def run_sampler_bench(cfg: RunConfig, prompts: int = 100, repeats: int = 5, out_dir: Optional[Path] = None,
                       advance: Callable[[int], None] = lambda n: None) -> dict[str, Any]:  # fmt: skip
-    judge = judge_for(world_of(cfg.model))
+    judge = judge_for(world_of(cfg.model_dir))
     rng = np.random.default_rng(1)
     scenes = [judge.scene(rng) for _ in range(prompts)]
     bases = [dataclasses.replace(cfg.base, prompt=prompt(s), seed=1000 + k) for k, s in enumerate(scenes)]
     everything = np.ones((cfg.base.height, cfg.base.width), dtype=bool)
     report: dict[str, Any] = {"model": str(cfg.model), "prompts": prompts, "guidance": cfg.base.guidance,
                               "references": {k: list(v) for k, v in REFERENCES.items()}, "bar": list(BAR), "settings": []}  # fmt: skip
-    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+    with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
         t = time.perf_counter()
         references = {}
         for name, (sampler, steps) in REFERENCES.items():

@@ -81,17 +81,17 @@ def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: 
     onnx = root / f"onnx-adapters-{slots}x{rank}"
     if not (onnx / "manifest.json").is_file() or load_manifest(onnx).fingerprint != rt_plain.manifest.fingerprint:
         say(f"bench: exporting the model with {slots} LoRA slots of rank {rank}")
-        export_onnx(cfg.model, onnx, adapter_slots_n=slots, adapter_rank=rank)
+        export_onnx(cfg.model_dir, onnx, adapter_slots_n=slots, adapter_rank=rank)
     manifest = load_manifest(onnx)
     loras = root / "bench-loras"
     files = {}
     convert_seconds = []
     for j in range(slots):
-        src = random_lora(cfg.model, loras / f"r{rank}-{j}", rank, seed=j)
+        src = random_lora(cfg.model_dir, loras / f"r{rank}-{j}", rank, seed=j)
         start = time.perf_counter()
-        files[f"l{j}"] = convert_adapter(cfg.model, manifest, src, f"l{j}", root / "adapters" / f"bench-l{j}.safetensors")
+        files[f"l{j}"] = convert_adapter(cfg.model_dir, manifest, src, f"l{j}", root / "adapters" / f"bench-l{j}.safetensors")
         convert_seconds.append(time.perf_counter() - start)
-    rt = EditPipeline(onnx, cfg.model, threads=cfg.threads, batch_profile=(cfg.engines.min_batch, cfg.engines.opt_batch,
+    rt = EditPipeline(onnx, cfg.model_dir, threads=cfg.threads, batch_profile=(cfg.engines.min_batch, cfg.engines.opt_batch,
                       cfg.engines.max_batch), image_size=(base.height, base.width)).activate()  # fmt: skip
     load_seconds = []
     for name, path in files.items():

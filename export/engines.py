@@ -31,14 +31,28 @@ from edit_rt.runtime.engine.profiles import EditBatchProfile
 
 log = logging.getLogger(__name__)
 
+# A graph with more weights than this is its own ort-cpu engine (no optimized copy): SD 1.5's
+# UNet, text encoder and VAE; the shapes and test models' graphs (a few MB) are copied.
+COPY_LIMIT = 32 * 2**20
+
 
 def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
                     done: Callable[[str], None] = lambda name: None) -> EngineSet:  # fmt: skip
-    """Save every graph ONNX-Runtime-optimized (ORT_ENABLE_ALL) for this CPU."""
+    """Save every graph ONNX-Runtime-optimized (ORT_ENABLE_ALL) for this CPU, but those whose
+    weights pass COPY_LIMIT: their engine is the exported graph itself (a path relative to the
+    engines folder, optimized as it loads). ORT_ENABLE_ALL rewrites a CPU graph's weights (the
+    NCHWc convolution layout), so a saved copy could share no byte with the export: SD 1.5's
+    UNet, text encoder and VAE would be 4.1 GB again, to save seconds of a start that reads
+    them anyway (docs/engines.md)."""
     staging = _fresh(out)
     graphs = {}
     for graph in GRAPHS:
         source = manifest.path(graph)
+        if manifest.data["graphs"][graph].get("weight_bytes", 0) > COPY_LIMIT:
+            graphs[graph] = {**_entry(manifest, graph, os.path.relpath(source, out)), "optimized": False}
+            log.info("ort-cpu: %s is used as exported (optimized as it loads; no copy of its weights)", source.name)
+            done(f"ort-cpu/{graph}")
+            continue
         target = staging / f"{graph}.onnx"
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -47,7 +61,7 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
         # the CPU and the runtime refuses the engines elsewhere.
         options.log_severity_level = 3
         if manifest.data["graphs"][graph].get("external_data"):
-            # Past 2 GiB the optimized graph needs external data too.
+            # a graph past protobuf's 2 GiB (or the export's threshold) needs external data too
             options.add_session_config_entry(
                 "session.optimized_model_external_initializers_file_name", f"{graph}.onnx_data"
             )

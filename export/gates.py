@@ -64,7 +64,7 @@ def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance:
     strengths 1 and 1.5. Colour edits may change the shape's latent cells (``d0``) or those grown
     by one cell (``d1``); background edits keep the cells that touch the shapes (``any``) or
     only those inside them (``all``). A row per (setting, kind, strength)."""
-    judge = judge_for(world_of(cfg.model))
+    judge = judge_for(world_of(cfg.model_dir))
     T = cfg.base.steps
     oracle: dict[str, Optional[np.ndarray]] = {"keep": None}
     own = pipe.keep_mask
@@ -98,7 +98,7 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
     """IoU of the changed words' thresholded maps with the edited object's cells, over colour
     edits of `make quality`'s bases (default tail): ``preserve: auto`` with ``region: words`` and
     no dilation, per threshold; the object's cells are those it covers at least half of."""
-    judge = judge_for(world_of(cfg.model))
+    judge = judge_for(world_of(cfg.model_dir))
     T = cfg.base.steps
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
     scores: dict[str, list[float]] = defaultdict(list)
@@ -128,8 +128,8 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
 def run_gates(cfg: RunConfig, prompts: int = 100, bases: int = 50, out: Optional[Path] = None,
               say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every gate on ``cfg``'s model; ``gates.json`` in ``out`` (default: the model folder)."""
-    judge = judge_for(world_of(cfg.model))
-    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+    judge = judge_for(world_of(cfg.model_dir))
+    with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
         following = _prompt_following(pipe, cfg.base, prompts, judge)
         say(f"prompt following: {following}")
         oracle = oracle_ceiling(pipe, cfg, bases)
@@ -155,7 +155,7 @@ def run_gates(cfg: RunConfig, prompts: int = 100, bases: int = 50, out: Optional
     report = {"model": str(cfg.model), "world": judge.world, "prompts": prompts, "bases": bases, "steps": cfg.base.steps,
               "guidance": cfg.base.guidance, "gates": gates, "prompt_following": following, "oracle": oracle,
               "maps": maps}  # fmt: skip
-    path = Path(out or cfg.model) / "gates.json"
+    path = Path(out or cfg.model_dir) / "gates.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     say(f"wrote {path}")
     return report

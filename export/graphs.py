@@ -119,8 +119,14 @@ class SharedLayoutProcessor:
     Tumanyan et al. 2023): the reference's layout, the row's own content. With every row its
     own reference it is diffusers' attention (``AttnProcessor2_0`` for 3-D hidden states)."""
 
-    def __init__(self, context: _StepContext):
+    def __init__(self, context: _StepContext, slice_heads: int = 0):
+        """``slice_heads`` > 0: attention over that many heads at a time (diffusers' attention
+        slicing, ``SlicedAttnProcessor``, over the head axis): the scores of a 64x64 latent are
+        heads x 4096^2 floats per UNet row (512 MiB for SD 1.5's 8 heads), and an ONNX runtime
+        holds every one of a call's rows at once; one head a time holds 1/8 of it. The slices
+        are static (the head count is), so the graph keeps its dynamic rows and size."""
         self.context = context
+        self.slice_heads = slice_heads
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
         residual = hidden_states
@@ -131,7 +137,12 @@ class SharedLayoutProcessor:
             query, key = query.index_select(0, index), key.index_select(0, index)
         head_dim = value.shape[-1] // attn.heads
         q, k, v = (t.view(rows, tokens, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        if 0 < self.slice_heads < attn.heads:
+            s = self.slice_heads
+            out = torch.cat([F.scaled_dot_product_attention(q[:, h : h + s], k[:, h : h + s], v[:, h : h + s], scale=attn.scale)
+                             for h in range(0, attn.heads, s)], dim=1)  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
         out = out.transpose(1, 2).reshape(rows, tokens, attn.heads * head_dim)
         out = attn.to_out[1](attn.to_out[0](out))
         if attn.residual_connection:
@@ -198,21 +209,22 @@ class UNetStepGraph(nn.Module):
     prediction, which a base generation keeps for its edits' entry steps) and ``history_out
     [N,2,c,h,w]``.
 
-    With ``map_layers`` (the ``unet_step_maps`` variant) it also returns ``attn_maps [N, 77,
-    h/f, w/f]``: per row and text position, the conditional cross-attention the image tokens
-    pay to it, averaged over heads and over the layers at 1/f of the latent resolution.
+    With ``map_layers`` (edit-rt's export always gives them: one step graph, manifest v9) it
+    also returns ``attn_maps [N, 77, h/f, w/f]``: per row and text position, the conditional
+    cross-attention the image tokens pay to it, averaged over heads and over the layers at 1/f
+    of the latent resolution (``preserve: auto`` reads them; other steps leave them unread).
 
-    Both variants take ``self_ref [N]`` (int64, after ``uncond_given``): the row whose
-    self-attention pattern each row uses (itself, or a reference row carrying its base's own
-    tail: structure keeping, ``SharedLayoutProcessor``), for both halves of CFG (an uncond half
-    whose reference computes none uses its own). It is in the plain graph too, so that the two
-    variants compute the same numbers for the same rows (ONNX Runtime fuses a graph's attention
-    differently when its inputs differ).
+    ``self_ref [N]`` (int64, after ``uncond_given``) is the row whose self-attention pattern
+    each row uses (itself, or a reference row carrying its base's own tail: structure keeping,
+    ``SharedLayoutProcessor``), for both halves of CFG (an uncond half whose reference computes
+    none uses its own).
     """
 
     def __init__(self, unet: nn.Module, prediction_type: str, text_len: int = 77,
-                 map_layers: frozenset[int] | None = None, map_factor: int = 1, conds: list[dict] | None = None):  # fmt: skip
-        """``conds``: the family's per-row conditioning besides K/V (family_*.conds): each is an
+                 map_layers: frozenset[int] | None = None, map_factor: int = 1, conds: list[dict] | None = None,
+                 slice_heads: int = 0):  # fmt: skip
+        """``slice_heads``: self-attention over that many heads at a time (0: all at once;
+        :class:`SharedLayoutProcessor`). ``conds``: the family's per-row conditioning besides K/V (family_*.conds): each is an
         input ``cond_<name> [N, dim]`` and ``uncond_<name> [M, dim]`` (the negative prompts' sets,
         indexed by uncond_index) when its uncond side is a set, else one ``<name> [N, dim]``."""
         super().__init__()
@@ -229,7 +241,7 @@ class UNetStepGraph(nn.Module):
         for i, (_, module) in enumerate(layers):
             module.set_processor(PrecomputedKVProcessor(self.context, i, map_layers is not None and i in map_layers))
         for module in self_attention_layers(unet):  # in both variants: the same numbers for the same rows
-            module.set_processor(SharedLayoutProcessor(self.context))
+            module.set_processor(SharedLayoutProcessor(self.context, slice_heads))
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 

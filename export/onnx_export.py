@@ -1,9 +1,15 @@
-"""`edit-rt export`: a diffusers SD folder -> ``build/<model>/onnx/`` (four graphs + manifest).
+"""`edit-rt export`: a diffusers SD folder -> ``build/<model>/onnx/`` (six graphs + manifest).
 
 Each graph is exported with the TorchScript exporter (``dynamo=False``; the dynamo exporter was
 not validated for these graphs), the edit batch ``N`` and the latent size dynamic, then checked
 with ``onnx.checker`` and ONNX shape inference. A graph whose weights pass
 ``external_data_threshold_mb`` is re-saved with its tensors in ``<graph>.onnx_data``.
+
+The UNet is exported once: ``unet_step`` returns the cross-attention maps ``preserve: auto``
+reads beside the next latents (manifest v9). Two graphs, a plain step and a maps variant, held
+two copies of the UNet's weights on disk and in memory (3.4 GB each for SD 1.5 in fp32), and
+the maps cost nothing measurable per step (the mean over heads of attention probabilities the
+step computes anyway, at 1/4 of the latent grid: 522 vs 515 ms a call on the bench model).
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import onnx
 import torch
@@ -24,6 +31,7 @@ import torch
 from edit_rt.runtime.errors import ModelError
 from edit_rt.runtime.model.samplers import COEFS
 from edit_rt.runtime.engine.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
+from edit_rt.runtime.storage.store_files import follow_umask
 
 from . import adapter_slots, family_sd
 from .families import family_module
@@ -41,7 +49,11 @@ from .graphs import (
 log = logging.getLogger(__name__)
 
 TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
-EXPORT_STAGES = 7  # text_encoder, kv_proj, unet_step, unet_step_maps, latent_blend, vae_decoder, vae_encoder
+EXPORT_STAGES = 6  # text_encoder, kv_proj, unet_step, latent_blend, vae_decoder, vae_encoder
+# attention_slicing "auto": one head at a time where a UNet row's self-attention scores at the
+# model's own size pass this (SD 1.5 at 512x512: 8 heads x 4096^2 floats = 512 MiB a row, and a
+# call holds them for every row and both halves of guidance; the shapes models: a few MiB).
+SLICE_SCORES_BYTES = 256 * 2**20
 _ONNX_DTYPES = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16", 6: "int32"}
 
 
@@ -75,6 +87,9 @@ def _export_graph(
         # are constant for a given latent size); the exported graph is checked against torch.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # "Only steps=1 can be constant folded": the exporter leaves a strided Slice (the
+            # scheduler's ::-1, a stride-2 slice) as a node, which is what the graph needs
+            warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
             torch.onnx.export(
                 module,
                 args,
@@ -103,6 +118,8 @@ def _export_graph(
         )
     else:
         onnx.save_model(model, str(path))
+    for written in (path, data_file) if external else (path,):
+        follow_umask(written)  # onnx writes its external data 0600
     # Path-based check and inference: they work past protobuf's 2 GiB message limit.
     onnx.checker.check_model(str(path), full_check=True)
     inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
@@ -110,6 +127,7 @@ def _export_graph(
         "file": path.name,
         "external_data": data_file.name if external else None,
         "weight_bytes": weight_bytes,
+        "file_bytes": path.stat().st_size + (data_file.stat().st_size if external else 0),
         "inputs": [_spec(v) for v in inferred.graph.input],
         "outputs": [_spec(v) for v in inferred.graph.output],
         "sha256": sha256_file(path),
@@ -202,16 +220,53 @@ def _write_tokenizer(tokenizer, out: Path) -> None:
     backend.save(str(out))
 
 
+@dataclass(frozen=True)
+class ExportEvent:
+    """One graph of `edit-rt export` starting (``seconds`` None) or done. ``weight`` is its share
+    of ``total``, its parameter count (tracing, folding and writing a graph take time with its
+    weights: SD 1.5's UNet is 80% of the export), so a bar weighted by it moves as the work does."""
+
+    graph: str
+    weight: int
+    total: int
+    seconds: Optional[float] = None
+    bytes_written: Optional[int] = None
+
+
+def _parameters(*modules) -> int:
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+
+def slice_heads_for(unet: torch.nn.Module, attention_slicing: Union[str, int]) -> int:
+    """The step graph's self-attention heads per slice (graphs.SharedLayoutProcessor; 0: all at
+    once) for ``export.attention_slicing``: ``auto`` slices one head at a time where one row's
+    scores at the UNet's own size pass SLICE_SCORES_BYTES, an int is heads per slice."""
+    if attention_slicing != "auto":
+        return int(attention_slicing)
+    size = unet.config.sample_size
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    down = [(int(name.split(".")[1]), m.heads) for name, m in unet.named_modules()
+            if name.startswith("down_blocks.") and name.endswith("attn1")]  # fmt: skip
+    if not down:
+        return 0
+    level, heads = min(down)  # the finest grid with self-attention: the most tokens
+    tokens = -(-h // 2**level) * -(-w // 2**level)
+    return 1 if heads * tokens**2 * 4 > SLICE_SCORES_BYTES else 0
+
+
 def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0,
-                progress: Optional[Callable[[str], None]] = None, variant: Optional[str] = None,
-                adapter_slots_n: int = 0, adapter_rank: int = 16) -> Path:  # fmt: skip
+                progress: Optional[Callable[[ExportEvent], None]] = None, variant: Optional[str] = None,
+                adapter_slots_n: int = 0, adapter_rank: int = 16,
+                attention_slicing: Union[str, int] = "auto") -> Path:  # fmt: skip
     """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path.
 
-    ``progress`` is called with each graph's name as it is done (``EXPORT_STAGES`` in all);
-    ``variant`` picks diffusers' variant weights (``fp16``: cast to fp32 for the graphs);
-    ``adapter_slots_n`` > 0 gives the text encoder, kv_proj and step graphs that many resident
-    LoRA slots of rank up to ``adapter_rank`` (export/adapter_slots.py); 0: none."""
-    done = progress or (lambda name: None)
+    ``progress`` is called as each graph starts and when it is done (:class:`ExportEvent`,
+    ``EXPORT_STAGES`` graphs in all); ``variant`` picks diffusers' variant weights (``fp16``:
+    cast to fp32 for the graphs); ``adapter_slots_n`` > 0 gives the text encoder, kv_proj and
+    step graphs that many resident LoRA slots of rank up to ``adapter_rank``
+    (export/adapter_slots.py); 0: none; ``attention_slicing`` the step graph's self-attention
+    slicing (:func:`slice_heads_for`)."""
+    report = progress or (lambda event: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     family = family_module(family_of(model_dir))  # refuses what edit-rt cannot run, in one line
     components = family.load_components(model_dir, variant)
@@ -230,12 +285,32 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     c = unet.config.in_channels
     h = w = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else int(unet.config.sample_size[0])
     d_text = int(unet.config.cross_attention_dim)  # the hidden states kv_proj takes (SDXL: both encoders)
-    layers = [layer for layer, _ in cross_attention_layers(unet)]
+    attention = cross_attention_layers(unet)
+    layers = [layer for layer, _ in attention]
     conds = family.conds(components)
     n2 = 2  # trace with B=2 so no batch-1 broadcast gets frozen into the graph
     graphs = {}
     slots, rank = int(adapter_slots_n), int(adapter_rank)
     adapter_layers, contexts = adapter_slots.install_all(components, rank) if slots else ([], {})
+    slice_heads = slice_heads_for(unet, attention_slicing)
+    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    weights = {
+        "text_encoder": _parameters(*components.text_encoders),
+        "kv_proj": _parameters(*(m for _, a in attention for m in (a.to_k, a.to_v))),
+        "unet_step": _parameters(unet),
+        "latent_blend": 1,
+        # the VAE's time goes to its convolutions at full image size, not its weights (SD 1.5:
+        # the decoder's 49.5 M parameters took 68 s, the UNet's 860 M 119 s): weighted by both
+        "vae_decoder": _parameters(vae.decoder, getattr(vae, "post_quant_conv", None)) * max(1, h * vae_scale // 64),
+        "vae_encoder": _parameters(vae.encoder, getattr(vae, "quant_conv", None)) * max(1, h * vae_scale // 64),
+    }
+    total = sum(weights.values())
+
+    def export_stage(graph: str, export: Callable[[], dict]) -> None:
+        report(ExportEvent(graph, weights[graph], total))
+        start = time.perf_counter()
+        graphs[graph] = export()
+        report(ExportEvent(graph, weights[graph], total, time.perf_counter() - start, graphs[graph]["file_bytes"]))
 
     def adapted(graph: str, module: torch.nn.Module, inputs: int, rows: int):
         """``module`` with ``graph``'s adapter inputs appended (none without slots)."""
@@ -248,69 +323,63 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     ids = [torch.zeros(n2, TEXT_LEN, dtype=torch.int64) for _ in family.text_inputs()]
     axes = {name: {0: "B"} for name in family.text_inputs() + family.text_outputs()}
     module, extra = adapted("text_encoder", family.TextGraph(components), len(ids), n2)
-    graphs["text_encoder"] = _export_graph(
+    export_stage("text_encoder", lambda: _export_graph(
         module, (*ids, *(a for _, a, _ in extra)), staging / "text_encoder.onnx",
         family.text_inputs() + [name for name, _, _ in extra], family.text_outputs(),
         {**axes, **{name: ax for name, _, ax in extra if ax}}, opset, threshold,
-    )  # fmt: skip
-    done("text_encoder")
+    ))  # fmt: skip
     log.info("exporting kv_proj (%d cross-attention layers)", len(layers))
     kv_names = [f"{kind}_{i}" for i in range(len(layers)) for kind in ("k", "v")]
-    module, extra = adapted("kv_proj", KVProjGraph(unet), 1, n2)
-    graphs["kv_proj"] = _export_graph(
-        module, (torch.randn(n2, TEXT_LEN, d_text), *(a for _, a, _ in extra)), staging / "kv_proj.onnx",
-        ["hidden_states"] + [name for name, _, _ in extra], kv_names,
-        {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}, **{name: ax for name, _, ax in extra if ax}},
+    kv_module, kv_extra = adapted("kv_proj", KVProjGraph(unet), 1, n2)
+    export_stage("kv_proj", lambda: _export_graph(
+        kv_module, (torch.randn(n2, TEXT_LEN, d_text), *(a for _, a, _ in kv_extra)), staging / "kv_proj.onnx",
+        ["hidden_states"] + [name for name, _, _ in kv_extra], kv_names,
+        {"hidden_states": {0: "B"}, **{k: {0: "B"} for k in kv_names}, **{name: ax for name, _, ax in kv_extra if ax}},
         opset, threshold,
-    )  # fmt: skip
+    ))  # fmt: skip
 
-    done("kv_proj")
     map_layers, map_factor = attention_map_layers(unet)
-    for graph, maps in (("unet_step", False), ("unet_step_maps", True)):
-        log.info("exporting %s (prediction_type=%s)", graph, prediction_type)
-        step = UNetStepGraph(unet, prediction_type, TEXT_LEN, map_layers if maps else None, map_factor, conds).eval()
-        io = step_io(layers, c, h, w, maps, conds, (adapter_layers, slots, rank) if slots else None)
-        fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
-        if slots:
-            step = adapter_slots.wrap(graph, step, fixed, contexts)
-        graphs[graph] = _export_graph(
-            step, tuple(a for _, _, a, _ in io.inputs), staging / f"{graph}.onnx",
-            [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
-            {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
-        )  # fmt: skip
-        graphs[graph]["roles"] = io.roles
-        done(graph)
-    graphs["unet_step_maps"]["map_factor"] = map_factor
-    graphs["unet_step_maps"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
+    log.info("exporting unet_step (prediction_type=%s, self-attention %s)", prediction_type,
+             f"{slice_heads} head(s) at a time" if slice_heads else "all heads at once")  # fmt: skip
+    step = UNetStepGraph(unet, prediction_type, TEXT_LEN, map_layers, map_factor, conds, slice_heads).eval()
+    io = step_io(layers, c, h, w, True, conds, (adapter_layers, slots, rank) if slots else None)
+    fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
+    if slots:
+        step = adapter_slots.wrap("unet_step", step, fixed, contexts)
+    export_stage("unet_step", lambda: _export_graph(
+        step, tuple(a for _, _, a, _ in io.inputs), staging / "unet_step.onnx",
+        [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
+        {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
+    ))  # fmt: skip
+    graphs["unet_step"]["roles"] = io.roles
+    graphs["unet_step"]["map_factor"] = map_factor
+    graphs["unet_step"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
+    graphs["unet_step"]["slice_heads"] = slice_heads
 
     log.info("exporting latent_blend")
     latent = lambda: torch.randn(n2, c, h, w)  # noqa: E731
     axes = {0: "N", 2: "H", 3: "W"}
     history_axes = {0: "N", 3: "H", 4: "W"}
-    graphs["latent_blend"] = _export_graph(
+    export_stage("latent_blend", lambda: _export_graph(
         LatentBlendGraph(), (latent(), (torch.rand(n2, 1, h, w) > 0.5).float(), latent(), latent(),
                              torch.randn(n2, 2, c, h, w)),
         staging / "latent_blend.onnx", ["next_latents", "keep", "base", "add", "history_out"], ["latents", "history"],
         {**{name: axes for name in ("next_latents", "keep", "base", "add", "latents")},
          "history_out": history_axes, "history": history_axes}, opset, threshold,
-    )  # fmt: skip
-    done("latent_blend")
+    ))  # fmt: skip
     log.info("exporting vae_decoder")
-    graphs["vae_decoder"] = _export_graph(
+    export_stage("vae_decoder", lambda: _export_graph(
         VaeDecoderGraph(vae), (torch.randn(n2, vae.config.latent_channels, h, w),), staging / "vae_decoder.onnx",
         ["latents"], ["images"],
         {"latents": {0: "N", 2: "H", 3: "W"}, "images": {0: "N", 2: "IH", 3: "IW"}}, opset, threshold,
-    )  # fmt: skip
-
-    done("vae_decoder")
+    ))  # fmt: skip
     log.info("exporting vae_encoder")
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    graphs["vae_encoder"] = _export_graph(
+    scale = vae_scale
+    export_stage("vae_encoder", lambda: _export_graph(
         VaeEncoderGraph(vae), (torch.rand(n2, 3, h * scale, w * scale),), staging / "vae_encoder.onnx",
         ["images"], ["latents"],
         {"images": {0: "N", 2: "IH", 3: "IW"}, "latents": {0: "N", 2: "H", 3: "W"}}, opset, threshold,
-    )  # fmt: skip
-    done("vae_encoder")
+    ))  # fmt: skip
     description = family.description(components)
     # diffusers' upcast_attention (SD 2.x): scores past fp16's range; fp16 engines keep them fp32
     description["upcast_attention"] = bool(unet.config.get("upcast_attention", False))
@@ -339,7 +408,10 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             "sample_size": h,
             # The traced UNet assumes latents divisible by 2 ** (number of upsamplers).
             "latent_multiple": 2 ** (len(unet.config.block_out_channels) - 1),
-            "vae_scale_factor": 2 ** (len(vae.config.block_out_channels) - 1),
+            "vae_scale_factor": vae_scale,
+            # what runtime/engine/memory.py counts a row's activations from
+            "block_out_channels": [int(c) for c in unet.config.block_out_channels],
+            "vae_channels": int(vae.config.block_out_channels[0]),
             "text_len": TEXT_LEN,
             "text_hidden_size": d_text,
             "vocab_size": components.text_encoders[0].config.vocab_size,
@@ -360,6 +432,8 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         "graphs": graphs,
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    for name in description["tokenizers"]:
+        follow_umask(staging / name)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(staging, out_dir)

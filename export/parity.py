@@ -124,7 +124,7 @@ def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Mo
     family = family_module(family_of(model_dir))
     components = family.load_components(model_dir, manifest.data["model"].get("variant"))
     spec = manifest.adapters
-    if spec["slots"] and graph in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps"):
+    if spec["slots"] and graph in ("text_encoder", "kv_proj", "unet_step"):
         _, contexts = adapter_slots.install_all(components, spec["rank"])
         own = [t for t in manifest.graphs[graph].inputs if t.name != "adapter_scale" and "_lora_" not in t.name]
         return adapter_slots.wrap(graph, _torch_module(graph, components, family), len(own), contexts)
@@ -137,8 +137,8 @@ def _torch_module(graph: str, components, family) -> torch.nn.Module:
         return family.TextGraph(components)
     if graph == "kv_proj":
         return KVProjGraph(unet)
-    if graph in ("unet_step", "unet_step_maps"):
-        map_layers, factor = attention_map_layers(unet) if graph == "unet_step_maps" else (None, 1)
+    if graph == "unet_step":  # unsliced: the slices' concatenation is the same attention
+        map_layers, factor = attention_map_layers(unet)
         return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), map_layers=map_layers,
                              map_factor=factor, conds=family.conds(components))  # fmt: skip
     if graph == "vae_encoder":
@@ -189,7 +189,7 @@ def _errors(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict[
 def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) -> ParityReport:
     """Run every graph on every built backend and write parity.md / parity.json."""
     manifest = load_manifest(cfg.onnx_dir)
-    manifest.check_model(cfg.model)
+    manifest.check_model(cfg.model_dir)
     scale = manifest.vae_scale_factor
     hw = cfg.base.height // scale
     e = cfg.engines
@@ -205,7 +205,7 @@ def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) ->
     rows = []
     rng = np.random.default_rng(0)
     for graph in GRAPHS:
-        runners = [torch_runner(graph, manifest, cfg.model), ort_runner(manifest.path(graph), "onnx")]
+        runners = [torch_runner(graph, manifest, cfg.model_dir), ort_runner(manifest.path(graph), "onnx")]
         if "ort-cpu" in engine_sets:
             runners.append(ort_runner(engine_sets["ort-cpu"].path(graph), "ort-cpu-engine"))
         if "trt" in engine_sets:

@@ -143,15 +143,15 @@ def run_quality(
     default_strength = cfg.cache.default_strength
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
     structure_settings = [(f, k) for f in sorted({default_fraction, *STRUCTURE_TAILS}) for k in structures]
-    pipe = EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
+    pipe = EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     bar = progress or (lambda total, description: lambda n: None)
-    judge = judge_for(world_of(cfg.model))
+    judge = judge_for(world_of(cfg.model_dir))
     following = _prompt_following(pipe, cfg.base, prompts, judge, bar(prompts, "prompts")) if prompts else None
     advance = bar(bases, "bases")
-    img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
+    img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model_dir, safety_checker=None, requires_safety_checker=False)
     img2img.scheduler = DDIMScheduler.from_config(img2img.scheduler.config)
     img2img.set_progress_bar_config(disable=True)
-    unet, text_encoder, _, tokenizer, scheduler_config = load_components(cfg.model)
+    unet, text_encoder, _, tokenizer, scheduler_config = load_components(cfg.model_dir)
     tallies: dict[tuple, Tally] = defaultdict(Tally)
     base_reads = 0
     start = T - max(1, round(default_fraction * T))
@@ -199,7 +199,7 @@ def run_quality(
               "default_strength": default_strength, "preserve_default": dataclasses.asdict(cfg.preserve),
               "rows": table}  # fmt: skip
     report["targets"] = judge_targets(report)
-    report["oracle_ceiling"] = oracle_beside(cfg.model)
+    report["oracle_ceiling"] = oracle_beside(cfg.model_dir)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report, indent=2))
@@ -274,8 +274,8 @@ def _plot(report: dict, path: Path) -> None:
 
 def prompt_following(cfg: RunConfig, n: int = 100) -> dict[str, float]:
     """How often the reader finds, in the model's own generations, what their prompts asked for."""
-    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
-        return _prompt_following(pipe, cfg.base, n, judge_for(world_of(cfg.model)))
+    with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+        return _prompt_following(pipe, cfg.base, n, judge_for(world_of(cfg.model_dir)))
 
 
 def _prompt_following(pipe: EditPipeline, base: Base, n: int, judge, advance: Callable[[int], None] = lambda n: None) -> dict[str, float]:

@@ -62,16 +62,16 @@ def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: S
     onnx = root / "onnx-sliders"
     if not (onnx / "manifest.json").is_file() or load_manifest(onnx).adapters["slots"] < len(files):
         say(f"quality: exporting {cfg.model} with {len(files)} adapter slots")
-        export_onnx(cfg.model, onnx, adapter_slots_n=len(files), adapter_rank=8)
-    converted = convert_adapters(cfg.model, load_manifest(onnx), files, root / "adapters-sliders")
+        export_onnx(cfg.model_dir, onnx, adapter_slots_n=len(files), adapter_rank=8)
+    converted = convert_adapters(cfg.model_dir, load_manifest(onnx), files, root / "adapters-sliders")
     base_cfg, T = cfg.base, cfg.base.steps
     K = max(1, round(cfg.cache.default_tail_fraction * T))
     entry = T - K
-    world = world_of(cfg.model)
+    world = world_of(cfg.model_dir)
     eval_bases = world_bases(bases, world=world)
     scales = [float(s) for s in scales]
 
-    pipe = StableDiffusionPipeline.from_pretrained(cfg.model, safety_checker=None, requires_safety_checker=False)
+    pipe = StableDiffusionPipeline.from_pretrained(cfg.model_dir, safety_checker=None, requires_safety_checker=False)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     for name, path in files.items():
@@ -81,7 +81,7 @@ def slider_quality(cfg: RunConfig, sliders_dir: Path, bases: int = 50, scales: S
     ours = {name: np.zeros((bases, len(scales), base_cfg.height, base_cfg.width, 3), dtype=np.uint8) for name in files}
     pairs = [(a, b, h) for a in files for b in files if a != b for h in held]
     both = {key: np.zeros_like(ours[key[0]]) for key in pairs}
-    with EditPipeline(onnx, cfg.model, threads=cfg.threads, image_size=(base_cfg.height, base_cfg.width),
+    with EditPipeline(onnx, cfg.model_dir, threads=cfg.threads, image_size=(base_cfg.height, base_cfg.width),
                       adapters=converted) as rt:  # fmt: skip
         for i, b in enumerate(eval_bases):
             noise = _initial_latents(pipe, [b], base_cfg.height, base_cfg.width).numpy()

@@ -56,7 +56,7 @@ def embedding_study(cfg, pairs: int = 300, seed: int = 1) -> dict:
     kinds = prompt_pairs(pairs, seed)
     prompts = sorted({prompt(s) for ps in kinds.values() for pair in ps for s in pair})
     where = {p: i for i, p in enumerate(prompts)}
-    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+    with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
         vectors = {"mean_token": pipe.prompt_embeddings(prompts, cfg.base.clip_skip, "mean"),
                    "eos": pipe.prompt_embeddings(prompts, cfg.base.clip_skip, "eos")}
     out: dict[str, Any] = {"pairs": pairs, "prompts": len(prompts), "embeddings": {}}

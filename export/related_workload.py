@@ -237,7 +237,7 @@ def same_seed_leftovers(cfg, report: dict, items: list[Item]) -> None:
     if not keys:
         return
     bases = [dataclasses.replace(cfg.base, prompt=items[i].prompt, seed=seed) for i, seed in keys]
-    with EditPipeline(cfg.onnx_dir, cfg.model, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
+    with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
         images = generate(pipe, bases)
     seen = {key: judge.read(image) for key, image in zip(keys, images)}
     for s in report["settings"]:

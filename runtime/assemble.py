@@ -49,9 +49,10 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
         threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
         image_size=(cfg.base.height, cfg.base.width), extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
         precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
+        max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9),
     )  # fmt: skip
     options["adapters"] = adapter_files(cfg)
-    pipe = EditPipeline(cfg.onnx_dir, cfg.model, **(options | overrides))
+    pipe = EditPipeline(cfg.onnx_dir, cfg.require_model_dir(), **(options | overrides))
     for name, adapter in (pipe.adapter_bank.adapters if pipe.adapter_bank else {}).items():
         if name in cfg.adapters and sha256_file(lora_source(cfg.adapters[name])) != adapter.source_sha256:
             raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "

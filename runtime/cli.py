@@ -14,16 +14,16 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from . import __version__
 from .errors import ConfigError, EditRtError
 from .model.config import RunConfig, load_config, revalidated
+from .progress import Reporter, human_bytes, reporter
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
 
@@ -56,18 +56,11 @@ def _export_module(name: str):
 
 
 @contextmanager
-def _progress() -> Iterator[Callable[[int, str], Callable[[int], None]]]:
-    """A factory of rich progress bars (shown only on a terminal), each with its ETA."""
-    with Progress(
-        TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=False,
-    ) as bars:  # fmt: skip
-
-        def factory(total: int, description: str) -> Callable[[int], None]:
-            task = bars.add_task(description, total=total)
-            return lambda n: bars.advance(task, n)
-
-        yield factory
+def _progress() -> Iterator[Reporter]:
+    """Bars with their ETA on a terminal, log lines elsewhere (progress.py); the reporter is the
+    ``(total, description) -> advance`` factory the long functions take."""
+    with reporter(console) as rep:
+        yield rep
 
 
 def _quiet_third_parties() -> None:
@@ -82,11 +75,13 @@ def _quiet_third_parties() -> None:
 def model(
     out: Path = typer.Option(Path("build/models/tiny-sd"), help="Folder to write the diffusers model to."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
-    preset: str = typer.Option("tiny", help="tiny, bench (SD 1.x sizes), tiny-sd2 (SD 2.x switches), tiny-sdxl."),
+    preset: str = typer.Option("tiny", help="tiny, bench (SD 1.x sizes), tiny-sd2 (SD 2.x switches), tiny-sdxl, sd15 / sd15-small (random SD 1.5: true size / 0.1 of its widths)."),
 ) -> None:
     """Write a small random model (seeded weights): the embedded default and the test families."""
     tiny = _export_module("tiny_model")
-    if preset == "tiny-sdxl":
+    if preset in ("sd15", "sd15-small"):
+        path = _export_module("sd_random").write_random_sd(out, seed=seed, scale=1.0 if preset == "sd15" else 0.1)
+    elif preset == "tiny-sdxl":
         path = tiny.write_tiny_sdxl(out, seed=seed)
     else:
         path = tiny.write_tiny_model(out, seed=seed, preset=preset)
@@ -95,27 +90,52 @@ def model(
 
 @app.command()
 def export(config: Path = typer.Argument(..., help="Run config naming `model:` and `build_dir:`.")) -> None:
-    """Export the config's model to ONNX under build_dir/<model>/onnx/."""
+    """Export the config's model to ONNX under build_dir/<model>/onnx/ (a single-file
+    checkpoint is first converted, once, into build_dir/<model>/diffusers/)."""
     cfg = load_config(config)
     exporter = _export_module("onnx_export")
+    if cfg.single_file:
+        _export_module("checkpoint").diffusers_from_single_file(cfg.model, cfg.model_dir, family=cfg.family, say=plain)
+    _refuse_what_no_row_fits(cfg)
     with _progress() as bars:
-        advance = bars(exporter.EXPORT_STAGES, "export")
         manifest = exporter.export_onnx(
-            cfg.model, cfg.onnx_dir, opset=cfg.export.opset,
-            external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=lambda graph: advance(1),
+            cfg.model_dir, cfg.onnx_dir, opset=cfg.export.opset,
+            external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=bars.export_event,
             variant=cfg.export.variant, adapter_slots_n=cfg.adapter_slots, adapter_rank=cfg.export.adapter_rank,
+            attention_slicing=cfg.export.attention_slicing,
         )  # fmt: skip
-    graphs = ", ".join(json.loads(manifest.read_text())["graphs"])
-    console.print(f"wrote {manifest.parent} ({graphs}, manifest.json)")
+    graphs = json.loads(manifest.read_text())["graphs"]
+    sizes = ", ".join(f"{name} {human_bytes(g['file_bytes'])}" for name, g in graphs.items())
+    total = sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file())
+    console.print(f"wrote {manifest.parent}: {human_bytes(total)} ({sizes}, manifest.json)")
     if cfg.adapters:
         _convert_adapters(cfg)
+
+
+def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
+    """The CPU path's refusal of a base size at which not even one step row fits beside the
+    weights (engine/memory.py), before the export's minutes rather than after them."""
+    from .engine.memory import no_row_fits, plan_from_model_dir
+
+    if cfg.backend not in ("ort-cpu", "auto") or not (cfg.model_dir / "unet" / "config.json").is_file():
+        return  # a GPU's engines fix their own size; a folder that is no SD model is export's to refuse
+    e = cfg.engines
+    budget = None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9)
+    for width, height in cfg.served_sizes():
+        plan = plan_from_model_dir(cfg.model_dir, width, height, budget)
+        if plan.step_rows(1) == 0:
+            scale = 2 ** (len(json.loads((cfg.model_dir / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+            unet = json.loads((cfg.model_dir / "unet" / "config.json").read_text())
+            size = unet.get("sample_size", 64)
+            native = (size if isinstance(size, int) else max(size)) * scale
+            raise ConfigError(no_row_fits(plan, width, height, (height // scale, width // scale), native, budget is not None))
 
 
 def _convert_adapters(cfg) -> None:
     from edit_rt.runtime.engine.manifest import load_manifest
 
     converter = _export_module("adapters")
-    written = converter.convert_adapters(cfg.model, load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir)
+    written = converter.convert_adapters(cfg.require_model_dir(), load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir)
     for name, path in written.items():
         console.print(f"adapter {name}: wrote {path}")
 
@@ -137,6 +157,7 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     from .engine.profiles import EditBatchProfile
 
     cfg = load_config(config)
+    cfg.require_model_dir()  # a single file not yet converted is said so, before its missing graphs
     builder = _export_module("engines")
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     e = cfg.engines
@@ -264,10 +285,10 @@ def quality(
     cfg = load_config(config)
     if sliders not in ("with", "only", "without"):
         raise ConfigError(f"--sliders: {sliders!r} is not one of with, only, without")
-    if sliders != "without" and (cfg.model / "sliders").is_dir():
+    if sliders != "without" and (cfg.model_dir / "sliders").is_dir():
         _slider_quality(cfg, bases)
     elif sliders != "without":
-        console.print(f"no sliders in {cfg.model / 'sliders'}: the slider section is skipped (make sliders trains them)")
+        console.print(f"no sliders in {cfg.model_dir / 'sliders'}: the slider section is skipped (make sliders trains them)")
     if sliders == "only":
         return
     module = _export_module("quality")
@@ -316,19 +337,19 @@ def gates(
     overlap with the edited object); write gates.json into the model folder."""
     cfg = load_config(config)
     report = _export_module("gates").run_gates(cfg, prompts=prompts, bases=bases, say=lambda text: None)
-    table = Table(title=f"gates of {cfg.model}: {prompts} prompts, {bases} bases", title_justify="left")
+    table = Table(title=f"gates of {cfg.model_dir}: {prompts} prompts, {bases} bases", title_justify="left")
     for column in ("gate", "goal", "measured", "met"):
         table.add_column(column)
     for name, g in report["gates"].items():
         measured = "-" if g["measured"] is None else f"{g['measured']:.2f}"
         table.add_row(name, f">= {g['goal']:g}", measured, "yes" if g["met"] else "no")
     Console().print(table)
-    console.print(f"wrote {cfg.model / 'gates.json'}")
+    console.print(f"wrote {cfg.model_dir / 'gates.json'}")
 
 
 def _slider_quality(cfg, bases: int) -> None:
     module = _export_module("quality_sliders")
-    report = module.slider_quality(cfg, cfg.model / "sliders", bases=bases, say=lambda text: None)
+    report = module.slider_quality(cfg, cfg.model_dir / "sliders", bases=bases, say=lambda text: None)
     table = Table(title=f"concept sliders: {bases} bases, scales -2..2 in {len(report['scales'])}, "
                         f"{report['tail_steps']}-step tails", title_justify="left")  # fmt: skip
     for column in ("method", "slider", "UNet steps/image", "rho >= 0.9", "median rho", "range", "preserved", "scene kept"):
@@ -396,8 +417,8 @@ def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base,
     from .run import run_config
 
     cfg = load_config(config)
-    with _progress() as factory:
-        report = run_config(cfg, progress=factory)
+    with _progress() as bars:
+        report = run_config(cfg, progress=bars, stage=bars.stage)
     _print_summary(report, cfg.output_dir)
 
 

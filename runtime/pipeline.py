@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from .engine.engine_thread import EngineThread
 from .engine.graph_set import GraphSet, graphs_from_artifacts
 from .engine.manifest import Manifest, load_manifest, model_files
-from .engine.profiles import EditBatchProfile, available_host_bytes, peak_step_bytes
+from .engine.memory import gib, memory_plan, no_row_fits
+from .engine.profiles import EditBatchProfile
 from .engine.step_signature import StepSignature
 from .errors import ArtifactError, ConfigError
 from .images import composite, feathered_rectangle, latent_keep, to_uint8, upsample_weight
@@ -69,6 +70,7 @@ class EditPipeline(PromptEncoding):
         vae_max_batch: int = 8,
         extra_image_sizes: Sequence[tuple[int, int]] = (),
         adapters: Optional[Mapping[str, Path]] = None,
+        max_memory: Optional[int] = None,
     ):
         """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
         pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
@@ -79,7 +81,9 @@ class EditPipeline(PromptEncoding):
         at: ``pow2`` (1, 2, 4, ... max: one captured graph each), ``exact`` (every count: no
         padding), ``auto`` (pow2 on GPU backends, exact on the CPU, where a padded row costs as
         much as a real one); ``vae_max_batch`` the VAE's rows per call; ``adapters`` name ->
-        converted LoRA file (export/adapters.py), loaded into the export's adapter slots on use."""
+        converted LoRA file (export/adapters.py), loaded into the export's adapter slots on use;
+        ``max_memory`` the bytes the CPU path may use in all (None: what the machine has free):
+        a step call runs at the rows that fit, a decode at the images that fit (memory.py)."""
         if model_dir is not None:
             model_files(model_dir)  # a missing model is the first thing to say, before artifacts
         self.manifest: Manifest = load_manifest(onnx_dir)
@@ -136,7 +140,7 @@ class EditPipeline(PromptEncoding):
         self.num_layers = len(self.manifest.layers)
         self.text_len = self.manifest.data["model"]["text_len"]
         self.latent_channels = self.manifest.latent_channels
-        self.map_factor = self.manifest.data["graphs"]["unet_step_maps"]["map_factor"]
+        self.map_factor = self.manifest.data["graphs"]["unet_step"]["map_factor"]
         self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
         # the ids that end a word: an edit's tokens align to its base's by words (model/directions.py)
         self.word_ends = word_end_ids(self.tokenizer.get_vocab()) or None
@@ -144,11 +148,15 @@ class EditPipeline(PromptEncoding):
         # latent shape -> the batcher (and its row scheduler), made on first use and kept
         self.batchers: dict[tuple[int, int, int], Batcher] = {}
         self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
-        self._fitting: set[tuple[int, int, int]] = set()  # latent shapes found to fit in memory
+        self.max_memory = max_memory
+        # latent shape -> (step rows, decoded images) per call that fit in memory (memory.py)
+        self._fitting: dict[tuple[int, int, int], tuple[int, int]] = {}
 
     def activate(self) -> "EditPipeline":
+        """Load every graph but those made on first use (graph_set.LAZY on the CPU)."""
         for graph in self.graphs.values():
-            graph.activate()
+            if not getattr(graph, "lazy", False):
+                graph.activate()
         return self
 
     def deactivate(self) -> None:
@@ -183,22 +191,26 @@ class EditPipeline(PromptEncoding):
         return shape
 
     def _check_fits(self, base: Base, shape: tuple[int, int, int]) -> None:
-        """Refuse a size whose calls cannot fit in this machine's memory, before anything is
-        allocated (attention grows with the square of the pixels: a 512x512 base on a model
-        made for 32x32 needs terabytes, and would be killed mid-run). The CPU backend's memory
-        is the host's; a GPU backend's engines fix their size (engines.py checks it)."""
+        """The rows of a step call and the images of a decode that fit in memory at this size
+        (the CPU backend's memory is the host's: memory.py counts weights and each row's
+        activations), before anything is allocated; refuse the size only where not even one
+        row fits (attention grows with the square of the pixels: a 512x512 base on a model
+        made for 32x32 needs terabytes, and would be killed mid-run). A GPU backend's engines
+        fix their size and rows (engines.py checks them)."""
+        rows, images = self.max_batch, self.profile.vae_max_batch
         if self.graph_set.backend == "ort-cpu":
-            need = peak_step_bytes(self.manifest.layers, shape[1:], self.max_batch, self.profile.vae_max_batch)
-            have = available_host_bytes()
-            if have is not None and need > have:
+            loading = sum(int(self.manifest.data["graphs"][name].get("weight_bytes", 0)) for name, graph in self.graphs.items()
+                          if not getattr(graph, "lazy", False) and getattr(graph, "session", True) is None)  # fmt: skip
+            plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading)
+            rows, images = plan.step_rows(self.max_batch), plan.decode_rows(images)
+            if rows == 0:
                 native = self.manifest.data["model"]["sample_size"] * self.scale
-                raise ConfigError(
-                    f"base.width/height: {base.width}x{base.height} needs about {need / 2**30:.1f} GiB per call at "
-                    f"engines.max_batch {self.max_batch} (attention over {shape[1]}x{shape[2]} latents), and this "
-                    f"machine has {have / 2**30:.1f} GiB available; use the model's size ({native}x{native}) "
-                    "or lower engines.max_batch"
-                )  # fmt: skip
-        self._fitting.add(shape)
+                raise ConfigError(no_row_fits(plan, base.width, base.height, shape[1:], native, self.max_memory is not None))
+            if rows < self.max_batch or images < self.profile.vae_max_batch:
+                log.info("%dx%d: %d step row(s) and %d image(s) per call fit in %s (%s a row, %s an image)",
+                         base.width, base.height, rows, images, gib(plan.free or 0), gib(plan.step_row),
+                         gib(plan.decode_row))  # fmt: skip
+        self._fitting[shape] = (rows, images)
 
     def sampler_of(self, base: Base) -> str:
         """The sampler ``base`` runs: its own, or the model's (``default_sampler``)."""
@@ -260,7 +272,7 @@ class EditPipeline(PromptEncoding):
         return RowScheduler(
             graph or self.graphs["unet_step"], self.signature,
             tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
-            maps_graph=self.graphs.get("unet_step_maps"), map_hw=(latent_shape[1] // f, latent_shape[2] // f),
+            map_hw=(latent_shape[1] // f, latent_shape[2] // f),
             blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
             adapters=self.adapter_bank,
         )  # fmt: skip
@@ -327,14 +339,24 @@ class EditPipeline(PromptEncoding):
     def render(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> list[np.ndarray]:
         """Decode the edits' latents (``edit(..., decode=False)``'s results), each with the
         base's pixels outside its mask."""
-        images = self.decode(np.stack([r.latent for r in results]))
-        return [self.with_base(image, state, row, r.keep) for image, row, r in zip(images, rows, results)]
+        return list(self.render_each(state, rows, results))
+
+    def render_each(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> Iterator[np.ndarray]:
+        """:meth:`render`, each image as soon as its VAE call is done (a caller writes it then:
+        a run killed while decoding keeps the images decoded before)."""
+        images = self.decode_each(np.stack([r.latent for r in results]))
+        k = 0
+        for part in images:
+            for image in part:
+                yield self.with_base(image, state, rows[k], results[k].keep)
+                k += 1
 
     def batcher(self, latent_shape: Sequence[int]) -> Batcher:
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
         latent_shape = tuple(latent_shape)
         if latent_shape not in self.batchers:
-            self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape), engine=self.engine)
+            rows = self._fitting.get(latent_shape, (self.max_batch, 0))[0]  # the rows that fit in memory
+            self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape, rows), engine=self.engine)
         return self.batchers[latent_shape]
 
     def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress], errors: bool = False) -> list:
@@ -433,12 +455,21 @@ class EditPipeline(PromptEncoding):
         jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
         return self._run(jobs, request, shape, progress, errors)
 
+    def decode_rows(self, latent_shape: Sequence[int]) -> int:
+        """Images per VAE call at ``latent_shape``: the VAE's own profile, fewer where memory
+        holds fewer (one at a time for SD 1.5 at 512x512 in a small budget)."""
+        profile = self.profile.rows("max", "vae_decoder")
+        return min(profile, self._fitting.get(tuple(latent_shape), (0, profile))[1] or profile)
+
     @timed("decode")
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
-        images = []
-        chunk = self.profile.rows("max", "vae_decoder")  # the VAE's own profile
+        return np.concatenate(list(self.decode_each(latents)))
+
+    def decode_each(self, latents: np.ndarray) -> Iterator[np.ndarray]:
+        """:meth:`decode` a VAE call at a time (:meth:`decode_rows` images each), each call's
+        images [n, H, W, 3] as soon as they are decoded."""
+        chunk = self.decode_rows(latents.shape[1:])
         for lo in range(0, len(latents), chunk):
             (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + chunk])})
-            images.append(part)
-        return np.concatenate(images).transpose(0, 2, 3, 1)
+            yield part.transpose(0, 2, 3, 1)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import tempfile
 import time
 from contextlib import contextmanager
@@ -100,8 +101,18 @@ def tail_rows(cfg: RunConfig) -> list[TailRow]:
     return [cfg.tail_row(e, f"edits[{i}]") for i, e in enumerate(cfg.edits)]
 
 
-def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict[str, Any]:
-    """Run ``cfg`` end to end and return the report (also written to report.json)."""
+@contextmanager
+def _no_stage(name: str) -> Iterator[None]:
+    yield
+
+
+def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
+               stage: Callable[[str], Any] = _no_stage) -> dict[str, Any]:  # fmt: skip
+    """Run ``cfg`` end to end and return the report (also written to report.json).
+
+    ``progress`` makes a bar per counted stage (base, edit tail), ``stage(name)`` is a context
+    for the uncounted ones (loading, decoding each image). Each image is written as soon as it
+    is decoded, so a run killed while decoding keeps the images before it."""
     timer = Timer()
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
@@ -114,13 +125,19 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
         upload = image_of(cfg)
         base = dataclasses.replace(base, image=upload.key, sampler="ddim")
     with timer.stage("load"):
-        pipe = pipeline_of(cfg).activate()
+        pipe = pipeline_of(cfg)
+        # what can be refused is, before the graphs' seconds of loading: the size, its memory
+        shape = pipe.latent_shape(base)  # and the rows per call that fit at it
+        with stage("loading the graphs"):
+            pipe.activate()
     # what runs, named in the base (its store key, its PNG's Sampler)
     base = dataclasses.replace(base, sampler=pipe.sampler_of(base))
+    files, labels, images, edits_report = ["base.png"], ["base: " + base.prompt], [], []
     try:
         store = store_of(cfg, pipe.manifest.fingerprint)
         bid = base_id(pipe.manifest.fingerprint, base)
-        stats = pipe.batcher(pipe.latent_shape(base)).scheduler.stats  # what the step loop ran
+        stats = pipe.batcher(shape).scheduler.stats  # what the step loop ran
+        rows_per_call, images_per_decode = pipe.batcher(shape).scheduler.max_rows, pipe.decode_rows(shape)
         counted = [dataclasses.replace(stats)]
         with timer.stage("base_generation"):
             tier = store.tier(bid)
@@ -144,32 +161,34 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             row_steps = sum(T - r.start_step for r in rows)
             results = pipe.edit(state, rows, progress=progress(row_steps, "edit tail"), decode=False)
         counted.append(dataclasses.replace(stats))
-        with timer.stage("decode"):
+        with timer.stage("decode"), output_errors(cfg.output_dir):
+            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+            fingerprint = state.fingerprint
+            with stage("decoding base.png"):
+                images.append(pipe.base_image(state))
+                save_png(cfg.output_dir / "base.png", images[0],
+                         parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
             # masked and preserve: auto edits show the base's own pixels outside their masks
-            edits = pipe.render(state, rows, results) if rows else []
-            images = [pipe.base_image(state), *edits]
+            decoded = pipe.render_each(state, rows, results) if rows else iter(())
+            for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
+                name = f"edit_{k:02d}.png"
+                with stage(f"decoding {name}"):
+                    images.append(next(decoded))
+                    fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve)
+                    save_png(cfg.output_dir / name, images[-1], parameters_text(row.prompt, base.negative_prompt, fields))
+                label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
+                files.append(name)
+                labels.append(label)
+                directions = {"directions": [dataclasses.asdict(d) for d in row.directions]} if row.directions else {}
+                edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
+                                     "start_step": row.start_step, "tail_steps": T - row.start_step,
+                                     "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
+                                     "preserve": results[k].preserve, **directions})  # fmt: skip
     finally:
         pipe.deactivate()
 
     with timer.stage("write"), output_errors(cfg.output_dir):
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        fingerprint = state.fingerprint
-        save_png(cfg.output_dir / "base.png", images[0],
-                 parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
-        files, labels, edits_report = ["base.png"], ["base: " + base.prompt], []
-        for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
-            name = f"edit_{k:02d}.png"
-            fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve)
-            save_png(cfg.output_dir / name, images[k + 1], parameters_text(row.prompt, base.negative_prompt, fields))
-            label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
-            files.append(name)
-            labels.append(label)
-            directions = {"directions": [dataclasses.asdict(d) for d in row.directions]} if row.directions else {}
-            edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
-                                 "start_step": row.start_step, "tail_steps": T - row.start_step,
-                                 "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
-                                 "preserve": results[k].preserve, **directions})  # fmt: skip
-        contact_sheet(list(images), labels).save(cfg.output_dir / "grid.png")
+        contact_sheet(images, labels).save(cfg.output_dir / "grid.png")
 
     # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
     # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,
@@ -204,6 +223,9 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress) -> dict
             "regenerating_every_edit": T * (n + 1),
             "saving": round(1 - total / (T * (n + 1)), 4),
         },
+        # what this process held at its peak, and the rows a call ran at (engine/memory.py)
+        "memory": {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "step_rows_per_call": rows_per_call, "images_per_decode": images_per_decode},  # fmt: skip
         "base_state_bytes": state.nbytes,
         "base_id": bid,
         "base_source": base_source,

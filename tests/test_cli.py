@@ -145,11 +145,15 @@ def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
 
 
 def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2 and one ``error:`` line, the last; before it only the progress lines a run prints
+    without a terminal ("loading the graphs ...", a stage that failed says no "done")."""
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: ")
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: "), result.stderr
+    assert all(line.endswith(" ...") or ": done (" in line for line in lines[:-1]), result.stderr
     for needle in needles:
-        assert needle in result.stderr, result.stderr
+        assert needle in lines[-1], result.stderr
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from edit_rt.runtime.engine.profiles import peak_step_bytes
+from edit_rt.runtime.engine.memory import step_row_bytes
 from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.model.config import load_config
 
@@ -51,18 +51,21 @@ def test_a_size_the_machine_cannot_hold_is_refused_before_allocating(tmp_path, m
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "base.width/height: 512x512 needs about" in r.stderr and "GiB" in r.stderr, r.stderr
-    assert "use the model's size (32x32)" in r.stderr, r.stderr
+    assert "for one step row" in r.stderr and "the model's own is 32x32" in r.stderr, r.stderr
     assert time.monotonic() - start < 120
     assert max(peak_kib, before) < 2 * 2**20, peak_kib  # KiB: the refused run stayed under 2 GiB
 
 
-def test_the_estimate_grows_with_the_square_of_the_pixels():
-    """Self-attention's scores: doubling each side is 16x the memory (4x the tokens, squared)."""
+def test_the_estimate_grows_with_the_square_of_the_pixels_and_slicing_cuts_it():
+    """Self-attention's scores: doubling each side is 16x their memory (4x the tokens, squared);
+    one head at a time holds 1/heads of them. Written out here from the shapes, not the code."""
     layers = [{"name": "down_blocks.1.attentions.0.transformer_blocks.0.attn2", "heads": 8, "inner_dim": 64}]
-    small, big = peak_step_bytes(layers, (32, 32), 4, 1), peak_step_bytes(layers, (64, 64), 4, 1)
-    assert big == 16 * small
-    # down_blocks.1 sees 16x16 of a 32x32 latent: 256 tokens, 8 heads, 2 x 4 rows, scores + softmax
-    assert small == 2 * 4 * 8 * 256**2 * 4 * 2
+    live = 40 * 64 * 4  # memory.LIVE_TENSORS activations of the finest width, per latent pixel
+    small, big = step_row_bytes(layers, (32, 32)), step_row_bytes(layers, (64, 64))
+    # down_blocks.1 sees 16x16 of a 32x32 latent: 256 tokens, 8 heads, 2 UNet rows, scores + softmax
+    assert small == 2 * (8 * 256**2 * 4 * 2 + live * 32 * 32)
+    assert big == 2 * (8 * 1024**2 * 4 * 2 + live * 64 * 64)
+    assert step_row_bytes(layers, (64, 64), slice_heads=1) == 2 * (1 * 1024**2 * 4 * 2 + live * 64 * 64)
 
 
 def test_a_stored_base_the_store_refuses_is_generated_again_by_run(tmp_path, model_dir, onnx_dir):

@@ -304,7 +304,7 @@ def test_a_rows_maps_are_its_prompts_own_maps_in_the_base_positions(pipeline, ba
 
 
 def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
-    """One unet_step_maps call on the base's x_4: the cross-attention maps [1, 77, hm, wm]."""
+    """One unet_step call on the base's x_4: the cross-attention maps [1, 77, hm, wm]."""
     x = state.latent(4)
     feeds = {"latents": x, "timestep": np.array([600.0], np.float32), "alpha_t": np.array([0.3], np.float32),
              **ddim_feeds(0.4, 1, x.shape[1:]), "guidance": np.array([G], np.float32),
@@ -313,7 +313,7 @@ def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
     for i in range(len(kv) // 2):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv[2 * i], kv[2 * i + 1]
         feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = state.uncond_kv.tensors[2 * i][0], state.uncond_kv.tensors[2 * i + 1][0]
-    return pipeline.graphs["unet_step_maps"].infer(feeds)[3]
+    return pipeline.graphs["unet_step"].infer(feeds)[3]
 
 
 # --- SDXL: two tokenizers, the pooled embedding ------------------------------------------------

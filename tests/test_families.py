@@ -38,7 +38,7 @@ from .test_graphs import assert_graph_matches_torch
 from .server_process import ServerProcess
 
 BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch sizes
-GRAPHS = ["text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder"]
+GRAPHS = ["text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder"]
 
 
 @pytest.fixture(scope="module")
@@ -322,8 +322,8 @@ def test_engine_precision_keeps_sdxl_vae_fp32(sdxl_onnx, onnx_dir):
 
     sdxl_manifest, sd_manifest = load_manifest(sdxl_onnx), load_manifest(onnx_dir)
     # latent_blend only selects fp32 latents: fp32 everywhere
-    assert [graph_precision(sdxl_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 4 + ["fp32"] * 3
-    assert [graph_precision(sd_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 4 + ["fp32"] + ["fp16"] * 2
+    assert [graph_precision(sdxl_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 3 + ["fp32"] * 3
+    assert [graph_precision(sd_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 3 + ["fp32"] + ["fp16"] * 2
     assert not upcasts(sd_manifest, "unet_step") and not upcasts(sdxl_manifest, "unet_step")
 
 

@@ -34,7 +34,7 @@ from .conftest import TEST_BASE, sample_rows
 
 PROFILE = EditBatchProfile(1, 4, 8, 16, 16, 4, 2, vae_max_batch=4)
 FP16_KV = {g: {**{f"{k}_{i}": "float16" for i in range(8) for k in ("cond_k", "cond_v", "uncond_k", "uncond_v")}}
-           for g in ("unet_step", "unet_step_maps")}  # fmt: skip
+           for g in ("unet_step",)}  # fmt: skip
 
 
 @pytest.fixture
@@ -189,12 +189,12 @@ def test_buffers_take_the_engine_dtypes(gpu, trt_dirs, onnx_dir, pipeline, base_
 
 
 def test_maps_steps_and_slot_writes_share_one_stream(gpu, trt_dirs, onnx_dir, pipeline, base_state):
-    """preserve: auto rows run the maps graph on the same stream the slots are written on."""
+    """preserve: auto rows read the step's maps on the same stream the slots are written on."""
     rows = [TailRow("a red square on a blue background", 1.0, 3, TEST_BASE.guidance, preserve="auto"),
             TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]  # fmt: skip
     with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
         ours = pipe.edit(base_state, rows, decode=False)
-        assert pipe.graphs["unet_step_maps"].device is pipe.graphs["unet_step"].device
+        assert pipe.graphs["unet_step"].device is pipe.graphs["latent_blend"].device
     reference = pipeline.edit(base_state, rows, decode=False)
     for a, b in zip(ours, reference):
         np.testing.assert_allclose(a.latent, b.latent, atol=1e-5)
@@ -325,7 +325,7 @@ def test_ort_tensorrt_takes_each_graphs_precision(monkeypatch, onnx_dir):
     monkeypatch.setitem(manifest.data["family"], "vae_force_upcast", True)
     graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp16").graphs
     fp16 = {g: graph.provider_options["trt_fp16_enable"] for g, graph in graphs.items()}
-    assert fp16 == {"text_encoder": "True", "kv_proj": "True", "unet_step": "True", "unet_step_maps": "True",
+    assert fp16 == {"text_encoder": "True", "kv_proj": "True", "unet_step": "True",
                     "latent_blend": "False", "vae_decoder": "False", "vae_encoder": "False"}  # fmt: skip
     monkeypatch.setitem(manifest.data["family"], "upcast_attention", True)  # SD 2.x: no per-layer pinning in the EP
     graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp32").graphs

@@ -32,7 +32,7 @@ def assert_graph_matches_torch(graph: str, onnx_dir, model_dir) -> None:
     assert bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=ATOL, rtol=RTOL)))
 
 
-@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "unet_step_maps", "vae_decoder", "vae_encoder"])
+@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "vae_decoder", "vae_encoder"])
 def test_onnx_graph_matches_torch(graph, onnx_dir, model_dir):
     assert_graph_matches_torch(graph, onnx_dir, model_dir)
 
@@ -60,7 +60,7 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     assert len(step_inputs) == 10 + 4 * len(manifest.layers)
     # every input and output has its role, in graph order (what the runtime's slots read)
     roles = manifest.step_roles
-    assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out"]
+    assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out", "attn_maps"]
     assert [roles[n] for n in step_inputs[:11]] == [
         "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_coefs", "row_scalar:guidance",
         "set_index", "entry_uncond", "row_ref", "history", "step_noise", "row_kv"]

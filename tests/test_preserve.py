@@ -91,7 +91,7 @@ class _Recorder:
 
 
 def test_attention_maps_equal_diffusers_attention(pipeline, onnx_dir, torch_components):
-    """unet_step_maps' attn_maps against the same maps from diffusers' UNet and attention."""
+    """unet_step's attn_maps against the same maps from diffusers' UNet and attention."""
     unet, text_encoder, _, tokenizer, _ = torch_components
     manifest = load_manifest(onnx_dir)
     prompts = ["a red circle", "a blue square"]
@@ -109,7 +109,7 @@ def test_attention_maps_equal_diffusers_attention(pipeline, onnx_dir, torch_comp
     for i in range(len(manifest.layers)):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]
         feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = uncond.tensors[2 * i][0], uncond.tensors[2 * i + 1][0]
-    ours = pipeline.graphs["unet_step_maps"].infer(feeds)[3]  # [N, 77, hm, wm]
+    ours = pipeline.graphs["unet_step"].infer(feeds)[3]  # [N, 77, hm, wm]
 
     map_ids, factor = attention_map_layers(unet)
     layers = cross_attention_layers(unet)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -199,7 +200,15 @@ class OrtGraph:
         provider_options: Optional[dict[str, str]] = None,
         cuda_graphs: bool = False,
         device: Optional[OrtDevice] = None,
+        lazy: bool = False,
+        arena: bool = True,
     ):
+        """``lazy``: the session is made on first use, not by the pipeline's activate() (a graph
+        only some requests need, e.g. ``vae_encoder`` for uploads: 140 MB of SD 1.5's weights
+        that a text-to-image run never holds). ``optimized``: the file is `edit-rt engines`'
+        ORT_ENABLE_ALL output, loaded with optimizations off. ``arena``: ONNX Runtime's CPU memory
+        arena, which keeps a call's peak activations for the session's life (and grew by another
+        2.2 GiB on a second SD 1.5 call at 512x512); off, a call's memory is returned after it."""
         if backend not in _PROVIDERS:
             raise ConfigError(f"backend: {backend!r} is not an ONNX Runtime backend ({', '.join(_PROVIDERS)})")
         self.path = Path(path)
@@ -217,6 +226,9 @@ class OrtGraph:
         self.output_names: list[str] = []
         self._dtypes: dict[str, np.dtype] = {}
         self._graph_ids: dict[tuple, int] = {}  # bucket (shapes, addresses) -> its gpu_graph_id
+        self.lazy = lazy
+        self.arena = arena
+        self._loading = threading.Lock()  # a lazy graph's first users wait for one session
 
     def session_providers(self) -> list:
         provider = _PROVIDERS[self.backend]
@@ -236,6 +248,7 @@ class OrtGraph:
         )
         if self.threads:
             options.intra_op_num_threads = self.threads
+        options.enable_cpu_mem_arena = self.arena
         try:
             self.session = ort.InferenceSession(str(self.path), options, providers=self.session_providers())
         except Exception as err:  # onnxruntime raises its own exception types per failure
@@ -261,6 +274,11 @@ class OrtGraph:
         self.deactivate()
 
     def _active_session(self) -> ort.InferenceSession:
+        if self.session is None and self.lazy:
+            with self._loading:
+                if self.session is None:
+                    log.info("%s: loading on first use", self.path.name)
+                    self.activate()
         if self.session is None:
             raise RuntimeError(f"{self.path.name}: used before activate()")
         return self.session

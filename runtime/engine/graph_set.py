@@ -57,6 +57,11 @@ def engine_tools(backend: str) -> dict[str, str]:
     return {"onnxruntime": ort.__version__}
 
 
+# Graphs only some requests need (an upload's encoding), made on first use on the CPU: a GPU
+# backend makes every graph up front, on the thread that owns the device.
+LAZY = frozenset({"vae_encoder"})
+
+
 def engine_device(backend: str) -> str:
     return gpu_name() if backend == "trt" else cpu_name()
 
@@ -85,6 +90,10 @@ def graphs_from_artifacts(
     """``cuda_graphs``: capture the step loop's bindings as CUDA graphs on GPU backends;
     ``precision``: what ``ort-tensorrt`` builds each graph in (per graph, as `make engines` does).
     Every graph of the set shares one device object (stream, context memory)."""
+    # ONNX Runtime's CPU arena keeps each session's peak for good: the few MB of a shapes model,
+    # but GBs per graph at SD sizes (latents of 64 and up), where a call's tensors are large
+    # enough that returning them costs nothing measurable (docs/performance.md)
+    arena = int(manifest.data["model"]["sample_size"]) < 64
     built = set()
     if engines_dir is not None and Path(engines_dir).is_dir():
         built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
@@ -106,7 +115,8 @@ def graphs_from_artifacts(
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
         files = {g: engines.path(g) for g in GRAPHS}
         device = OrtDevice(gpu=False)
-        graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=True, device=device) for g, f in files.items()}
+        graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=engines.graphs[g].get("optimized", True), device=device,
+                              lazy=g in LAZY, arena=arena) for g, f in files.items()}  # fmt: skip
         return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile, device)
 
     files = {g: manifest.path(g) for g in GRAPHS}
@@ -126,7 +136,8 @@ def graphs_from_artifacts(
                 "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": "True",
             }
-        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and stepping(g), device=device)
+        graphs[g] = OrtGraph(f, chosen, threads, provider_options=options, cuda_graphs=cuda_graphs and stepping(g), device=device,
+                             lazy=chosen == "ort-cpu" and g in LAZY, arena=arena or chosen != "ort-cpu")  # fmt: skip
     if chosen == "ort-cpu":
         reason += "; plain ONNX graphs (run `make engines` for the optimized ones)"
     return GraphSet(chosen, reason, graphs, files, profile, device)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ..errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 8  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise)
+MANIFEST_VERSION = 9  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step)
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
@@ -40,9 +40,11 @@ def model_files(model_dir: Path) -> list[Path]:
         )
     missing = [p for p in ("model_index.json", *_MODEL_PARTS) if not (model_dir / p).exists()]
     if missing:
-        raise ModelError(
-            f"{model_dir} is not a diffusers Stable Diffusion folder: it lacks {', '.join(missing)}"
-        )
+        files = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".safetensors", ".ckpt"))
+        fix = (f"it holds {', '.join(files[:3])}: set model: to that single-file checkpoint" if files else
+               "point model: at a diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/, "
+               "scheduler/) or at a single-file .safetensors checkpoint")  # fmt: skip
+        raise ModelError(f"{model_dir} is not a diffusers Stable Diffusion folder: it lacks {', '.join(missing)}; {fix}")
     files = []
     for part in _MODEL_PARTS + tuple(p for p in _EXTRA_PARTS if (model_dir / p).is_dir()):
         for p in sorted((model_dir / part).iterdir()):
@@ -191,7 +193,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
         )
     _check_keys(path, data)
     manifest = Manifest(onnx_dir, data)
-    for name in ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder"):
+    for name in _GRAPHS:
         if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
     for name in data["family"].get("tokenizers", ["tokenizer.json"]):
@@ -202,7 +204,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
 
 # What the runtime reads from a manifest, with its types: anything missing or of another type
 # is refused up front (pydantic), not as a KeyError or TypeError deep in a request.
-_GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_maps", "latent_blend", "vae_decoder", "vae_encoder")
+_GRAPHS = ("text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder")
 _OPEN = ConfigDict(extra="allow", strict=True)  # the runtime reads these keys; others are the export's
 
 
@@ -286,8 +288,7 @@ def _check_keys(path: Path, data: dict) -> None:
     for name in _GRAPHS:
         if name not in manifest.graphs:
             raise ArtifactError(f"{path.parent}: graph {name!r} is missing; re-run `make export`")
-    for name in ("unet_step", "unet_step_maps"):
-        if manifest.graphs[name].roles is None:
-            raise ArtifactError(f"{path}: graphs.{name}.roles is missing; re-run `make export`")
-    if not isinstance(data["graphs"]["unet_step_maps"].get("map_factor"), int):
-        raise ArtifactError(f"{path}: graphs.unet_step_maps.map_factor is missing; re-run `make export`")
+    if manifest.graphs["unet_step"].roles is None:
+        raise ArtifactError(f"{path}: graphs.unet_step.roles is missing; re-run `make export`")
+    if not isinstance(data["graphs"]["unet_step"].get("map_factor"), int):
+        raise ArtifactError(f"{path}: graphs.unet_step.map_factor is missing; re-run `make export`")

@@ -100,33 +100,3 @@ def ort_trt_profile_options(profile: EditBatchProfile, inputs: Sequence[Any], gr
             f"{name}:{'x'.join(str(d) for d in s[k])}" for name, s in shapes.items() if len(s[k]) > 0
         )
     return options
-
-
-def peak_step_bytes(layers: Sequence[dict], latent_hw: tuple[int, int], rows: int, vae_rows: int) -> int:
-    """About the most memory one call needs at ``latent_hw`` latents, from what dominates it
-    as the size grows: attention scores, which grow with the *square* of the pixels. The UNet's
-    self-attention at its finest attention level (a ``down_blocks.k`` layer sees the latent at
-    1/2^k per side; the up path mirrors the down path) holds heads x tokens^2 float32 scores,
-    and their softmax as much again, for each of a step's 2 x ``rows`` rows (classifier-free
-    guidance doubles them); the VAE decoder's mid-block attention (one head, over every latent
-    pixel) does the same per decoded row. ``layers`` is the manifest's cross-attention list.
-    An estimate for refusing sizes that cannot fit, not a budget."""
-    h, w = latent_hw
-    down = [(int(layer["name"].split(".")[1]), layer["heads"]) for layer in layers if layer["name"].startswith("down_blocks.")]
-    level, heads = min(down) if down else (0, max((layer["heads"] for layer in layers), default=1))
-    tokens = -(-h // 2**level) * -(-w // 2**level)
-    unet = 2 * rows * heads * tokens**2 * 4 * 2
-    vae = vae_rows * (h * w) ** 2 * 4 * 2
-    return max(unet, vae)
-
-
-def available_host_bytes() -> int | None:
-    """Memory the kernel could give this process now (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

@@ -22,7 +22,7 @@ adapter (a name and a role) and nowhere in the step loop. Roles:
   embedding, size ids);
 - ``row_adapters`` (an export with adapter slots): the row's scale per LoRA slot;
   ``adapter_weight``: the slots' stacked LoRA matrices, resident (model/adapters.py);
-- outputs ``next_latents``, ``uncond_out``, ``history_out`` and, in the maps variant, ``attn_maps``.
+- outputs ``next_latents``, ``uncond_out``, ``history_out`` and ``attn_maps``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class StepSignature:
     set_cond: dict[str, str]
     next_latents: str
     uncond_out: str
-    attn_maps: Optional[str]  # the maps variant's output
+    attn_maps: Optional[str]  # the cross-attention maps (preserve: auto reads them)
     step_coefs: str  # [N, 7]: the sampler's update at each row's step
     history: str  # [N, 2, c, h, w]: each row's last two x_0 (multistep solvers)
     history_out: str
@@ -60,7 +60,6 @@ class StepSignature:
     @classmethod
     def from_manifest(cls, manifest: Any) -> "StepSignature":
         roles = dict(manifest.roles("unet_step"))
-        maps = manifest.roles("unet_step_maps")
 
         def one(role: str, table: dict = roles) -> str:
             names = [n for n, r in table.items() if r == role]
@@ -72,7 +71,7 @@ class StepSignature:
         def tagged(kind: str) -> dict[str, str]:
             return {n: r.split(":", 1)[1] for n, r in roles.items() if r.startswith(kind + ":")}
 
-        attn = [n for n, r in maps.items() if r == "attn_maps"]
+        attn = [n for n, r in roles.items() if r == "attn_maps"]
         return cls(
             roles=roles, shapes={t.name: list(t.shape) for t in manifest.graphs["unet_step"].inputs},
             latents=one("latents"), entry_uncond=one("entry_uncond"), set_index=one("set_index"), row_ref=one("row_ref"),

@@ -3,7 +3,7 @@
 A binding is a graph's inputs and outputs bound by address once (its captured CUDA graph on a
 GPU): :func:`bind_step` binds the step graph to the first rows of a RowScheduler's (slots.py)
 resident slots, :func:`bind_blend` the ``latent_blend`` graph; :class:`BindingCache` keeps one per
-bucket key (maps variant, rows, given rows, sets) and frees the ones it evicts.
+bucket key (rows, given rows, sets) and frees the ones it evicts.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class BindingCache:
         self._items.clear()
 
 
-def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
-    """The step graph (or its maps variant) bound to the slots' first ``n`` rows, the last ``e``
-    of them given their unconditional prediction, ``m`` negative-prompt sets."""
+def bind_step(s: Any, n: int, e: int, m: int) -> Binding:
+    """The step graph bound to the slots' first ``n`` rows, the last ``e`` of them given their
+    unconditional prediction, ``m`` negative-prompt sets; its maps output too (every output is
+    bound: an unbound one would be allocated by the runtime on every call)."""
     sig = s.sig
     latent = lambda rows: (rows, *s.latent_shape)  # noqa: E731
     views: dict[str, TensorView] = {
@@ -74,11 +75,9 @@ def bind_step(s: Any, maps: bool, n: int, e: int, m: int) -> Binding:
         raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")
     outputs = {name: s.dev[name].view(latent(n)) for name in (sig.next_latents, sig.uncond_out)}
     outputs[sig.history_out] = s.dev[sig.history_out].view((n, 2, *s.latent_shape))
-    graph = s.graph
-    if maps:
-        graph = s.maps_graph
+    if s.has_maps:
         outputs[sig.attn_maps] = s.dev[sig.attn_maps].view((n, s.text_len, *s.map_hw))
-    return graph.bind({name: views[name] for name in sig.inputs}, outputs)
+    return s.graph.bind({name: views[name] for name in sig.inputs}, outputs)
 
 
 def bind_blend(s: Any, n: int) -> Binding:

@@ -84,7 +84,7 @@ class Row:
 @dataclass
 class SchedulerStats:
     calls: int = 0
-    map_calls: int = 0  # calls on the maps variant (some row still collecting its auto mask)
+    map_calls: int = 0  # calls whose maps were read (some row still collecting its auto mask)
     reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
     row_steps: int = 0  # rows advanced by one step, summed over calls
     uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse

@@ -20,7 +20,7 @@ Where things live (docs/engines.md, "The step loop", says why):
   count on the CPU), the padding bound but ignored; bindings per bucket live in an LRU
   (bindings.py);
 - a row at its entry step takes its base's unconditional prediction as given (``entry_uncond``);
-- ``preserve: auto`` rows collecting maps run the ``unet_step_maps`` variant, others the plain graph.
+- ``preserve: auto`` rows collecting maps read the step's ``attn_maps`` output back (every step computes it).
 
 Rows leave by swap-with-last (one slot copy per leave), so the active rows are the prefix ``[:n]``.
 """
@@ -58,7 +58,6 @@ class RowScheduler:
         text_len: int,
         reuse_entry: bool = True,
         max_bindings: int = 64,
-        maps_graph: Optional[Graph] = None,
         map_hw: tuple[int, int] = (0, 0),
         blend_graph: Graph = None,
         buckets: Optional[Sequence[int]] = None,
@@ -66,17 +65,18 @@ class RowScheduler:
     ):
         """``signature`` is the step graph's inputs by role (step_signature.py: read from the
         manifest), with their shapes' symbolic dims (N rows, E entry rows, S negative-prompt tokens).
-        ``maps_graph`` is the ``unet_step_maps`` variant (the same inputs, plus the ``attn_maps``
-        output: [77, *map_hw] per row), run on a step where a row collects its mask;
+        ``map_hw`` the grid of the step graph's ``attn_maps`` output ([77, *map_hw] per row: bound
+        on every step, read back on a step where a row collects its mask; (0, 0): none);
         ``blend_graph`` is ``latent_blend`` (next latents, masks and corrections -> latents);
         ``buckets`` the row counts calls run at (None: exactly the active rows); ``adapters``
         the resident LoRA slots (an export with adapter slots), whose matrices the step graph
         reads from backend memory, rewritten when a slot is loaded."""
         self.graph = graph
-        self.maps_graph = maps_graph
         self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
         self.sig = sig = signature
+        # one graph computes the maps with every step (manifest v9): an output, not a variant
+        self.has_maps = sig.attn_maps is not None and all(map_hw)
         self.specs = sig.shapes
         self.latent_shape = tuple(latent_shape)
         self.max_rows = max_rows
@@ -139,7 +139,7 @@ class RowScheduler:
             self.dev[sig.row_adapters] = alloc(sig.row_adapters, max_rows * adapters.slots)
         self.latent_elems = latent_elems
         self.map_elems = text_len * math.prod(self.map_hw)
-        if maps_graph is not None:
+        if self.has_maps:
             self.dev[sig.attn_maps] = alloc(sig.attn_maps, max_rows * self.map_elems)
         self.dev[sig.row_ref] = alloc(sig.row_ref, max_rows)
         self.solver = SolverSlots(sig, graph, self.latent_shape, max_rows, self.dev)
@@ -154,8 +154,6 @@ class RowScheduler:
         """The dtype of buffer ``name`` as the graph that reads (or writes) it takes it."""
         if name in ("keep", "base", "add"):
             return self.blend_graph.dtype(name)
-        if name == self.sig.attn_maps:
-            return self.maps_graph.dtype(name)
         return self.graph.dtype(name)
 
     def bucket(self, n: int) -> int:
@@ -172,8 +170,8 @@ class RowScheduler:
     def max_bindings(self, limit: int) -> None:
         self.bindings.limit = limit
 
-    def _binding(self, maps: bool, n: int, e: int, m: int) -> Binding:
-        return self.bindings.get((maps, n, e, m), lambda: bind_step(self, maps, n, e, m))
+    def _binding(self, n: int, e: int, m: int) -> Binding:
+        return self.bindings.get((n, e, m), lambda: bind_step(self, n, e, m))
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -374,8 +372,8 @@ class RowScheduler:
                 wants_maps.append(row)
             if row.preview_due():
                 due.append(row)
-        maps = self.maps_graph is not None and bool(wants_maps)
-        binding = self._binding(maps, b, given, m)
+        maps = self.has_maps and bool(wants_maps)
+        binding = self._binding(b, given, m)
         for row in due:
             if row.preview is None:
                 row.preview = np.empty(self.latent_shape, dtype=np.float32)

@@ -1,8 +1,8 @@
 """Automatic local edits: a mask from where the edit's changed words attend, per row.
 
-An edit row with ``preserve: auto`` runs its first tail steps on the step graph's maps variant
-(``unet_step_maps``), which also returns, per row and text position, the cross-attention its
-image tokens pay to that position (averaged over heads and over the layers at 1/f of the latent
+An edit row with ``preserve: auto`` reads, on its first tail steps, the step graph's
+``attn_maps`` output: per row and text position, the cross-attention its image tokens pay to
+that position (averaged over heads and over the layers at 1/f of the latent
 grid). The maps of those steps are summed; after each one the mask is remade from them (see
 :meth:`AutoMask.region`); after ``steps`` maps it is frozen. Outside the mask the row's latent
 is the base's latent of the same step (the mechanism explicit masks use), and the decoded image

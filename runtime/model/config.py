@@ -15,18 +15,19 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from .weighting import PromptSyntaxError, prompt_spans
 from .lora_tags import config_with_tags
 from .sweep import expand_all
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 from .serve_config import Serve
+from .single_file import checkpoint_family, is_single_file, require_converted
 
 STRICT = ConfigDict(extra="forbid")
 
@@ -73,6 +74,11 @@ class Export:
     # The highest LoRA rank a slot holds (lower ranks are zero-padded); common SD LoRAs are
     # rank 4 to 32, sliders 4 to 8.
     adapter_rank: between(Int, 1, 128) = 16
+    # The step graph's self-attention a few heads at a time (diffusers' attention slicing):
+    # "auto" slices one head at a time where one UNet row's scores at the model's own size pass
+    # 256 MiB (SD 1.5 and SDXL: 512 and 640 MiB a row; the shapes models: a few MiB, unsliced);
+    # 0 never; n: n heads per slice. docs/performance.md measures memory against speed.
+    attention_slicing: Union[Literal["auto"], between(Int, 0, 64)] = "auto"
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -101,6 +107,11 @@ class Engines:
     # Rows per VAE call: its activations at full image size are far larger per row than the
     # UNet's (SDXL at 1024x1024), so it has its own profile and decodes in chunks of it.
     vae_max_batch: Rows = 8
+    # The host memory (GB) the CPU path may use in all: its calls run at the rows that fit in it
+    # beside the weights (runtime/engine/memory.py), the rest in later calls. None: what the
+    # machine has free when a size is first used. SD 1.5 at 512x512 needs ~4 GB of weights and
+    # ~0.7 GB a step row (docs/performance.md).
+    max_memory_gb: Optional[between(Float, 0.5, 65536.0)] = None
     # Image sizes `edit-rt serve` takes ("WxH"), besides base.width x base.height (always
     # served, and the default): one step loop each, on the same engines where their spatial
     # axes are dynamic (ONNX Runtime); uploads are resized to the base's size.
@@ -130,10 +141,17 @@ class Store:
 class RunConfig:
     """A whole `edit-rt run` job: which model, the base, the edits, where results go."""
 
+    # A diffusers folder (model_index.json, unet/, ...) or a single-file .safetensors checkpoint
+    # (SD 1.x, 2.x, SDXL in the original layout A1111 and ComfyUI use), which `edit-rt export`
+    # converts once into <build_dir>/<file stem>/diffusers/ (model_dir).
     model: Path
     base: Base
     edits: list[Edit] = field(default_factory=list)
-    # Artifacts live under <build_dir>/<model folder name>/{onnx,engines}/.
+    # A single file's family: sd1, sd2 (512-base, epsilon), sd2-v (768, v-prediction), sdxl.
+    # Detected from the file's keys when left out, except SD 2.x, whose two kinds have the same
+    # keys: a wrong guess would sample noise-like images, so such a file must say which it is.
+    family: Optional[Literal["sd1", "sd2", "sd2-v", "sdxl"]] = None
+    # Artifacts live under <build_dir>/<model name>/{onnx,engines}/ (a folder's name, a file's stem).
     build_dir: Path = Path("build")
     output_dir: Path = Path("out")
     # ort-cpu runs everywhere; auto picks the fastest backend this machine has built engines for.
@@ -162,8 +180,26 @@ class RunConfig:
         return sizes
 
     @property
+    def single_file(self) -> bool:
+        """Whether ``model:`` names a single-file checkpoint rather than a diffusers folder."""
+        return is_single_file(self.model)
+
+    @property
     def model_name(self) -> str:
-        return self.model.resolve().name
+        """The name artifacts are kept under: the folder's name, or the file's stem."""
+        return self.model.stem if self.single_file else self.model.resolve().name
+
+    @property
+    def model_dir(self) -> Path:
+        """The diffusers folder the export reads and the runtime fingerprints: ``model`` itself,
+        or for a single file the folder it is converted into, next to the build."""
+        return self.build_dir / self.model_name / "diffusers" if self.single_file else self.model
+
+    def require_model_dir(self) -> Path:
+        """``model_dir``, refusing in one line a single file not yet converted (or changed since)."""
+        if self.single_file:
+            return require_converted(self.model, self.model_dir, self.family, str(self.source or "CONFIG"))
+        return self.model
 
     @property
     def onnx_dir(self) -> Path:
@@ -198,6 +234,7 @@ class RunConfig:
                                   "(the closer the prompt, the more steps skipped)")  # fmt: skip
         if self.serve.token is not None and not self.serve.token.strip():
             raise ConfigError(f"{where}serve.token: empty; set a token, or remove the key to serve without one")
+        self._check_model(where)
         if self.base.related is not None:
             raise ConfigError(f"{where}base.related: set by the server for related generations; remove it")
         if self.base.image is not None and not Path(self.base.image).is_file():
@@ -217,6 +254,18 @@ class RunConfig:
                 raise ConfigError(f"{where}base.{name}: {err}") from None
         for i, edit in enumerate(self.edits):
             self.tail_row(edit, f"{where}edits[{i}]")
+
+    def _check_model(self, where: str) -> None:
+        """``family:`` belongs to a single file; a single file's refusals come from its header."""
+        if not self.single_file:
+            if self.family is not None:
+                raise ConfigError(f"{where}family: {self.family}, but model: {self.model} is a folder, whose "
+                                  "model_index.json says its family; remove family:")  # fmt: skip
+            return
+        try:
+            checkpoint_family(self.model, self.family)
+        except ModelError as err:  # "family: ..." when the two disagree, else what the file is
+            raise ConfigError(f"{where}{'' if str(err).startswith('family:') else 'model: '}{err}") from None
 
     def edit_defaults(self) -> EditDefaults:
         """What an edit that leaves a field out gets: ``cache:`` and ``preserve:``'s defaults."""
@@ -309,6 +358,8 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
         if cfg.base.image is not None:
             cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, image=str(_resolve(Path(cfg.base.image), root))))
         cfg.validate("")
+        if cfg.single_file and cfg.family is None:  # validate() refused what it cannot detect
+            cfg = dataclasses.replace(cfg, family=checkpoint_family(cfg.model))
     except ConfigError as err:
         raise ConfigError(f"{label}{err}") from None
     return cfg

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..model.edit import Base
+from .store_files import follow_umask
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class RelatedIndex:
                            "vector": [float(v) for v in entry.vector]})  # fmt: skip
         try:
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
+            follow_umask(fd)
             with os.fdopen(fd, "w") as f:
                 f.write(data)
             os.replace(tmp, self.folder / f"{entry.bid}.json")

@@ -121,12 +121,40 @@ def is_disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in _DISK_FULL
 
 
+def umask_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0o644 under 022).
+    Linux says the umask in /proc/self/status; elsewhere it is set and put back (a moment in
+    which another thread's new file would get 022's mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def follow_umask(target: "Path | int") -> None:
+    """Give a file (a path or an open descriptor) the mode a plain ``open()`` would have:
+    ``mkstemp`` (and libraries that write through it, onnx's external data among them) create
+    0600, so a store or build folder shared by a group would not be readable by it."""
+    if isinstance(target, int):
+        os.fchmod(target, umask_mode())
+    else:
+        os.chmod(target, umask_mode())
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Atomic and unique: mkstemp beside the target, ``os.write`` all, fsync, rename, fsync the
-    folder. A failure removes the temporary file (ours, and we know it failed) and re-raises."""
+    folder. A failure removes the temporary file (ours, and we know it failed) and re-raises.
+    The file gets the umask's mode (:func:`follow_umask`), not mkstemp's 0600."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.{os.getpid()}.", suffix=".tmp")
     try:
         try:
+            follow_umask(fd)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]

@@ -114,7 +114,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
 
     @router.get("/sd-vae", responses=errors(401), summary="The served model's own VAE")
     async def sd_vae():
-        return [{"model_name": vae_names(service)[-1], "filename": str(service.cfg.model / "vae")}]
+        return [{"model_name": vae_names(service)[-1], "filename": str(service.cfg.model_dir / "vae")}]
 
     @router.get("/memory", responses=errors(401), summary="This process's memory")
     async def memory():
