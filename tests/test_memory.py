@@ -31,7 +31,8 @@ from .test_hardening import CLI
 def test_a_plan_counts_the_rows_that_fit_beside_what_is_held():
     plan = MemoryPlan(weights=4 * 2**30, step_row=700 * 2**20, decode_row=900 * 2**20, free=MARGIN + 2 * 700 * 2**20 + 1)
     assert plan.step_rows(32) == 2 and plan.step_rows(1) == 1
-    assert plan.decode_rows(8) == 1  # one image at a time, never none once a step row fits
+    assert plan.decode_rows(8) == 1  # one image at a time (and never none once a step row fits)
+    assert MemoryPlan(1, 1, 2**20, free=MARGIN + 3 * 2**20 + 1).decode_rows(8) == 3  # small images: as many as fit
     assert MemoryPlan(1, 700 * 2**20, 1, free=MARGIN).step_rows(32) == 0
     assert MemoryPlan(1, 1, 1, free=None).step_rows(32) == 32  # nothing known: no limit
 

@@ -72,6 +72,12 @@ def expand(edit: Any) -> list[Any]:
     return out
 
 
+def rows_of(edits: list[Any]) -> int:
+    """The rows :func:`expand_all` would make of ``edits``, without making them: what a
+    request's limit is checked against before anything expands."""
+    return sum(1 if getattr(edit, "sweep", None) is None else edit.sweep.n for edit in edits)
+
+
 def expand_all(edits: list[Any], where: str = "edits") -> list[Any]:
     """Every edit's sweep expanded, in order; a sweep that names no direction is refused with
     its index (``edits[2].sweep.direction``)."""

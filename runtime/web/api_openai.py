@@ -13,18 +13,21 @@ hand-parsed JSON) are documented by openapi_bodies.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import replace
 
 from fastapi import APIRouter, Request as HttpRequest, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from ..model.sweep import expand_all
+from ..model.sweep import expand_all, rows_of
 from ..serving.errors import ApiError, validation_error
 from ..serving.sampler_fields import sampler_label
 from ..serving.service import Service
 from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
     decode_base64_or_400, errors  # fmt: skip
+from .edit_counts import rows_asked
 from .forms import edit_upload, seeds_of, variation_upload
 from .openai_fields import Delivery, delivery_of
 from .openapi_bodies import EDITS_BODY, VARIATIONS_BODY
@@ -98,17 +101,13 @@ def openai_routes(service: Service) -> APIRouter:
         # Parsed here rather than as a parameter: the same route takes OpenAI's multipart form.
         if http.headers.get("content-type", "").startswith("multipart/form-data"):
             return await edit_upload(service, http, lambda d, png: encoder(d, png))
-        try:
-            payload = await http.json()
-        except ValueError:
-            raise ApiError(400, "the body is not valid JSON", code="json_invalid") from None
-        try:
-            body = EditsRequest.model_validate(payload)
-        except ValidationError as err:
-            raise validation_error(err.errors(), EditsRequest) from None
+        # Parsed, counted and validated in a worker thread: a 16 MB body takes the event loop
+        # (and every other client's /health) for no longer than its read.
+        body = await run_in_threadpool(edits_request, await http.body(), service.cfg.serve.max_edits_per_request)
         return await json_edits(body, http)
 
     async def json_edits(body: EditsRequest, http: HttpRequest):
+        service.check_edit_count(rows_of(body.edits) * body.n)  # counted before any sweep expands
         if any(edit.sweep is not None for edit in body.edits):  # a sweep is its rows (model/sweep.py)
             try:
                 body = body.model_copy(update={"edits": expand_all(body.edits)})
@@ -198,6 +197,24 @@ def adapter_list(service: Service) -> dict:
         return {"data": [], "slots": 0}
     return {"data": [{"name": n, "rank": a.rank, "graphs": sorted(a.graphs), "text": a.text} for n, a in bank.adapters.items()],
             "slots": bank.slots}  # fmt: skip
+
+
+def edits_request(raw: bytes, limit: int) -> EditsRequest:
+    """A JSON ``/v1/images/edits`` body as its request: its rows counted on the parsed JSON first
+    (edit_counts.py: at most ``limit`` steps), so an oversized body is refused 413 before it
+    is validated or expanded. Blocking: run it off the event loop."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:  # JSONDecodeError, and undecodable bytes (UnicodeDecodeError)
+        raise ApiError(400, "the body is not valid JSON", code="json_invalid") from None
+    rows, sum_ = rows_asked(payload, limit)
+    if rows > limit:
+        raise ApiError(413, f"edits: {sum_} ask for more than {limit} rows (edits x sweep points x n), at most {limit} "
+                       "per request", param="edits", code="too_many_edits")  # fmt: skip
+    try:
+        return EditsRequest.model_validate(payload)
+    except ValidationError as err:
+        raise validation_error(err.errors(), EditsRequest) from None
 
 
 def variations(edits: list, n: int) -> list:

@@ -1,0 +1,206 @@
+"""Every request bounded before it is expanded, and image work bounded by the served size
+(issue 35, items 1 and 2): an edits body is counted on its parsed JSON and refused 413 in
+milliseconds, off the event loop; an A1111 mask is resized before it is blurred."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from unittest import mock
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from PIL import Image
+
+from edit_rt.runtime.model.serve_config import Serve
+from edit_rt.runtime.model.sweep import MAX_POINTS, expand_all, rows_of
+from edit_rt.runtime.serving.errors import ApiError
+from edit_rt.runtime.web import api_openai
+from edit_rt.runtime.web.a1111_masks import a1111_pixel_mask, gaussian_blur
+from edit_rt.runtime.web.api import EditsRequest
+
+from .server_process import ServerProcess
+
+LIMIT = Serve.__dataclass_fields__["max_edits_per_request"].default  # 64
+
+
+def _body(edits: int, points: int | None, n: int = 1) -> dict:
+    edit = {"prompt": "a cat", "tail_steps": 3}
+    if points is not None:
+        edit["sweep"] = {"from": -1, "to": 1, "n": points}
+    return {"base_id": "0" * 16, "edits": [edit] * edits, "n": n}
+
+
+# --- bounded before expanded ----------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.integers(1, 200), points=st.one_of(st.none(), st.integers(2, MAX_POINTS)), n=st.integers(1, 8),
+       limit=st.sampled_from([1, 8, LIMIT, 128]))  # fmt: skip
+def test_bodies_past_the_limit_are_refused_before_they_are_validated_or_expanded(edits, points, n, limit):
+    rows = edits * (points or 1) * n
+    validated = []
+    original = EditsRequest.model_validate.__func__
+
+    def spy(cls, payload, *args, **kwargs):
+        validated.append(1)
+        return original(cls, payload, *args, **kwargs)
+
+    raw = json.dumps(_body(edits, points, n)).encode()
+    with mock.patch.object(EditsRequest, "model_validate", classmethod(spy)):
+        start = time.monotonic()
+        if rows > limit:
+            with pytest.raises(ApiError) as err:
+                api_openai.edits_request(raw, limit)
+            # a property, not a benchmark: counting is at most `limit` steps, far under validating
+            assert time.monotonic() - start < 0.25
+            assert err.value.status == 413 and err.value.param == "edits" and not validated
+        else:
+            body = api_openai.edits_request(raw, limit)
+            assert validated and rows_of(body.edits) * body.n == rows == len(expand_all(body.edits)) * n
+
+
+def test_a_huge_sweep_body_is_refused_without_validation():
+    raw = json.dumps(_body(10_000, MAX_POINTS)).encode()  # 570 kB: 640,000 rows
+    start = time.monotonic()
+    with pytest.raises(ApiError) as err:
+        api_openai.edits_request(raw, LIMIT)
+    assert time.monotonic() - start < 0.5 and err.value.status == 413
+    assert "edits" in err.value.message and f"at most {LIMIT}" in err.value.message
+
+
+def test_the_docs_state_the_limits_the_code_declares():
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    assert f"at most {LIMIT} rows" in text and f"{MAX_POINTS} points" in text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir, onnx_dir):
+    proc = ServerProcess(tmp_path_factory.mktemp("bounds"), model_dir, onnx_dir)
+    yield proc
+    assert proc.stop()
+
+
+def _health_while(url: str, send) -> tuple[httpx.Response, list[float]]:
+    """``send()`` in a thread while /health is asked every 50 ms: its answer and /health's times."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", send()))
+    thread.start()
+    times = []
+    while thread.is_alive() or not times:
+        start = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        times.append(time.monotonic() - start)
+        time.sleep(0.05)
+    thread.join()
+    return out["r"], times
+
+
+@pytest.mark.parametrize("edits,points", [(10_000, MAX_POINTS), (100_000, None)])
+def test_an_oversized_edits_body_is_refused_fast_and_health_answers_meanwhile(server, edits, points):
+    text = json.dumps(_body(edits, points))
+
+    def send():
+        start = time.monotonic()
+        r = httpx.post(server.url + "/v1/images/edits", content=text, headers={"content-type": "application/json"}, timeout=120)
+        return r, time.monotonic() - start
+
+    (r, seconds), health = _health_while(server.url, send)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text
+    assert seconds < 1.0, f"refused after {seconds:.2f} s"
+    assert max(health) < 1.0, f"/health took {max(health):.2f} s"
+
+
+# --- image work bounded by the served size --------------------------------------------------------
+
+
+def old_gaussian_blur(mask: np.ndarray, sigma: int, axis: int) -> np.ndarray:
+    """The reference: a1111_masks.gaussian_blur before issue 35 (a loop over the taps)."""
+    if sigma <= 0:
+        return mask
+    radius = int(2.5 * sigma + 0.5)
+    d = np.arange(-radius, radius + 1, dtype=np.float64)
+    kernel = np.exp(-(d**2) / (2.0 * sigma**2))
+    kernel /= kernel.sum()
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (radius, radius)
+    padded = np.pad(mask.astype(np.float64), pad, mode="reflect")
+    n = mask.shape[axis]
+    out = np.zeros(mask.shape, dtype=np.float64)
+    for k, weight in enumerate(kernel):
+        out += weight * (padded[k : k + n] if axis == 0 else padded[:, k : k + n])
+    return np.floor(out + 0.5).clip(0, 255).astype(np.uint8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(h=st.integers(1, 40), w=st.integers(1, 40), sigma=st.integers(0, 64), axis=st.sampled_from([0, 1]), seed=st.integers(0, 99))
+def test_the_vectorised_blur_is_the_loop_it_replaced(h, w, sigma, axis, seed):
+    rng = np.random.default_rng(seed)
+    mask = np.where(rng.random((h, w)) < 0.5, 255, 0).astype(np.uint8) if seed % 2 else rng.integers(0, 256, (h, w), dtype=np.uint8)
+    new, old = gaussian_blur(mask, sigma, axis), old_gaussian_blur(mask, sigma, axis)
+    assert new.shape == old.shape and np.abs(new.astype(int) - old.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("sigma", [0, 4, 10, 64])
+def test_a_large_mask_is_resized_first_and_blurs_as_before(sigma):
+    # the old order (blur at 160 px, then resize) against the new (resize to 32, blur with
+    # sigma / 5): equal but for the 8-bit rounding and where the mirrored border falls (a
+    # downscaled pixel's centre is not the original's), at most 6 grey levels before doubling
+    rng = np.random.default_rng(0)
+    binary = np.zeros((160, 160), dtype=np.uint8)
+    binary[40:120, 30:100] = 255
+    binary[rng.random((160, 160)) < 0.01] = 255
+    old = old_gaussian_blur(old_gaussian_blur(binary, sigma, axis=1), sigma, axis=0)
+    old = np.asarray(Image.fromarray(old).resize((32, 32), Image.LANCZOS), dtype=np.uint8)
+    old = np.clip(old.astype(np.float32) * 2, 0, 255).astype(np.uint8).astype(np.float32)
+    new = a1111_pixel_mask(binary, False, sigma, sigma, (32, 32), True) * 255
+    assert new.shape == (32, 32) and np.abs(new - old).max() <= 12 and np.abs(new - old).mean() <= 8
+
+
+def _b64_png(array: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_a_5000px_mask_is_quick_and_another_upload_is_answered_meanwhile(server):
+    start = time.monotonic()
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    mask = _b64_png(np.full((5000, 5000), 255, dtype=np.uint8))  # ~35 kB, 25 Mpx
+    body = {"prompt": "a cat", "init_images": [_b64_png(pixels)], "mask": mask, "mask_blur": 64, "steps": 6,
+            "denoising_strength": 0.5}  # fmt: skip
+    big = {}
+
+    def send():
+        t = time.monotonic()
+        big["r"] = httpx.post(server.url + "/sdapi/v1/img2img", json=body, timeout=120)
+        big["s"] = time.monotonic() - t
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.2)
+    t = time.monotonic()
+    small = httpx.post(server.url + "/v1/bases", json={"image": _b64_png(pixels), "source_prompt": "a cat"}, timeout=120)
+    small_s = time.monotonic() - t
+    thread.join()
+    assert small.status_code == 200, small.text
+    assert big["r"].status_code == 200, big["r"].text
+    assert big["s"] < 5.0 and small_s < 5.0, (big["s"], small_s, time.monotonic() - start)
+
+
+def test_a_sweep_within_the_limit_still_runs_as_its_rows(server):
+    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a cat", "steps": 6, "seed": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = {"base_id": r.json()["id"], "edits": [{"prompt": "a dog", "tail_steps": 2, "sweep": {"from": 0, "to": 1, "n": 3}}]}
+    r = httpx.post(server.url + "/v1/images/edits", json=body, timeout=120)
+    assert r.status_code == 200 and [d["index"] for d in r.json()["data"]] == [0, 1, 2], r.text
+    body["edits"] *= 22  # 66 rows: past the limit by its sweeps, not its length
+    r = httpx.post(server.url + "/v1/images/edits", json=body, timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text
