@@ -24,7 +24,7 @@ import numpy as np
 
 from edit_rt.runtime.engine.manifest import Manifest, sha256_file
 from edit_rt.runtime.errors import ConfigError, ModelError
-from edit_rt.runtime.model.adapters import ADAPTER_FORMAT, lora_source
+from edit_rt.runtime.model.adapters import ADAPTER_FORMAT, MAGNITUDE_WARN, lora_source
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,77 @@ _UNSUPPORTED = [
 _DOWN = re.compile(r"\.(lora_A|lora\.down|lora_down|lora_linear_layer\.down)(\.[\w]+)?\.weight$")
 
 
+HEADER_LIMIT = 100 << 20  # bytes of JSON header: safetensors' own limit
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse, in one line naming the file, anything that is not a sound safetensors file: not
+    a regular file (a symlink is followed to what it names), a header length past the file, a
+    header that is not a JSON object, a tensor of an unknown dtype, absurd shapes, offsets past
+    the end or not matching the shape. Nothing is read past the header."""
+    import json
+    import os
+    import stat as stat_
+
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise ModelError(f"{path}: cannot be opened ({err.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_.S_ISREG(st.st_mode):
+            raise ModelError(f"{path}: not a regular file (a LoRA is a .safetensors file)")
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise ModelError(f"{path}: {st.st_size} bytes, too short for a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > HEADER_LIMIT or 8 + n > st.st_size:
+            raise ModelError(f"{path}: not a safetensors file (header length {n} past its {st.st_size} bytes)")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise ModelError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    data = st.st_size - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (dtype in _DTYPE_BYTES and isinstance(shape, list) and len(shape) <= 8
+                  and all(isinstance(d, int) and 0 <= d < 1 << 31 for d in shape)
+                  and isinstance(start, int) and isinstance(end, int))  # fmt: skip
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ModelError(f"{path}: tensor {str(key)[:80]} has no sound dtype/shape/data_offsets")
+        if not 0 <= start <= end <= data:
+            raise ModelError(f"{path}: tensor {str(key)[:80]} lies at bytes {start}..{end}, past the file's {data} bytes of data")
+        size = _DTYPE_BYTES[dtype]
+        for d in shape:
+            size *= d
+        if size != end - start:
+            raise ModelError(f"{path}: tensor {str(key)[:80]} is {shape} {dtype} ({size} bytes) in {end - start} bytes")
+
+
 def unsupported_type(path: Path) -> int:
     """Refuse, by name, an adapter type that is not a low-rank branch, from the file's keys;
     return how many LoRA layers the file holds."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
-        keys = list(f.keys())
+    check_safetensors(path)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            keys = list(f.keys())
+    except Exception as err:  # safetensors' own error types: one line naming the file
+        raise ModelError(f"{path}: unreadable as safetensors ({' '.join(str(err).split())[:200]})") from None
     for pattern, what in _UNSUPPORTED:
         hit = next((k for k in keys if pattern.search(k)), None)
         if hit is not None:
@@ -119,6 +183,12 @@ def convert_adapter(model_dir: Path, manifest: Manifest, source: Path, name: str
                     raise ModelError(f"{source}: layer {full} is {a.shape[1]} -> {b.shape[0]} in this LoRA but "
                                      f"{known['in']} -> {known['out']} in the model (a LoRA for another architecture)")  # fmt: skip
                 scaling = float(layer.scaling[_PEFT_NAME])
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()) or not np.isfinite(scaling):
+                    raise ModelError(f"{source}: layer {full} holds NaN or infinite weights; edit-rt refuses to convert it")
+                peak = max(float(a.abs().max()), float((b * scaling).abs().max()))
+                if peak > MAGNITUDE_WARN:
+                    log.warning("%s: layer %s has weights up to %.3g (past %g); its images may be garbage",
+                                source, full, peak, MAGNITUDE_WARN)  # fmt: skip
                 tensors[f"{full}.down"] = a.numpy().copy()
                 tensors[f"{full}.up"] = (b * scaling).numpy().copy()
                 rank = max(rank, a.shape[0])

@@ -133,8 +133,16 @@ def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
 
 def _convert_adapters(cfg) -> None:
     from edit_rt.runtime.engine.manifest import load_manifest
+    from edit_rt.runtime.errors import ModelError
+    from edit_rt.runtime.model.adapters import lora_source
 
     converter = _export_module("adapters")
+    for name, source in cfg.adapters.items():  # a malformed file: one line, before the model loads
+        try:
+            path = lora_source(source)
+        except OSError as err:
+            raise ModelError(f"adapters.{name}: {source}: {err.strerror or err}") from None
+        converter.check_safetensors(path)
     written = converter.convert_adapters(cfg.require_model_dir(), load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir)
     for name, path in written.items():
         console.print(f"adapter {name}: wrote {path}")
@@ -145,8 +153,8 @@ def adapters(config: Path = typer.Argument(..., help="Run config naming `adapter
     """Convert the config's LoRA files for its exported model (seconds; no graph is exported again)."""
     cfg = load_config(config)
     if not cfg.adapters:
-        plain(f"{config}: no adapters: configured (adapters: {{name: path/to/lora.safetensors}})")
-        raise typer.Exit(1)
+        # nothing asked of it cannot be done: a usage error, as every other CLI refusal (exit 2)
+        raise ConfigError(f"{config}: no adapters: configured (adapters: {{name: path/to/lora.safetensors}})")
     _convert_adapters(cfg)
 
 

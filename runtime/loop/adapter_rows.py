@@ -38,6 +38,22 @@ class RowAdapters:
         return self.uses == self.base_uses
 
 
+class SlotsBusyError(ConfigError):
+    """Every adapter slot a row needs is held by running rows: it waits in the queue (the
+    batcher puts it back) until they finish."""
+
+
+def _check_room(bank: AdapterBank, names: list[str], held: set[int], where: str) -> None:
+    """Raise SlotsBusyError when ``names`` cannot all be resident now (slots in ``held`` are read
+    by running rows), before any slot is written."""
+    resident = {k for n in names if (k := bank.slot_of(n)) is not None}
+    need = sum(1 for n in names if bank.slot_of(n) is None)
+    free = bank.slots - len(held | resident)
+    if need > free:
+        raise SlotsBusyError(f"{where}: {need} adapters need a slot, but {bank.slots - free} of the {bank.slots} adapter "
+                             "slots are held by running rows; retry when they finish, or raise export.adapter_slots")  # fmt: skip
+
+
 NONE = RowAdapters({}, {}, (), (), frozenset(), None, None)
 
 
@@ -60,6 +76,7 @@ def row_adapters(job, bank: Optional[AdapterBank], held: set[int]) -> RowAdapter
     if len(names) > bank.slots:
         raise ConfigError(f"{where}: this edit and its base use {len(names)} adapters, but the export has "
                           f"{bank.slots} adapter slots; raise export.adapter_slots and re-run `make export`")  # fmt: skip
+    _check_room(bank, names, held, where)
     placed = bank.place(names, held)
     held |= set(placed.values())
 

@@ -35,6 +35,7 @@ from typing import Optional, Protocol
 
 from ..engine.engine_thread import EngineThread
 from ..metrics import Metrics
+from .adapter_rows import SlotsBusyError
 from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError, StepError
 from .rows import Row
 from .slots import RowScheduler
@@ -328,9 +329,12 @@ class Batcher:
         except Exception as err:  # the resolver itself: its rows fail (one at a time they may not)
             log.exception("building rows failed")
             built, failed = [], [(job, err) for job in jobs]
-        for job, err in failed:  # this row's input: it fails alone
-            job.future.set_exception(err)
         waiting = []
+        for job, err in failed:  # this row's input: it fails alone
+            if isinstance(err, SlotsBusyError) and (self.scheduler.active or self.scheduler.pending or built):
+                waiting.append(job)  # its adapters' slots are held by running rows: it waits for them
+            else:
+                job.future.set_exception(err)
         # Rows keeping structure come in groups (same base, entry step and structure window)
         # with one reference row: all of a group's rows and its reference join together or wait.
         groups: dict[tuple, list[tuple[Job, Row]]] = {}

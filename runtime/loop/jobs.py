@@ -87,6 +87,7 @@ class Request:
     decode: bool = True  # images for the results (the server); latents only otherwise
     cancelled: threading.Event = field(default_factory=threading.Event)
     pending: deque = field(default_factory=deque)
+    door: str = ""  # the door it came in by (serving/job_control.py DOOR): whose interrupt stops it
 
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline

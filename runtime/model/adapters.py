@@ -27,6 +27,7 @@ from ..errors import ArtifactError, ConfigError
 log = logging.getLogger(__name__)
 
 ADAPTER_FORMAT = "edit-rt-adapter/1"
+MAGNITUDE_WARN = 1e4  # |weight| past this is no trained LoRA's; loaded with a warning
 SCALE_LIMIT = 8.0  # |scale| past this is no slider position anyone means; refused by name
 
 # A row's adapters: name -> (text encoders' scale, UNet's scale)
@@ -91,17 +92,43 @@ def load_adapter(path: Path, name: str, manifest) -> Adapter:
     spec = manifest.adapters
     by_name = {layer["name"]: layer for layer in spec["layers"]}
     layers, graphs = {}, set()
-    rank = int(meta.get("rank", 0))
+    where = f"adapters.{name}: {path}"
+    slot_rank = int(spec["rank"])
+    try:
+        rank = int(meta.get("rank", 0))
+    except ValueError:
+        raise ArtifactError(f"{where} names rank {meta.get('rank')!r}; run `edit-rt adapters CONFIG`") from None
+    if not 0 < rank <= slot_rank:
+        raise ArtifactError(f"{where} is rank {rank}, but this export's slots are {slot_rank} wide; "
+                            "run `edit-rt adapters CONFIG`")  # fmt: skip
+    for key in sorted(tensors):
+        layer, _, part = key.rpartition(".")
+        if part not in ("down", "up") or (layer + (".up" if part == "down" else ".down")) not in tensors:
+            raise ArtifactError(f"{where}: tensor {key} has no {'up' if part == 'down' else 'down'} half "
+                                "(not an A/B pair); run `edit-rt adapters CONFIG`")  # fmt: skip
+    big = []
     for key in sorted(k for k in tensors if k.endswith(".down")):
         layer = key[: -len(".down")]
-        down, up = tensors[key].astype(np.float32), tensors[layer + ".up"].astype(np.float32)
+        down, up = tensors[key], tensors[layer + ".up"]
         known = by_name.get(layer)
-        if known is None or down.shape[1] != known["in"] or up.shape[0] != known["out"]:
-            raise ArtifactError(f"adapters.{name}: {path} does not fit this export (layer {layer}); "
+        if known is None or down.ndim != 2 or up.ndim != 2 or down.shape[1] != known["in"] or up.shape[0] != known["out"]:
+            raise ArtifactError(f"{where} does not fit this export (layer {layer}); "
                                 "run `edit-rt adapters CONFIG`")  # fmt: skip
+        if down.shape[0] != up.shape[1] or not 0 < down.shape[0] <= rank:
+            raise ArtifactError(f"{where}: layer {layer} is down {list(down.shape)} / up {list(up.shape)}, not a rank "
+                                f"<= {rank} pair for {slot_rank}-wide slots; run `edit-rt adapters CONFIG`")  # fmt: skip
+        down, up = down.astype(np.float32), up.astype(np.float32)
+        if not (np.all(np.isfinite(down)) and np.all(np.isfinite(up))):
+            raise ArtifactError(f"{where}: layer {layer} holds NaN or infinite weights; re-convert from a sound LoRA")
+        peak = max(float(np.abs(down).max(initial=0.0)), float(np.abs(up).max(initial=0.0)))
+        if peak > MAGNITUDE_WARN:
+            big.append((layer, peak))
         if known.get("used", True):  # a pruned layer's LoRA changes nothing (diffusers computes it, unread)
             layers[layer] = (down, up)
             graphs.add(known["graph"])
+    if big:
+        log.warning("%s: %d layers with weights past %g (e.g. %s: %.3g); its images may be garbage",
+                    where, len(big), MAGNITUDE_WARN, big[0][0], big[0][1])  # fmt: skip
     return Adapter(name, path, rank, layers, meta.get("source", ""), meta.get("source_sha256", ""), frozenset(graphs))
 
 
@@ -192,6 +219,8 @@ class AdapterBank:
             mats = adapter.layers.get(layer["name"])
             if mats is not None:
                 a, b = mats
+                if a.shape[0] > r or b.shape[1] > r:  # load_adapter refuses these; never past the slot
+                    raise ArtifactError(f"adapters.{adapter.name}: rank {a.shape[0]} is wider than the {r}-wide slots")
                 down[k * r : k * r + a.shape[0]] = a
                 up[:, k * r : k * r + b.shape[1]] = b
         self._slots[k].adapter = adapter

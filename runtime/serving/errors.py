@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from starlette.requests import Request as HttpRequest
 
+from ..errors import EditRtError
+from ..loop.adapter_rows import SlotsBusyError
 from ..loop.jobs import CancelledError, QueueFullError, RowError, ShuttingDownError, StepError
 from ..model.schema import field_type, refusal
 from ..storage.store import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
@@ -77,14 +79,26 @@ def echo(value: str, limit: int = 64) -> str:
 
 
 def row_error(err: BaseException) -> ApiError:
-    """The API error of a row that failed: its input (400), a shutdown or cancel (503)."""
+    """The API error of a row that failed in the engine thread, never a bare 500: its input
+    (400, and any user error: a config or adapter refusal, named as raised), no free adapter slot
+    (429 with Retry-After), a cancel or interrupt (409 ``cancelled``, docs/serving.md), a
+    shutdown (503), the engine on this row (500 ``step_failed``)."""
+    if isinstance(err, ApiError):
+        return err
     if isinstance(err, RowError):
         return ApiError(400, str(err), code="row_refused")
-    if isinstance(err, (CancelledError, ShuttingDownError)):
-        code = "shutting_down" if isinstance(err, ShuttingDownError) else "cancelled"
-        return ApiError(503, str(err), "server_error", code=code, headers={"Retry-After": "5"})
+    if isinstance(err, ShuttingDownError):
+        return ApiError(503, str(err), "server_error", code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(err, CancelledError):
+        return ApiError(409, str(err), code="cancelled")
+    if isinstance(err, SlotsBusyError):
+        return ApiError(429, str(err), "rate_limit_error", param="adapters", code="adapter_slots_busy",
+                        headers={"Retry-After": "2"})  # fmt: skip
     if isinstance(err, StepError):  # the engine failed on this row alone; the server is serving
         return ApiError(500, f"{err}; see the server log", "server_error", code="step_failed")
+    if isinstance(err, EditRtError):
+        field = str(err).split(":", 1)[0]
+        return ApiError(400, str(err), param=field if field and " " not in field else None, code="row_refused")
     log.error("row failed: %s", err)
     return ApiError(500, "internal error; see the server log", "server_error")
 

@@ -15,12 +15,14 @@ import numpy as np
 
 from starlette.requests import Request as HttpRequest
 
+from ..errors import EditRtError
 from ..images import png_bytes
-from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownError, StepError
+from ..loop.jobs import Job, Request
 from ..model.edit import Base, TailRow
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
 from .errors import ApiError, row_error
+from .job_control import A1111, DOOR
 from .related import RelatedPlan
 from .results import Generated
 
@@ -103,7 +105,7 @@ class Generation:
                 yield "edit_rt.preview", await self._preview_event(item[1])
             try:
                 result = job.future.result()
-            except (CancelledError, ShuttingDownError, RowError, StepError) as err:
+            except EditRtError as err:
                 raise row_error(err) from None
             self.related_done(plan, True)
             done, plan = plan, None
@@ -128,7 +130,8 @@ class Generation:
         its row on the engine thread and one PNG encode here."""
         index, step, of, image = preview
         png = await asyncio.get_running_loop().run_in_executor(self.image_pool, png_bytes, image, f"preview: step {step} of {of}")
-        self.last_preview = png
+        if DOOR.get() == A1111:  # A1111's current_image: its own door's previews only
+            self.last_preview = png
         return {"index": index, "step": step, "of": of, "png": png}
 
 

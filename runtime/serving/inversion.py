@@ -12,9 +12,9 @@ import time
 from dataclasses import replace
 from typing import Optional
 
+from ..errors import EditRtError
 from ..images import png_bytes
 from ..model.edit import Base
-from ..loop.jobs import CancelledError, RowError, ShuttingDownError, StepError
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
 from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
@@ -70,7 +70,7 @@ class Uploads:
             with queue_errors():  # the inversion's rows go through the batcher's queue
                 try:
                     state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start))
-                except (CancelledError, ShuttingDownError, RowError, StepError) as err:  # interrupted, say
+                except EditRtError as err:  # interrupted, say
                     raise row_error(err) from None
             await self.keep(state)
         state = await self.pinned(bid)

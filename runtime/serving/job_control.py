@@ -6,7 +6,17 @@ while the engine thread steps: snapshots, a step behind at most.
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Optional
+
+# The door a request came in by ("a1111" for the /sdapi/v1 routes, "" otherwise), set by the
+# route and read where its Request is made: A1111's job control sees only its own door's jobs.
+DOOR: ContextVar[str] = ContextVar("edit_rt_door", default="")
+A1111 = "a1111"
+
+
+def _ours(request, door: Optional[str]) -> bool:
+    return door is None or getattr(request, "door", "") == door
 
 
 class JobControl:
@@ -18,18 +28,19 @@ class JobControl:
         batchers = self.batchers.values()
         return {"active": sum(len(b.scheduler.active) for b in batchers), "queued": sum(b.queued_rows for b in batchers)}
 
-    def in_flight(self) -> dict[str, Any]:
+    def in_flight(self, door: Optional[str] = None) -> dict[str, Any]:
         """What the step loops hold now (AUTOMATIC1111's /progress): ``running`` requests (a row
         in a slot), ``queued`` ones (rows waiting only), the row-steps ``done`` of the ``total``
         their rows run, ``started`` (time.monotonic() of the oldest running row's admission, or
-        None) and ``current`` (step, of) of that row. Read from the event loop while the engine
+        None) and ``current`` (step, of) of that row; ``door``: only that door's requests (None:
+        every door's). Read from the event loop while the engine
         thread steps: a snapshot, a step behind at most."""
         running, queued, done, total, oldest = {}, {}, 0, 0, None
         for batcher in list(self.batchers.values()):
             s = batcher.scheduler
             for row in _snapshot(s.active) + _snapshot(s.pending):
                 job = row.owner
-                if row.reference or job is None:
+                if row.reference or job is None or not _ours(job.request, door):
                     continue
                 entry = 0 if job.kind == "invert" else job.row.start_step
                 running[id(job.request)] = job.request
@@ -37,6 +48,8 @@ class JobControl:
                 if oldest is None or job.started < oldest[0]:
                     oldest = (job.started, row.step - entry, row.end - entry)
             for request in _snapshot(batcher.queue):
+                if not _ours(request, door):
+                    continue
                 for job in _snapshot(request.pending):
                     total += 1 if job.kind == "correct" else job.base.steps - job.row.start_step
                 if id(request) not in running:
@@ -45,23 +58,24 @@ class JobControl:
         return {"running": len(running), "queued": len(queued), "done": done, "total": total, "started": started,
                 "current": None if oldest is None else oldest[1:]}  # fmt: skip
 
-    async def job_status(self) -> dict[str, Any]:
+    async def job_status(self, door: Optional[str] = None) -> dict[str, Any]:
         """``in_flight()`` for a route (Ray Serve's ingress gathers its replicas')."""
-        return self.in_flight()
+        return self.in_flight(door)
 
-    async def stop_jobs(self) -> int:
+    async def stop_jobs(self, door: Optional[str] = None) -> int:
         """``interrupt()`` for a route (Ray Serve's ingress sends it to every replica)."""
-        return self.interrupt()
+        return self.interrupt(door)
 
-    def interrupt(self) -> int:
-        """Cancel every request that has a row in a step loop now (AUTOMATIC1111's interrupt:
-        the current job stops, what waits wholly in the queue goes on): their rows leave at the
-        next step, rows already finished stay finished. Returns how many requests."""
+    def interrupt(self, door: Optional[str] = None) -> int:
+        """Cancel every request of ``door`` (None: every door) that has a row in a step loop now
+        (AUTOMATIC1111's interrupt: the current job stops, what waits wholly in the queue goes
+        on): their rows leave at the next step, rows already finished stay finished. Another
+        door's requests are never touched. Returns how many requests."""
         found = {}
         for batcher in list(self.batchers.values()):
             s = batcher.scheduler
             for row in _snapshot(s.active) + _snapshot(s.pending):
-                if not row.reference and row.owner is not None:
+                if not row.reference and row.owner is not None and _ours(row.owner.request, door):
                     found[id(row.owner.request)] = row.owner.request
         self.interrupts += 1
         self.interrupted_at = time.monotonic()

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..model.edit import Base
 from ..model.state import BaseState
-from ..storage.related_index import RelatedIndex
+from ..storage.related_index import RelatedIndex, group
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,23 @@ class RelatedGenerations:
             self.related_index.remove(bid)
             self.metrics.inc("edit_rt_related_misses_total")
             return None
+        if not self.servable(state.base, base):
+            # the entry named a base of another key (planted, or damaged), or an upload's: a miss
+            log.warning("related entry %s not served: its stored base is not of the request's group", bid)
+            self.store.unpin(bid)
+            self.related_index.remove(bid)
+            self.metrics.inc("edit_rt_related_misses_total")
+            return None
         self.metrics.inc("edit_rt_related_hits_total")
-        return RelatedPlan(bid, state, k, similarity)
+        return RelatedPlan(bid, state, k, min(1.0, max(-1.0, similarity)))
+
+    @staticmethod
+    def servable(stored: Base, request: Base) -> bool:
+        """Whether the stored base ``stored`` may serve ``request`` related: the same group (step
+        count, size, sampler, guidance, adapters, ... checked on the base itself, not on what the
+        index entry says) and not an upload (a base inverted from a client's image is never
+        served to another prompt)."""
+        return stored.image is None and group(stored) == group(request)
 
     def related_base(self, base: Base, plan: RelatedPlan) -> Base:
         """The base a related result is stored as: the request's prompt on the related base's
@@ -116,5 +131,11 @@ class RelatedGenerations:
             self.store.credit(plan.bid, plan.step)  # what store.eviction "lcbfu" keeps
 
     def index_base(self, bid: str, state: BaseState, vector: Optional[np.ndarray]) -> None:
-        if vector is not None and self.related_index is not None:
-            self.related_index.add(bid, state.base, vector, state.window_start)
+        if vector is None or self.related_index is None or state.base.image is not None:
+            return  # an upload's base is never indexed (docs/related.md, "Trust")
+        self.related_index.add(bid, state.base, vector, state.window_start)
+        if self.related_index.folder is None:  # RAM only: the index bounded by the store's bases
+            limit = getattr(self, "_related_prune_at", 64)
+            if len(self.related_index) > limit:
+                self.related_index.prune(self.store.__contains__)
+                self._related_prune_at = max(64, 2 * len(self.related_index))

@@ -23,10 +23,10 @@ import numpy as np
 from starlette.requests import Request as HttpRequest
 
 from ..assemble import pipeline_of, store_of
-from ..errors import ConfigError
+from ..errors import ConfigError, EditRtError
 from ..images import checked_pixel_mask, png_bytes
 from ..loop.batcher import Batcher
-from ..loop.jobs import CancelledError, Job, Request, RowError, ShuttingDownError
+from ..loop.jobs import CancelledError, Job, Request
 from ..metrics import Metrics, timed
 from ..model.adapters import check_uses
 from ..model.config import RunConfig
@@ -43,7 +43,7 @@ from .generation import Generation, watch
 from .related import RelatedGenerations
 from .sampler_fields import SamplerFields, sampler_label
 from .inversion import Uploads
-from .job_control import JobControl
+from .job_control import DOOR, JobControl
 from .results import Edited
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
     # --- work ---------------------------------------------------------------------------------
 
     def _new_request(self) -> Request:
-        return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s)
+        return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s, door=DOOR.get())
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
         with queue_errors():
@@ -290,7 +290,7 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
         try:
             await until_done(futures, http, request.cancelled.set)
             return [f.result() for f in futures]
-        except (CancelledError, ShuttingDownError, RowError) as err:
+        except EditRtError as err:  # every error of a row in the engine thread, as its answer
             raise row_error(err) from None
         finally:
             if any(not f.done() for f in futures):

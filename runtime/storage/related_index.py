@@ -15,7 +15,16 @@ It follows the store:
   disk tier evicts or deletes it (store_disk.py); :meth:`refresh` re-reads the folder when it
   changed, so a restart, or another replica sharing the folder, finds the bases already there;
 - an entry whose base the store no longer holds (evicted from a RAM-only store, deleted) is
-  dropped when a lookup finds it gone (:meth:`nearest` takes the store's membership test).
+  dropped when a lookup finds it gone (:meth:`nearest` takes the store's membership test), and
+  in RAM-only mode :meth:`prune` drops every entry the store no longer holds (the service calls
+  it as the index outgrows the store, so it stays within ~2x the store's bases).
+
+Its files are untrusted input, like the store's (docs/related.md, "Trust"): only regular files
+are read, without blocking and without following a symlink (store_files.read_regular); an
+entry whose vector is not of the index's dimension, not finite or not of unit norm (within
+:data:`NORM_TOLERANCE`) is skipped with a warning; a similarity is a real cosine, clipped to
+[-1, 1]. An entry only proposes a base: serving/related.py checks the stored base itself (its
+group, and that it is not an upload) before it is served.
 """
 
 from __future__ import annotations
@@ -32,9 +41,26 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..model.edit import Base
-from .store_files import follow_umask
+from .store_files import NotAFileError, follow_umask, read_regular
 
 log = logging.getLogger(__name__)
+
+NORM_TOLERANCE = 1e-3  # how far from 1 a stored vector's norm may be (float32 rounding, JSON)
+ENTRY_LIMIT = 1 << 20  # bytes: an entry is ~10-30 kB of JSON; anything larger is not one
+
+
+def valid_vector(vector, dim: Optional[int] = None) -> Optional[str]:
+    """Why ``vector`` cannot be an entry's (None: it can)."""
+    if vector.ndim != 1 or vector.size == 0:
+        return f"a vector of shape {list(vector.shape)}"
+    if dim is not None and vector.size != dim:
+        return f"a {vector.size}-long vector where the index's are {dim}-long"
+    if not np.all(np.isfinite(vector)):
+        return "a vector with non-finite values"
+    norm = float(np.linalg.norm(vector.astype(np.float64)))
+    if abs(norm - 1.0) > NORM_TOLERANCE:
+        return f"a vector of norm {norm:.6g}, not unit length"
+    return None
 
 
 def group(base: Base) -> str:
@@ -71,6 +97,7 @@ class RelatedIndex:
         # group -> (ids, [n, D] vectors, window starts), rebuilt when the group changes
         self._matrices: dict[str, tuple[list[str], np.ndarray, list[int]]] = {}
         self._seen_mtime = -1.0
+        self.dim: Optional[int] = None  # the vectors' length: the first valid entry's
         self.refresh()
 
     def __len__(self) -> int:
@@ -83,7 +110,13 @@ class RelatedIndex:
 
     def add(self, bid: str, base: Base, vector: np.ndarray, window_start: int) -> None:
         entry = Entry(bid, group(base), np.asarray(vector, dtype=np.float32).reshape(-1), int(window_start))
+        why = valid_vector(entry.vector, self.dim)
+        if why is not None:
+            log.warning("related entry of %s not indexed: %s", bid, why)
+            return
         with self._lock:
+            if self.dim is None:
+                self.dim = entry.vector.size
             self._entries[bid] = entry
             self._matrices.pop(entry.group, None)
         if self.folder is not None:
@@ -108,9 +141,13 @@ class RelatedIndex:
         self.refresh()
         key = group(base)
         vector = np.asarray(vector, dtype=np.float32).reshape(-1)
+        norm = float(np.linalg.norm(vector)) if vector.size else 0.0
+        if not np.isfinite(norm) or norm == 0.0:
+            return None
+        vector = vector / norm  # a query's scale does not change a cosine
         with self._lock:
             if key not in self._matrices:
-                group_entries = [e for e in self._entries.values() if e.group == key]
+                group_entries = [e for e in self._entries.values() if e.group == key and e.vector.size == vector.size]
                 vectors = [e.vector for e in group_entries]
                 self._matrices[key] = ([e.bid for e in group_entries],
                                        np.stack(vectors) if vectors else np.zeros((0, vector.size), np.float32),
@@ -118,7 +155,7 @@ class RelatedIndex:
             ids, matrix, windows = self._matrices[key]
         if not ids or matrix.shape[1] != vector.size:
             return None
-        scores = matrix @ vector
+        scores = np.clip(matrix @ vector, -1.0, 1.0)  # unit vectors: a cosine; clipped for rounding
         for k in np.argsort(-scores, kind="stable"):
             bid = ids[k]
             if bid in exclude:
@@ -127,6 +164,15 @@ class RelatedIndex:
                 return bid, float(scores[k]), windows[k]
             self.remove(bid)  # the store let it go
         return None
+
+    def prune(self, holds: Callable[[str], bool]) -> int:
+        """Drop every entry whose base the store no longer ``holds`` (RAM-only mode's bound);
+        the number dropped."""
+        with self._lock:
+            gone = [bid for bid in self._entries if not holds(bid)]
+        for bid in gone:
+            self.remove(bid)
+        return len(gone)
 
     # --- the disk side ---------------------------------------------------------------------------
 
@@ -153,19 +199,41 @@ class RelatedIndex:
             return
         if mtime == self._seen_mtime:
             return
-        on_disk = {p.stem: p for p in self.folder.glob("*.json") if not p.name.startswith(".")}
+        try:
+            on_disk = {p.stem: p for p in self.folder.glob("*.json") if not p.name.startswith(".")}
+        except OSError as err:
+            log.warning("cannot list the related entries (%s)", err.strerror)
+            return
         with self._lock:
             gone = [bid for bid in self._entries if bid not in on_disk]
             new = [bid for bid in on_disk if bid not in self._entries]
         loaded = {}
         for bid in new:
+            path = on_disk[bid]
             try:
-                data = json.loads(on_disk[bid].read_text())
+                raw, _ = read_regular(path, ENTRY_LIMIT)  # never a FIFO, a device or a symlink; never blocks
+                data = json.loads(raw)
                 if data.get("kind", "mean") != self.kind:
                     continue
-                loaded[bid] = Entry(data["id"], data["group"], np.asarray(data["vector"], dtype=np.float32), int(data["window_start"]))
-            except (OSError, ValueError, KeyError, TypeError) as err:  # being replaced, or damaged: skipped
-                log.debug("related entry %s unreadable (%s)", bid, err)
+                vector = np.asarray(data["vector"], dtype=np.float32)
+                entry = Entry(str(data["id"]), str(data["group"]), vector, int(data["window_start"]))
+            except FileNotFoundError:  # removed since the listing
+                continue
+            except NotAFileError as err:
+                log.warning("related entry %s skipped: it %s", path, err)
+                continue
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # being replaced, or damaged
+                log.warning("related entry %s skipped: unreadable (%s)", path, err)
+                continue
+            why = valid_vector(entry.vector, self.dim)
+            if why is None and entry.window_start < 0:
+                why = f"a window start of {entry.window_start}"
+            if why is not None:
+                log.warning("related entry %s skipped: %s", path, why)
+                continue
+            if self.dim is None:
+                self.dim = entry.vector.size
+            loaded[bid] = entry
         with self._lock:
             for bid in gone:
                 self._entries.pop(bid, None)

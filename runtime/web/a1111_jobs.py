@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import APIRouter, Body
 
 from ..serving.errors import ApiError
+from ..serving.job_control import A1111
 from ..serving.service import Service
 from ..model.samplers import a1111_samplers, a1111_schedulers
 from .a1111_fields import Settings, checked_option
@@ -55,9 +56,9 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
 
     @router.get("/progress", responses=errors(400, 401), summary="The step loops' progress (A1111's)")
     async def progress(skip_current_image: bool = False):
-        now = await service.job_status()
+        now = await service.job_status(A1111)  # this door's jobs only, never another door's
         rows = await service.progress()  # row counts: with Ray Serve, the replicas'
-        jobs = now["running"] + now["queued"] or int(rows["active"] + rows["queued"] > 0)
+        jobs = now["running"] + now["queued"]
         fraction = now["done"] / now["total"] if now["total"] else 0.0
         elapsed = time.monotonic() - now["started"] if now["started"] is not None else 0.0
         eta = elapsed / fraction - elapsed if fraction > 0 else 0.0
@@ -77,12 +78,12 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
     @router.post("/interrupt", responses=errors(401), summary="Stop the requests running now")
     async def interrupt():
         settings.last_stop = "interrupt"
-        return {"interrupted": await service.stop_jobs()}
+        return {"interrupted": await service.stop_jobs(A1111)}
 
     @router.post("/skip", responses=errors(401), summary="As interrupt (a request's images run as one batch)")
     async def skip():
         settings.last_stop = "skip"
-        return {"skipped": service.interrupt()}
+        return {"skipped": await service.stop_jobs(A1111)}
 
     @router.get("/samplers", responses=errors(401), summary="The samplers that run")
     async def samplers():

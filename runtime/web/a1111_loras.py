@@ -128,17 +128,29 @@ def listing(service: Service) -> list[dict[str, Any]]:
     """A1111's ``/sdapi/v1/loras`` entries, one per adapter loaded (the config's on Ray Serve's
     ingress)."""
     if service.pipe is None:
-        return [_entry(name, str(source), {}) for name, source in service.cfg.adapters.items()]
+        return [_entry(name, str(source), {}, _shown(service, source)) for name, source in service.cfg.adapters.items()]
     bank = service.pipe.adapter_bank
     out = []
     for name, adapter in (bank.adapters if bank is not None else {}).items():
-        own = {"converted": str(adapter.path), "rank": adapter.rank, "graphs": sorted(adapter.graphs)}
-        out.append(_entry(name, adapter.source or str(adapter.path), own))
+        own = {"converted": _shown(service, adapter.path), "rank": adapter.rank, "graphs": sorted(adapter.graphs)}
+        source = adapter.source or str(adapter.path)
+        out.append(_entry(name, source, own, _shown(service, source)))
     return out
 
 
-def _entry(name: str, source: str, own: dict) -> dict[str, Any]:
-    return {"name": name, "alias": name, "path": source, "metadata": lora_metadata(Path(source)), "edit_rt": own}
+def _shown(service: Service, path) -> str:
+    """A path as a client sees it: relative to the adapters folder (the config's adapters_dir),
+    or its file name alone where it lies elsewhere; never the server's absolute layout."""
+    path = Path(path)
+    try:
+        root = Path(service.cfg.adapters_dir).resolve()
+        return path.resolve().relative_to(root).as_posix()
+    except (ValueError, OSError, AttributeError):
+        return path.name
+
+
+def _entry(name: str, source: str, own: dict, shown: str) -> dict[str, Any]:
+    return {"name": name, "alias": name, "path": shown, "metadata": lora_metadata(Path(source)), "edit_rt": own}
 
 
 def lora_metadata(path: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
-from fastapi import APIRouter, Request as HttpRequest
+from fastapi import APIRouter, Depends, Request as HttpRequest
 from PIL import Image
 from pydantic import BaseModel, Field, ValidationError
 
@@ -39,6 +39,7 @@ from ..model.edit import Edit
 from ..model.samplers import a1111_label
 from ..pnginfo import base_id_of
 from ..serving.errors import ApiError, row_error, validation_error
+from ..serving.job_control import A1111, DOOR
 from ..serving.service import Edited, Service, watch
 from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_off, eta_of, override, prompts_of, refuse,
                            requested_sampler)  # fmt: skip
@@ -59,7 +60,8 @@ class A1111Result(BaseModel):
 
 
 def a1111_routes(service: Service) -> APIRouter:
-    router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
+    # every route here runs as the A1111 door: its interrupt, skip and progress see its jobs only
+    router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"], dependencies=[Depends(a1111_door)])
     settings = Settings()
     common = errors(400, 401, 408, 409, 411, 413, 429, 499, 503, 507)
 
@@ -90,6 +92,7 @@ def a1111_routes(service: Service) -> APIRouter:
         first = service.base_of(body.prompt, body.negative_prompt, f"{want[0]}x{want[1]}", body.steps, body.cfg_scale,
                                 body.seed, clip_skip, sampler=sampler, sampler_param=field)  # fmt: skip
         first = replace(first, adapters=base_adapters(service, first.adapters, loras))
+        service.check_adapters(first.adapters, "prompt")  # more tags than slots: 400, as the OpenAI route
         bases = [replace(first, seed=first.seed + k) for k in range(body.batch_size * body.n_iter)]
         # related generations (docs/related.md) as the server's serve.related.enabled says, for one
         # image without its own seed (a batch asks for variety: exact)
@@ -213,6 +216,11 @@ def a1111_routes(service: Service) -> APIRouter:
     router.include_router(job_routes(service, settings))
     router.include_router(lora_routes(service))
     return router
+
+
+async def a1111_door() -> None:
+    """A dependency of the A1111 routes: the requests they make are the A1111 door's."""
+    DOOR.set(A1111)
 
 
 def as_run(body) -> tuple[Any, Any, dict[str, str], PromptLoras]:

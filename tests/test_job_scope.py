@@ -1,0 +1,100 @@
+"""Adapters past the slots queue (never 500), and A1111 job control scoped to its own door:
+real servers on loopback (issue 35, items 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .server_process import ServerProcess
+
+STEPS = 6
+BASE = {"prompt": "x", "steps": STEPS, "guidance": 7.5, "width": 32, "height": 32}
+NAMES = ["a0", "a1", "a2", "a3", "a4"]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, adapter_onnx_dir, tmp_path_factory):
+    from edit_rt.export.adapters import convert_adapters
+    from edit_rt.runtime.engine.manifest import load_manifest
+
+    from .test_adapters import make_lora
+
+    root = tmp_path_factory.mktemp("job-scope")
+    loras = {n: make_lora(model_dir, root / n, seed=20 + k) for k, n in enumerate(NAMES)}
+    convert_adapters(model_dir, load_manifest(adapter_onnx_dir), loras, adapter_onnx_dir.parent / "adapters")
+    proc = ServerProcess(root, model_dir, adapter_onnx_dir, base=BASE, extra={"adapters": {n: str(p) for n, p in loras.items()}})
+    yield proc
+    assert proc.stop()
+
+
+def _gen(url: str, k: int) -> httpx.Response:
+    body = {"prompt": f"a circle {k}", "size": "32x32", "steps": STEPS, "adapters": {NAMES[k % 5]: 0.8}}
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+
+
+def test_more_adapters_in_flight_than_slots_never_answer_500(server):
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda k: _gen(server.url, k), range(10)))
+    codes = Counter(r.status_code for r in answers)
+    assert all(r.status_code == 200 or (r.status_code == 429 and "retry-after" in r.headers) for r in answers), \
+        (codes, [r.text[:200] for r in answers if r.status_code != 200])
+
+
+def test_one_row_with_more_adapters_than_slots_is_400_on_both_doors(server):
+    r = httpx.post(f"{server.url}/v1/images/generations", timeout=60,
+                   json={"prompt": "x", "size": "32x32", "steps": STEPS, "adapters": {n: 0.5 for n in NAMES[:4]}})
+    assert r.status_code == 400, r.text
+    tags = " ".join(f"<lora:{n}:0.5>" for n in NAMES[:4])
+    r = httpx.post(f"{server.url}/sdapi/v1/txt2img", json={"prompt": f"x {tags}", "steps": STEPS}, timeout=60)
+    assert r.status_code == 400 and "prompt" in r.text, r.text
+
+
+def test_interrupts_never_stop_another_doors_work(server):
+    stop, progress = threading.Event(), []
+
+    def storm():
+        while not stop.is_set():
+            httpx.post(f"{server.url}/sdapi/v1/interrupt", timeout=30)
+            httpx.post(f"{server.url}/sdapi/v1/skip", timeout=30)
+            progress.append(httpx.get(f"{server.url}/sdapi/v1/progress", timeout=30).json())
+
+    t = threading.Thread(target=storm)
+    t.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda k: _gen(server.url, k % 3), range(8)))
+    finally:
+        stop.set()
+        t.join()
+    assert Counter(r.status_code for r in answers) == {200: 8}, [r.text[:200] for r in answers if r.status_code != 200]
+    # A1111's progress shows its own door's jobs only: another door's are no job and no preview
+    assert progress and all(p["state"]["job_count"] == 0 and p["current_image"] is None for p in progress)
+
+
+def test_an_a1111_interrupt_stops_its_own_job_as_documented(server):
+    answer = {}
+
+    def run():
+        answer["r"] = httpx.post(f"{server.url}/sdapi/v1/txt2img", timeout=120,
+                                 json={"prompt": "y", "steps": 120, "batch_size": 2, "n_iter": 2})  # fmt: skip
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(f"{server.url}/sdapi/v1/progress").json()["state"]["job_count"] == 0:
+        time.sleep(0.02)
+    assert httpx.post(f"{server.url}/sdapi/v1/interrupt").json()["interrupted"] >= 1
+    t.join(60)
+    r = answer["r"]
+    assert r.status_code in (200, 409), r.text  # its finished images, or 409 interrupted (docs/serving.md)
+    if r.status_code == 409:
+        assert r.json()["error"]["code"] == "interrupted"
+    else:
+        assert json.loads(r.json()["info"])["interrupted"]
