@@ -121,15 +121,17 @@ class EditWorker:
     async def delete_base(self, bid: str, route: Optional[dict] = None) -> Optional[Refused]:
         return await refusing(self.service.delete_base(bid))
 
-    async def status(self, route: Optional[dict] = None) -> dict:
-        """This replica's id, process, backend, rows and metrics (the ingress's scrape)."""
+    async def status(self, route: Optional[dict] = None, door: Optional[str] = None) -> dict:
+        """This replica's id, process, backend, rows and metrics (the ingress's scrape);
+        ``in_flight`` of ``door``'s requests only where one is named (A1111's /progress)."""
         return {"replica": self.replica, "pid": os.getpid(), "backend": self.service.backend,
-                **(await self.service.progress()), "in_flight": self.service.in_flight(),
+                **(await self.service.progress()), "in_flight": self.service.in_flight(door),
                 "metrics": await self.service.metrics_text()}  # fmt: skip
 
-    async def interrupt(self, route: Optional[dict] = None) -> dict:
-        """AUTOMATIC1111's interrupt on this replica: its running requests stop at the next step."""
-        return {"replica": self.replica, "interrupted": self.service.interrupt()}
+    async def interrupt(self, route: Optional[dict] = None, door: Optional[str] = None) -> dict:
+        """AUTOMATIC1111's interrupt on this replica: ``door``'s running requests (None: every
+        door's) stop at the next step."""
+        return {"replica": self.replica, "interrupted": self.service.interrupt(door)}
 
     def check_health(self) -> None:
         """Ray Serve's health check: a worker whose step loop died is replaced."""
@@ -323,12 +325,12 @@ class RayService(Service):
     async def delete_base(self, bid: str) -> None:
         await self._on_owner("delete_base", bid)
 
-    async def replicas(self, method: str = "status") -> list[dict]:
-        """Every worker's answer to ``method`` (its status by default; one call per replica, in
-        id order; a replica lost meanwhile is left out)."""
+    async def replicas(self, method: str = "status", **kwargs) -> list[dict]:
+        """Every worker's answer to ``method`` (its status by default, with ``kwargs``; one call
+        per replica, in id order; a replica lost meanwhile is left out)."""
         n, out = self.cfg.serve.ray.replicas, {}
         for k in range(0, 4 * n, n):  # the affinity router answers in one round; Ray's own picks at random
-            calls = [getattr(self.workers, method).remote(route={"replica": k + i}) for i in range(n)]
+            calls = [getattr(self.workers, method).remote(route={"replica": k + i}, **kwargs) for i in range(n)]
             for status in await asyncio.gather(*(self._result(c) for c in calls), return_exceptions=True):
                 if isinstance(status, dict):
                     out[status["replica"]] = status
@@ -343,17 +345,19 @@ class RayService(Service):
     async def metrics_text(self) -> bytes:
         return merged(self.metrics.registry, {s["replica"]: s["metrics"] for s in await self.replicas()})
 
-    async def job_status(self) -> dict:
+    async def job_status(self, door: Optional[str] = None) -> dict:
         """The replicas' step loops as one (A1111's /progress): their requests and row-steps
-        summed, the oldest running row's step (time.monotonic() is one clock per machine)."""
+        summed, the oldest running row's step (time.monotonic() is one clock per machine).
+        ``door`` is not passed on: a worker's requests do not know the ingress's door (the door
+        is the ingress's context), so under Ray every door's jobs are counted, as before."""
         parts = [s["in_flight"] for s in await self.replicas()]
         started = [p for p in parts if p["started"] is not None]
         oldest = min(started, key=lambda p: p["started"]) if started else None
         return {**{key: sum(p[key] for p in parts) for key in ("running", "queued", "done", "total")},
                 "started": oldest["started"] if oldest else None, "current": oldest["current"] if oldest else None}
 
-    async def stop_jobs(self) -> int:
-        """A1111's interrupt on every replica."""
+    async def stop_jobs(self, door: Optional[str] = None) -> int:
+        """A1111's interrupt on every replica (of every door's requests: see job_status)."""
         self.interrupts += 1
         self.interrupted_at = time.monotonic()
         return sum(answer["interrupted"] for answer in await self.replicas("interrupt"))
