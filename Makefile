@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders check-sd15 test clean help
+.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders check-sd15 redteam test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -27,6 +27,8 @@ help:
 	@echo "make train64 train the 64x64 two-object shapes model (world 2; CPU, ~70 min on 2 cores; resumes if cut)"
 	@echo "make gates64 measure its gates (prompt following, oracle-mask ceiling, maps' overlap; ~15 min)"
 	@echo "make quality64 make quality on it (out/quality64/)"
+	@echo "make redteam issue 35's attacks replayed against a real server, /health polled (out/redteam/redteam.json)"
+	@echo "make test-all the test suite with the checks marked slow"
 	@echo "make check-sd15  a random SD 1.5 at true size: single file, export, engines, 4 edits at 512x512 (build/check-sd15/)"
 	@echo "make setup | model | export | clean"
 
@@ -131,7 +133,16 @@ related: setup export/models/shapes-sd/model_index.json
 check-sd15: setup
 	$(BIN)/python scripts/check_sd15.py --out build/check-sd15
 
+# issue 35's attacks against one real server on loopback (scripts/redteam.py; ~2 minutes)
+redteam: setup export/models/shapes-sd/model_index.json
+	$(BIN)/python scripts/redteam.py configs/sliders.yaml --out out/redteam
+
+# The default run leaves out the checks marked slow (each has a fast representative in it);
+# make test-all runs them too (24 minutes on 2 cores).
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: setup
 	$(BIN)/python -m pytest -q
 
 clean:

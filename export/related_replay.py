@@ -45,7 +45,8 @@ def server_config(config: Path, folder: Path, port: int, thresholds: Optional[li
             raw[key] = str(path if path.is_absolute() else (config.parent / path).resolve())
     raw["output_dir"] = str(folder / "out")
     raw["store"] = {**raw.get("store", {}), "ram_mb": 512, "disk_dir": str(folder / "bases"), "disk_mb": 2048}
-    related = {"enabled": thresholds is not None}
+    # share_bases: the study follows each hit to the base it came from (its replies' base_id)
+    related = {"enabled": thresholds is not None, "share_bases": True}
     if isinstance(thresholds, dict):  # the whole section ({thresholds, embedding}), and "store": its overrides
         section = dict(thresholds)
         store = {**raw["store"], **section.pop("store", {})}

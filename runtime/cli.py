@@ -2,6 +2,11 @@
 
 ``model`` and ``export`` need the export extras (torch, diffusers, onnx); they are imported only
 when those commands run, so the runtime installs and runs without them.
+
+Every refusal is one line on stderr, ``error: ...``, and exit status 2: the project's own errors
+(:class:`EditRtError`) and click's usage errors alike (a missing argument, an unknown option, a
+value that is no number: click's words, without its boxed usage, which ``--help`` shows). Ctrl-C
+ends a command quietly with status 130 (128 + SIGINT), as shells and make read an interrupt.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from typing import Iterator, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+
+try:  # typer >= 0.22 carries its own copy of click, whose exceptions are not click's
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - an older typer over click itself
+    from click import exceptions as click_errors
+NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click >= 8.2: `edit-rt` alone, answered with the help
 
 from . import __version__
 from .errors import ConfigError, EditRtError
@@ -78,13 +89,19 @@ def model(
     preset: str = typer.Option("tiny", help="tiny, bench (SD 1.x sizes), tiny-sd2 (SD 2.x switches), tiny-sdxl, sd15 / sd15-small (random SD 1.5: true size / 0.1 of its widths)."),
 ) -> None:
     """Write a small random model (seeded weights): the embedded default and the test families."""
+    if out.exists() and not out.is_dir():  # before torch loads, not as diffusers' traceback after
+        raise ConfigError(f"--out: {out} is a file, not a folder; choose a folder (it is created)")
     tiny = _export_module("tiny_model")
-    if preset in ("sd15", "sd15-small"):
-        path = _export_module("sd_random").write_random_sd(out, seed=seed, scale=1.0 if preset == "sd15" else 0.1)
-    elif preset == "tiny-sdxl":
-        path = tiny.write_tiny_sdxl(out, seed=seed)
-    else:
-        path = tiny.write_tiny_model(out, seed=seed, preset=preset)
+    try:
+        if preset in ("sd15", "sd15-small"):
+            path = _export_module("sd_random").write_random_sd(out, seed=seed, scale=1.0 if preset == "sd15" else 0.1)
+        elif preset == "tiny-sdxl":
+            path = tiny.write_tiny_sdxl(out, seed=seed)
+        else:
+            path = tiny.write_tiny_model(out, seed=seed, preset=preset)
+    except OSError as err:  # a folder that cannot be written, a full disk
+        raise EditRtError(f"--out: cannot write {err.filename or out} ({err.strerror or err}); choose a folder "
+                          "this user can write, with room for the model") from None  # fmt: skip
     console.print(f"wrote {path}")
 
 
@@ -124,11 +141,7 @@ def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
     for width, height in cfg.served_sizes():
         plan = plan_from_model_dir(cfg.model_dir, width, height, budget)
         if plan.step_rows(1) == 0:
-            scale = 2 ** (len(json.loads((cfg.model_dir / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
-            unet = json.loads((cfg.model_dir / "unet" / "config.json").read_text())
-            size = unet.get("sample_size", 64)
-            native = (size if isinstance(size, int) else max(size)) * scale
-            raise ConfigError(no_row_fits(plan, width, height, (height // scale, width // scale), native, budget is not None))
+            raise ConfigError(no_row_fits(plan, width, height, plan.latent_hw, plan.native, budget is not None))
 
 
 def _convert_adapters(cfg) -> None:
@@ -203,17 +216,36 @@ def bench(
     config: Path = typer.Argument(..., help="Bench config (configs/bench.yaml)."),
     ns: str = typer.Option("1,4,16", help="Edit batch sizes N, comma-separated."),
     fractions: str = typer.Option("0.1,0.2,0.4", help="Tail fractions K/T, comma-separated."),
-    repeats: int = typer.Option(3, help="Runs per point; the median is reported."),
+    repeats: int = typer.Option(3, min=1, help="Runs per point; the median is reported."),
 ) -> None:
     """Measure edit throughput against diffusers (full generation and img2img); write bench.json/png."""
+    batch_sizes = _listed("--ns", ns, int, lambda n: n >= 1, "integers >= 1, e.g. 1,4,16")
+    tail_fractions = _listed("--fractions", fractions, float, lambda f: 0 < f <= 1, "numbers in (0, 1], e.g. 0.1,0.2")
     cfg = load_config(config)
+    _require_model(cfg)
     bench_module = _export_module("bench")
     with _progress() as bars:
-        report = bench_module.run_bench(
-            cfg, tuple(int(n) for n in ns.split(",")), tuple(float(f) for f in fractions.split(",")), repeats,
-            say=plain, progress=bars,
-        )  # fmt: skip
+        report = bench_module.run_bench(cfg, batch_sizes, tail_fractions, repeats, say=plain, progress=bars)
     _print_bench(report, cfg.output_dir)
+
+
+def _listed(option: str, text: str, kind: type, valid, what: str) -> tuple:
+    """A comma-separated option's values, or one line naming the option and what it takes."""
+    try:
+        values = tuple(kind(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(valid(v) for v in values):  # nan fails every comparison
+        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of {what}")
+    return values
+
+
+def _require_model(cfg: RunConfig) -> None:
+    """The config's diffusers folder, refused in one line when missing (before torch loads it
+    and fails in its own words)."""
+    from .engine.manifest import model_files
+
+    model_files(cfg.require_model_dir())
 
 
 def _print_bench(report: dict, output_dir: Path) -> None:
@@ -286,13 +318,14 @@ def _print_bench(report: dict, output_dir: Path) -> None:
 @app.command()
 def quality(
     config: Path = typer.Argument(..., help="Config of the shapes model (configs/shapes.yaml)."),
-    bases: int = typer.Option(50, help="Bases drawn from the shapes world."),
+    bases: int = typer.Option(50, min=1, help="Bases drawn from the shapes world."),
     sliders: str = typer.Option("with", help="The concept sliders' section (sliders.json): with, only, or without."),
 ) -> None:
     """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
     cfg = load_config(config)
     if sliders not in ("with", "only", "without"):
         raise ConfigError(f"--sliders: {sliders!r} is not one of with, only, without")
+    _require_model(cfg)  # before the sliders' section says it skips anything
     if sliders != "without" and (cfg.model_dir / "sliders").is_dir():
         _slider_quality(cfg, bases)
     elif sliders != "without":
@@ -338,8 +371,8 @@ def quality(
 @app.command()
 def gates(
     config: Path = typer.Argument(..., help="Config of a shapes model (configs/shapes64.yaml)."),
-    prompts: int = typer.Option(100, help="Generations read for prompt following."),
-    bases: int = typer.Option(50, help="Bases of the oracle-mask ceiling and the maps' overlap."),
+    prompts: int = typer.Option(100, min=1, help="Generations read for prompt following."),
+    bases: int = typer.Option(50, min=1, help="Bases of the oracle-mask ceiling and the maps' overlap."),
 ) -> None:
     """Measure a shapes model's gates (prompt following, the oracle-mask ceiling, the maps'
     overlap with the edited object); write gates.json into the model folder."""
@@ -389,7 +422,8 @@ def serve(
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
         cfg = dataclasses.replace(cfg, serve=revalidated(s, "--host/--port"))
     _token_or_refuse(cfg, config, allow_no_token)
-    console.print(f"edit-rt serve: http://{cfg.serve.host}:{cfg.serve.port}/ (API docs at /docs)")
+    # no listening line here: each path says it once its port is taken (a busy port is then
+    # the only line printed)
     if ray:
         try:
             from .scale.ray_serve import serve_forever as serve_on_ray
@@ -399,22 +433,27 @@ def serve(
         return
     from .web.server import serve as serve_forever
 
-    serve_forever(cfg)
+    serve_forever(cfg, say=plain)
 
 
 def _token_or_refuse(cfg: RunConfig, config: Path, allow_no_token: bool) -> None:
-    """A server beyond loopback needs a token: without one, anyone who reaches the port drives
-    the engines (a GPU, for as long as they like) and fills the store's disk. Refused unless
-    ``--allow-no-token`` says something in front of it checks who connects (then said loudly)."""
+    """A server beyond loopback needs a token (or HTTP Basic users, ``serve.api_auth``): without
+    one, anyone who reaches the port drives the engines (a GPU, for as long as they like) and
+    fills the store's disk. Refused unless ``--allow-no-token`` says something in front of it
+    checks who connects (then said loudly). ``EDIT_RT_API_AUTH`` is checked here, before anything
+    is said or bound."""
+    from .web.credentials import api_auth_of
     from .web.request_checks import LOOPBACK_HOSTS  # the hosts the server treats as loopback
 
     s = cfg.serve
-    if s.host in LOOPBACK_HOSTS or os.environ.get("EDIT_RT_TOKEN") or s.token:
+    api_auth = api_auth_of(s)
+    if s.host in LOOPBACK_HOSTS or os.environ.get("EDIT_RT_TOKEN") or s.token or api_auth:
         return
     if not allow_no_token:
         raise ConfigError(f"serve.host: {s.host} is not loopback and no token is set, so anyone who reaches port "
-                          f"{s.port} could run the engines and fill the store; set serve.token in {config} or "
-                          "EDIT_RT_TOKEN, or pass --allow-no-token if something in front of it authenticates")  # fmt: skip
+                          f"{s.port} could run the engines and fill the store; set serve.token (or serve.api_auth's "
+                          f"user:password) in {config}, or EDIT_RT_TOKEN, or pass --allow-no-token if something "
+                          "in front of it authenticates")  # fmt: skip
     console.print(f"edit-rt serve: WARNING: listening on {s.host} without a token (--allow-no-token): every client "
                   f"that reaches port {s.port} can use the API", markup=False)  # fmt: skip
 
@@ -456,11 +495,28 @@ def main() -> None:
         level=os.environ.get("EDIT_RT_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        app()
-    except EditRtError as err:
-        # Plain print: messages hold brackets ("[0, 9]") that rich would read as markup.
-        print(f"error: {err}", file=sys.stderr)
+        # not standalone: click's usage errors come here, to be said as every other error is
+        status = app(standalone_mode=False, prog_name="edit-rt")  # its name in usage lines, however started
+    except NO_ARGS as err:  # the help, as click shows it
+        err.show()
         sys.exit(2)
+    except click_errors.UsageError as err:
+        # click's words and exit status, on one line; the usage itself is one --help away
+        where = f"{err.ctx.command_path} --help" if err.ctx is not None else "edit-rt --help"
+        _error(f"{' '.join(err.format_message().split()).rstrip('.')} (see {where})")
+    except click_errors.ClickException as err:
+        _error(" ".join(err.format_message().split()))
+    except typer.Abort:  # an end of input at a prompt (Ctrl-C is typer's Exit(130))
+        _error("aborted")
+    except EditRtError as err:
+        _error(str(err))
+    sys.exit(status if isinstance(status, int) else 0)  # --help, --version, Ctrl-C (130): click's status
+
+
+def _error(message: str) -> None:
+    # Plain print: messages hold brackets ("[0, 9]") that rich would read as markup.
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

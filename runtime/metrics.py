@@ -3,7 +3,8 @@
 One registry per service (so test servers in one process do not share counters). The library
 writes the text format (HELP and TYPE lines, escaping, full float precision); labels carry what
 varies (the route, the method, the status, the store tier, the stage), and every label value
-comes from a bounded set. The store's and the scheduler's numbers are read when scraped (a
+comes from a bounded set: a request's route is the full template of the route its path lands
+on (``/sdapi/v1/options``, ``/v1/bases/{bid}``; the server's route_table.py), or ``unmatched``. The store's and the scheduler's numbers are read when scraped (a
 collector), not copied per request; the process's CPU and memory are prometheus_client's own
 ``ProcessCollector``'s (``/proc`` on Linux).
 
@@ -112,7 +113,8 @@ class Metrics:
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.ready = Gauge("edit_rt_ready", "1 once the engines are loaded and the service takes requests", registry=r)
-        self.http = Histogram("edit_rt_http_request_seconds", "HTTP request latency, by route, method and status",
+        self.http = Histogram("edit_rt_http_request_seconds", "HTTP request latency, by route (its template, or "
+                              "unmatched), method and status",
                               ["route", "method", "status"], buckets=SECONDS, registry=r)  # fmt: skip
         self.stages: Optional[Histogram] = None
         self.build_info: Optional[Gauge] = None

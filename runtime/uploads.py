@@ -1,7 +1,9 @@
 """Images a user brings (an upload, a base64 string, a config's ``base.image``), made ready to invert.
 
 ``image_from_bytes`` reads them all, the same way for every route, and says clearly what is
-wrong with a bad one. It is blocking work (a decode): the server runs it in its image pool.
+wrong with a bad one. It is blocking work (a decode): the server runs it in its image pool,
+each task within ``serve.image_timeout_s`` (serving/inversion.py); the checks below bound how
+long one can take.
 
 - Refused before a pixel is decoded: too many bytes (``serve.max_image_bytes``), or a declared
   width x height past ``serve.max_image_pixels`` (413: a few KB of PNG can declare gigapixels;

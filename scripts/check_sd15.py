@@ -58,7 +58,6 @@ GB = 10**9
 BARS = (("run peak RSS", "run", "peak_rss_bytes", 10 * GB), ("export peak RSS", "export", "peak_rss_bytes", 9 * GB),
         ("export (converted) peak RSS", "export_converted", "peak_rss_bytes", 9 * GB),
         ("build/ of the model (onnx + engines)", "engines", "disk:build_model", 8 * GB))  # fmt: skip
-SKIPPED = 75  # a worker's exit status for "a prerequisite (another helper's file) is missing"
 MODEL, CONVERTED = "sd15-random", "sd15-single"
 EDIT_PROMPT = "a watercolor painting of a red fox in a snowy forest"
 BASE_PROMPT = "a photo of a red fox in a snowy forest"
@@ -284,45 +283,23 @@ def write_configs(layout: Layout, args) -> dict:
 # --- the workers (each stage that is not an edit-rt command) -------------------------------
 
 
-class Skip(Exception):
-    """A prerequisite of the stage is missing: it is reported as skipped, with the reason."""
-
-
-def _checkpoint():
-    try:
-        from edit_rt.export import checkpoint
-    except ImportError as err:
-        raise Skip(f"export/checkpoint.py is not importable ({err})") from None
-    return checkpoint
-
-
 def worker_build(layout: Layout, args) -> None:
-    from edit_rt.export.sd_random import shipped_configs, write_random_sd
+    from edit_rt.export.sd_random import write_random_sd
 
-    try:
-        shipped_configs("sd15")
-    except Exception as err:  # noqa: BLE001 - any reason the shipped configs are not there
-        raise Skip(str(err)) from None
-    if not hasattr(_checkpoint(), "clip_tokenizer_files"):
-        raise Skip("export/checkpoint.py has no clip_tokenizer_files (the real CLIP tokenizer)")
     shutil.rmtree(layout.model, ignore_errors=True)
     write_random_sd(layout.model, family="sd15", seed=args.seed, scale=args.scale)
 
 
 def worker_single_file(layout: Layout, args) -> None:
     sys.path.insert(0, str(ROOT))
-    try:
-        from tests import ldm_layout
-    except ImportError as err:
-        raise Skip(f"tests/ldm_layout.py (the original-layout writer) is not importable ({err})") from None
+    from tests import ldm_layout
     layout.single_file.unlink(missing_ok=True)
     ldm_layout.write_single_file(layout.model, layout.single_file)
 
 
 def worker_convert(layout: Layout, args) -> None:
-    checkpoint = _checkpoint()
-    if not hasattr(checkpoint, "diffusers_from_single_file"):
-        raise Skip("export/checkpoint.py has no diffusers_from_single_file")
+    from edit_rt.export import checkpoint
+
     config_dir = None
     if args.scale != 1.0:  # the shipped configs are SD 1.5's widths: a narrower file needs its own
         shutil.rmtree(layout.configs, ignore_errors=True)
@@ -345,12 +322,7 @@ def worker_main(stage: str, layout: Layout, args) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        WORKERS[stage](layout, args)
-    except Skip as why:
-        (layout.logs / f"{stage}.skip").write_text(str(why))
-        print(f"skipped: {why}", file=sys.stderr)
-        return SKIPPED
+    WORKERS[stage](layout, args)
     return 0
 
 
@@ -435,16 +407,12 @@ def run_stage(stage: str, layout: Layout, args, env: dict) -> tuple[StageResult,
     result.command = stage_command(stage, layout, args)
     log_path = layout.logs / f"{stage}.log"
     result.log = str(log_path)
-    (layout.logs / f"{stage}.skip").unlink(missing_ok=True)
     before = tree_bytes(layout.out)
     log(f"{stage}: start ({' '.join(Path(c).name if i == 0 else c for i, c in enumerate(result.command))})")
     m = measure(result.command, log_path, env=env, heartbeat=args.heartbeat, label=stage)
     result.seconds, result.peak_rss_bytes = m.seconds, m.peak_rss_bytes
     result.sampled_peak_bytes, result.own_peak_bytes = m.sampled_peak_bytes, m.own_peak_bytes
-    skip_file = layout.logs / f"{stage}.skip"
-    if m.returncode == SKIPPED and skip_file.is_file():
-        result.skipped = skip_file.read_text().strip()
-    elif m.returncode != 0:
+    if m.returncode != 0:
         result.error = f"exit status {m.returncode}: {log_tail(log_path)}"
     else:
         result.ok = True

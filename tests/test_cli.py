@@ -1,4 +1,6 @@
-"""`edit-rt run` end to end in a subprocess, and every bad input it must refuse cleanly.
+"""`edit-rt run` end to end in a subprocess, and every bad input it must refuse cleanly; then
+every command's refusals (issue 35: a busy port, click's usage errors, options that are no
+numbers, a missing model folder, a config that cannot be read) and Ctrl-C.
 
 A refusal is exit code 2, one line on stderr that names the file/field and the fix, and no
 traceback.
@@ -215,3 +217,118 @@ def test_corrupt_graph_is_refused(tmp_path, model_dir, onnx_dir):
     (build / "unet_step.onnx").write_bytes(b"not an onnx file")
     result = _run(tmp_path, _config(tmp_path, model_dir, build))
     _refused(result, "unet_step.onnx", "make export")
+
+
+# --- every refusal of every command: one `error:` line, exit status 2 ----------------------------
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)  # fmt: skip
+
+
+def _one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exactly one line on stderr, ``error: ...``, naming ``needles``; exit status 2."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_config(tmp_path) -> Path:
+    """A valid config whose model folder does not exist (nothing here needs one)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(tmp_path / "no-model"), "build_dir": str(tmp_path / "build"),
+                                    "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32}}))  # fmt: skip
+    return path
+
+
+def test_a_busy_port_is_the_only_line_serve_prints(no_model_config):
+    """The listening line comes once the port is bound: a busy port prints no address it never served."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = _cli("serve", str(no_model_config), "--port", str(port))
+    _one_error_line(result, f"serve.port {port} on 127.0.0.1 is in use", "--port")
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["run"], ["Missing argument", "edit-rt run --help"]),
+        (["run", "{config}", "extra"], ["unexpected extra argument", "edit-rt run --help"]),
+        (["bogus"], ["No such command 'bogus'", "edit-rt --help"]),
+        (["serve", "{config}", "--port", "abc"], ["--port", "edit-rt serve --help"]),
+        (["run", "{config}", "--colour"], ["No such option", "--colour"]),
+        (["bench", "{config}", "--repeats", "0"], ["--repeats", "1"]),
+        (["quality", "{config}", "--bases", "-3"], ["--bases"]),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_one_line(no_model_config, args, needles):
+    """click's usage errors (a missing argument, an unknown option, a value that is no number)
+    keep click's words and exit status 2, in one line that says where the usage is."""
+    _one_error_line(_cli(*(a.replace("{config}", str(no_model_config)) for a in args)), *needles)
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("--ns", "abc"), ("--ns", "4,,8"), ("--ns", "0"), ("--fractions", "x"), ("--fractions", "2"), ("--fractions", "nan")],
+)
+def test_bench_options_that_are_no_numbers_are_one_line(no_model_config, option, value):
+    _one_error_line(_cli("bench", str(no_model_config), option, value), option, repr(value))
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "quality"])
+def test_a_missing_model_folder_is_one_line(no_model_config, command):
+    _one_error_line(_cli(command, str(no_model_config)), "no-model does not exist", "make model")
+
+
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        (None, ["no such config file"]),
+        ("model: [unclosed\n", ["line 2", "fix the YAML"]),
+        ("just a string\n", ["must be a mapping"]),
+        (b"\xff\xfe", ["not UTF-8"]),
+        ("model: x\nmodel: y\n", ["model"]),
+    ],
+)  # fmt: skip
+def test_a_config_that_cannot_be_read_is_one_line(tmp_path, text, needles):
+    path = tmp_path / "config.yaml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    _one_error_line(_cli("run", str(path)), "config.yaml", *needles)
+
+
+@pytest.mark.parametrize("command", ["serve", "export", "engines", "adapters", "parity", "bench", "quality", "gates"])
+def test_every_command_reads_its_config_the_same_way(tmp_path, command):
+    (tmp_path / "config.yaml").write_text("model: [unclosed\n")
+    _one_error_line(_cli(command, str(tmp_path / "config.yaml")), "config.yaml", "line 2", "fix the YAML")
+
+
+def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(tmp_path):
+    """An interrupt is the user's own act, not an error: nothing printed, 130 (128 + SIGINT),
+    which shells and make read as interrupted."""
+    code = ("import os, signal, sys, time\n"
+            "from edit_rt.runtime import cli\n"
+            "def interrupted(path):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(30)\n"
+            "cli.load_config = interrupted\n"
+            "sys.argv = ['edit-rt', 'run', 'config.yaml']\n"
+            "cli.main()\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 130 and result.stderr == "", (result.returncode, result.stderr)
+
+
+def test_a_model_folder_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("not a folder")
+    _one_error_line(_cli("model", "--out", str(tmp_path / "taken")), "--out", "taken", "is a file, not a folder")

@@ -353,7 +353,7 @@ def _fp16_copy(model_dir: Path, out: Path, variant: str | None) -> Path:
     return out
 
 
-@pytest.mark.parametrize("variant", ["fp16", None], ids=["variant-fp16", "fp16-default-names"])
+@pytest.mark.parametrize("variant", [pytest.param("fp16", marks=pytest.mark.slow), None], ids=["variant-fp16", "fp16-default-names"])
 def test_fp16_weights_export_and_equal_diffusers(model_dir, tmp_path, variant):
     folder = _fp16_copy(model_dir, tmp_path / "fp16-sd", variant)
     if variant:  # without export.variant, one line that names the setting
@@ -409,7 +409,8 @@ REFUSALS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", list(REFUSALS))
+# two kinds in the default run (a scheduler class, a pipeline class); every kind in make test-all
+@pytest.mark.parametrize("kind", [k if k in ("lcm", "sd3") else pytest.param(k, marks=pytest.mark.slow) for k in REFUSALS])
 def test_unsupported_families_are_refused_in_one_line(kind, model_dir, tmp_path):
     spec, named = REFUSALS[kind]
     out = tmp_path / kind

@@ -168,6 +168,7 @@ def test_a_restart_with_a_smaller_budget_evicts_at_once(tmp_path, base_state):
     assert on_disk <= 2 * one and smaller.stats()["disk"]["entries"] < 4
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps the store's budget tests (test_store.py)
 def test_a_server_and_a_run_sharing_a_store_folder_keep_its_budget(tmp_path, model_dir, onnx_dir):
     folder = tmp_path / "shared"
     budget_mb = 2.0  # room for a handful of the tiny model's bases
@@ -472,6 +473,7 @@ def test_tokens_never_reach_the_log_and_hosts_are_checked(tmp_path, model_dir, o
 # --- kill -9 ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps the store's simulated crash (test_store.py)
 def test_kill_9_loses_no_acknowledged_base(tmp_path, model_dir, onnx_dir):
     folder = tmp_path / "bases"
     acknowledged = []

@@ -96,6 +96,7 @@ def _request(rng: random.Random, k: int, pipeline, bases) -> tuple[Request, list
     return request, jobs
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps test_a_failing_row_in_a_full_call_fails_alone
 def test_random_joins_leaves_and_faults_fail_only_their_own_rows(pipeline, bases):
     rng = random.Random(23)
     shape = bases[0].latents.shape[1:]
@@ -185,6 +186,7 @@ def test_an_engine_that_always_fails_ends_every_request_with_an_error(pipeline, 
     assert not batcher.probation and not scheduler.active
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps test_a_failing_row_in_a_full_call_fails_alone
 def test_the_reported_mix_of_sets_never_fails_a_call_over_http(tmp_path, model_dir, onnx_dir):
     """The report's reproduction on a real server: a long edit of base X keeps the loop busy,
     a 1-step edit of base Y (negative prompt "alpha") finishes, then an edit of Y and a

@@ -98,3 +98,34 @@ def test_an_a1111_interrupt_stops_its_own_job_as_documented(server):
         assert r.json()["error"]["code"] == "interrupted"
     else:
         assert json.loads(r.json()["info"])["interrupted"]
+
+
+def _active_rows(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("edit_rt_active_rows "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a1111_progress_counts_its_own_doors_requests_and_rows_only(server):
+    """/progress's counts and textinfo while another door's rows share the step loop: the A1111
+    door's one request and one row, never the OpenAI door's four."""
+    busy = {"prompt": "busy", "size": "32x32", "steps": 60, "n": 4}
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(httpx.post, f"{server.url}/v1/images/generations", json=busy, timeout=120)
+        deadline = time.monotonic() + 60
+        while _active_rows(server.url) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ours = pool.submit(httpx.post, f"{server.url}/sdapi/v1/txt2img", json={"prompt": "y", "steps": 150}, timeout=120)
+        seen = None
+        while time.monotonic() < deadline:
+            seen = httpx.get(f"{server.url}/sdapi/v1/progress", timeout=30).json()
+            if seen["state"]["sampling_steps"]:
+                break
+            time.sleep(0.01)
+        other_running = not other.done()
+        httpx.post(f"{server.url}/sdapi/v1/interrupt", timeout=30)
+        assert ours.result().status_code in (200, 409) and other.result().status_code == 200
+    assert other_running  # the other door's rows were in the step loop beside ours (60 steps x 4 rows)
+    assert seen["state"]["job_count"] == 1, seen
+    assert seen["textinfo"] == "1 requests running, 0 queued (1 rows in slots, 0 rows queued)", seen["textinfo"]

@@ -98,6 +98,7 @@ def test_a_malformed_base_id_in_png_info_is_an_ordinary_image(server, base_id):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps test_bounds' huge mask beside a small upload
 def test_uploads_inverting_together_never_starve_reads(server):
     """Eight uploads inverting at once (60 steps each): a read of another base answers meanwhile."""
     from concurrent.futures import ThreadPoolExecutor

@@ -2,7 +2,9 @@
 
 diffusers' ``DDIMScheduler.step`` returns ``pred_original_sample``, the x_0 estimate of each
 step; the runtime's preview (the x_0 the step graph computed, read from the row's solver
-history after the step) must equal it for the same generation, and a tail's previews come every ``preview_every`` steps.
+history after the step) must equal it for the same generation, and a tail's previews come every
+``Job.preview_every`` steps (each row's own: rows of one request spread theirs over their own
+tails, tests/test_door_answers.py).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def test_a_generations_previews_are_diffusers_predicted_x0(pipeline, model_dir):
     batcher = Batcher(pipeline.resolver, scheduler)
     seen: list[tuple[int, np.ndarray]] = []
     x0s: list[np.ndarray] = []
-    request = Request("gen", preview_every=1, on_preview=lambda i, step, of, image: seen.append((step, image)))
-    job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise)
+    request = Request("gen", on_preview=lambda i, step, of, image: seen.append((step, image)))
+    job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise, preview_every=1)
     batcher.submit(request, [job])
     while not job.future.done():
         batcher.work_once()
@@ -70,8 +72,8 @@ def test_a_tails_previews_come_every_k_steps_and_leave_its_result_alone(pipeline
     scheduler = pipeline.new_scheduler(base_state.latents.shape[1:], max_rows=4)
     batcher = Batcher(pipeline.resolver, scheduler)
     steps: list[int] = []
-    request = Request("tail", preview_every=every, on_preview=lambda i, step, of, image: steps.append(step))
-    job = Job(request, 0, base_state.base, row, state=base_state)
+    request = Request("tail", on_preview=lambda i, step, of, image: steps.append(step))
+    job = Job(request, 0, base_state.base, row, state=base_state, preview_every=every)
     batcher.submit(request, [job])
     while not job.future.done():
         batcher.work_once()

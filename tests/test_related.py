@@ -37,8 +37,9 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
     # every prompt of the tiny random model is "related" at the first threshold: the policy
-    # itself (which similarity buys which step) is measured on the shapes world, docs/related.md
-    related = {"enabled": True, "thresholds": [{"similarity": 0.01, "skip": 0.5}]}
+    # itself (which similarity buys which step) is measured on the shapes world, docs/related.md;
+    # bases shared, so replies name the base they came from (not by default: test_door_answers.py)
+    related = {"enabled": True, "thresholds": [{"similarity": 0.01, "skip": 0.5}], "share_bases": True}
     proc = ServerProcess(tmp_path_factory.mktemp("related"), model_dir, onnx_dir, serve={"related": related})
     yield proc
     assert proc.stop()

@@ -152,3 +152,39 @@ def test_a_ram_only_index_is_bounded_by_the_stores_bases():
         state = fake_state(k, steps=2)
         svc.index_base(store.put(state), state, _vector(k))
     assert len(svc.related_index) <= 2 * 64 + 2
+
+
+def test_a_client_that_leaves_while_its_related_base_is_being_pinned_lets_the_pin_go(tmp_path):
+    """The pin runs in the store's pool; a request cancelled while it runs (its client left)
+    must not leave the base pinned (a pinned base is never evicted or deleted)."""
+    folder, store = _store(tmp_path)
+    state = fake_state(0)
+    bid = store.put(state)
+    svc = _service(store, RelatedIndex(folder))
+    svc.index_base(bid, state, _vector(0))
+    pinned, release = threading.Event(), threading.Event()
+    pin = store.pin
+
+    def slow_pin(b):
+        out = pin(b)
+        pinned.set()
+        release.wait(5)  # the client leaves while the pool's thread is still here
+        return out
+
+    store.pin = slow_pin
+
+    async def leave() -> bool:
+        task = asyncio.ensure_future(svc.related_plan(dataclasses.replace(state.base, prompt="another", seed=9), _vector(0)))
+        assert await asyncio.get_running_loop().run_in_executor(None, pinned.wait, 5)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 2
+        while store.info(bid)["pinned"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return store.info(bid)["pinned"]
+
+    assert asyncio.run(leave()) is False
+    store.delete(bid)  # deletable: nothing holds it
+    assert bid not in store

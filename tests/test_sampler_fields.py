@@ -97,6 +97,27 @@ def test_the_samplers_and_schedulers_listed_are_what_runs(api):
     assert options["DPM++ 2M"] == {"scheduler": "karras"}  # Automatic is Karras for it, as in A1111
 
 
+def test_every_listed_scheduler_runs_as_named_and_normal_is_refused(server):
+    """A1111's Normal (sd_schedulers.normal_scheduler: the model's sigmas evenly in timestep,
+    interpolated in log-sigma) is a schedule no sampler here runs: not listed, and refused naming
+    the field, never run as another schedule under its name."""
+    listed = httpx.get(server.url + "/sdapi/v1/schedulers", timeout=30).json()
+    assert "normal" not in {s["name"] for s in listed}
+    body = {"prompt": PROMPT, "seed": 4, "width": 32, "height": 32, "steps": STEPS, "sampler_name": "DPM++ 2M"}
+    for s in listed:
+        if s["label"] == "Automatic":  # the sampler's own default (Karras for DPM++ 2M), as A1111's
+            continue
+        r = httpx.post(server.url + "/sdapi/v1/txt2img", json={**body, "scheduler": s["label"]}, timeout=60)
+        info = json.loads(r.json()["info"])
+        assert r.status_code == 200 and info["scheduler"] == s["label"] and "scheduler" not in info["accepted"], r.text
+        assert _fields(_png(r.json()["images"][0]))["Schedule type"] == s["label"]
+    for field, sent in (("scheduler", {"scheduler": "Normal"}), ("sampler_name", {"sampler_name": "DPM++ 2M Normal"})):
+        r = httpx.post(server.url + "/sdapi/v1/txt2img", json={**body, **sent}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and error["code"] == "unknown_sampler", r.text
+        assert "Normal" in error["message"] and "Uniform" in error["message"] and "Karras" in error["message"]
+
+
 @pytest.mark.parametrize("field, value", [("sampler_name", "LMS"), ("sampler_name", "Heun Karras"),
                                           ("scheduler", "Exponential"), ("sampler_index", "nonsense")])  # fmt: skip
 def test_a_sampler_or_scheduler_that_does_not_run_is_refused_naming_the_field(server, field, value):

@@ -273,8 +273,8 @@ def test_parse_sampler_refuses_unknown_names():
     (None, None, None), (None, "Automatic", None),
     ("DDIM", None, "ddim"), ("DDIM", "Automatic", "ddim"), ("Euler", "Automatic", "euler"),
     ("Euler", "Karras", "euler_karras"), ("Euler Karras", None, "euler_karras"), ("Euler a", "Automatic", "euler_a"),
-    ("Euler a", "Normal", "euler_a"), ("DPM++ 2M", None, "dpmpp_2m_karras"), ("DPM++ 2M", "Automatic", "dpmpp_2m_karras"),
-    ("DPM++ 2M", "Karras", "dpmpp_2m_karras"), ("DPM++ 2M", "Uniform", "dpmpp_2m"), ("DPM++ 2M", "Normal", "dpmpp_2m"),
+    ("Euler a", "Uniform", "euler_a"), ("DPM++ 2M", None, "dpmpp_2m_karras"), ("DPM++ 2M", "Automatic", "dpmpp_2m_karras"),
+    ("DPM++ 2M", "Karras", "dpmpp_2m_karras"), ("DPM++ 2M", "Uniform", "dpmpp_2m"),
     ("DPM++ 2M Karras", "Automatic", "dpmpp_2m_karras"), ("dpm++ 2m karras", None, "dpmpp_2m_karras"),
     ("k_dpmpp_2m_ka", None, "dpmpp_2m_karras"), ("k_euler_a", None, "euler_a"), ("UniPC", "Automatic", "unipc"),
     ("UniPC", "karras", "unipc_karras"), ("DPM++ 2M", "uniform", "dpmpp_2m"),
@@ -287,14 +287,14 @@ def test_a1111_sampler(name, scheduler, want):
     ("LMS", None, "sampler_name"), ("Heun", "Automatic", "sampler_name"), ("DPM++ SDE", "Karras", "sampler_name"),
     ("Nope", None, "sampler_name"), ("Euler", "Exponential", "scheduler"), ("DPM++ 2M", "Align Your Steps", "scheduler"),
     ("Euler a", "Karras", "scheduler"), ("DDIM", "Karras", "scheduler"), ("DPM++ 2M Exponential", None, "sampler_name"),
-    ("Euler", "whatever", "scheduler"),
+    ("Euler", "whatever", "scheduler"), ("DPM++ 2M", "Normal", "scheduler"), ("Euler a Normal", None, "sampler_name"),
 ])  # fmt: skip
 def test_a1111_sampler_refusals_name_the_field(name, scheduler, field):
     with pytest.raises(SamplerError) as e:
         a1111_sampler(name, scheduler)
     assert e.value.field == field
     listed = ("DDIM", "Euler", "DPM++ 2M", "UniPC") if field == "sampler_name" else ("Automatic", "Karras")
-    if field == "sampler_name" and "Exponential" in name:
+    if field == "sampler_name" and ("Exponential" in name or "Normal" in name):
         listed = ("Automatic", "Karras")
     if "Karras" != scheduler:
         assert all(x in e.value.message for x in listed), e.value.message
@@ -306,7 +306,7 @@ def test_a1111_lists_and_labels_round_trip():
     dpm = next(s for s in a1111_samplers() if s["name"] == "DPM++ 2M")
     assert dpm["options"] == {"scheduler": "karras"} and "k_dpmpp_2m" in dpm["aliases"]
     scheds = {s["name"]: s for s in a1111_schedulers()}
-    assert set(scheds) == {"automatic", "uniform", "karras", "normal"}
+    assert set(scheds) == {"automatic", "uniform", "karras"}
     assert scheds["karras"] == {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0,
                                 "need_inner_model": False}  # fmt: skip
     assert a1111_label("dpmpp_2m_karras") == ("DPM++ 2M", "Karras")

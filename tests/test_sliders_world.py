@@ -132,7 +132,7 @@ def test_world2_stroke_reads_the_outline_width_in_pixels():
 COUPLING_BOUND_2 = {("stroke", "blur"): 0.45}
 
 
-@pytest.mark.parametrize("two", [0.0, 1.0], ids=["one object", "two objects"])
+@pytest.mark.parametrize("two", [0.0, pytest.param(1.0, marks=pytest.mark.slow)], ids=["one object", "two objects"])
 def test_each_world2_reader_is_nearly_blind_to_the_other_attributes(two):
     scenes = _scenes_2(20, two)
     own_range = {}

@@ -130,6 +130,7 @@ def test_a_step_writes_latents_and_scalars_only_kv_once_per_row(pipeline, base_s
     assert any(joined == 2 for _, _, joined, _ in steps)
 
 
+@pytest.mark.slow  # ~20-50 s; the default run keeps test_bindings_are_reused_bounded_and_freed
 def test_no_array_is_allocated_per_step(pipeline):
     base = dataclasses.replace(TEST_BASE, steps=60, width=64, height=64)  # 32x32 latents: 16 KiB each
     state = pipeline.generate_base(base)

@@ -99,6 +99,8 @@ class MemoryPlan:
     step_row: int  # one step row's activations
     decode_row: int  # one decoded image's activations
     free: Optional[int]  # bytes this process may still take (None: unknown, no limit)
+    latent_hw: tuple[int, int] = (0, 0)  # the latent size planned for
+    native: int = 0  # the model's own image size in pixels (its UNet's sample_size x the VAE's factor; 0: unknown)
 
     def step_rows(self, limit: int) -> int:
         """Rows per step call that fit (at most ``limit``; 0: not even one)."""
@@ -130,13 +132,12 @@ def memory_plan(manifest: Any, latent_hw: tuple[int, int], budget: Optional[int]
     blocks = model.get("block_out_channels")
     row = step_row_bytes(manifest.layers, latent_hw, int(step.get("slice_heads", 0)), blocks[0] if blocks else None)
     decode = decode_row_bytes(latent_hw, manifest.vae_scale_factor, int(model.get("vae_channels", 128)))
-    held = process_rss() if held is None else held
-    if budget is not None:
-        free: Optional[int] = budget - held - loading
+    if budget is not None:  # the process's own share counts against a budget, not against what the machine has free
+        free: Optional[int] = budget - (process_rss() if held is None else held) - loading
     else:
         have = available_host_bytes()
         free = None if have is None else have - loading
-    return MemoryPlan(weights, row, decode, free)
+    return MemoryPlan(weights, row, decode, free, tuple(latent_hw))
 
 
 def plan_from_model_dir(model_dir: Path, width: int, height: int, budget: Optional[int] = None) -> MemoryPlan:
@@ -166,7 +167,7 @@ def plan_from_model_dir(model_dir: Path, width: int, height: int, budget: Option
     row = step_row_bytes(layers, hw, sliced, blocks[0])
     decode = decode_row_bytes(hw, scale, int(vae["block_out_channels"][0]))
     have = budget if budget is not None else available_host_bytes()
-    return MemoryPlan(weights, row, decode, None if have is None else have - weights)
+    return MemoryPlan(weights, row, decode, None if have is None else have - weights, hw, size * scale)
 
 
 def gib(n: float) -> str:

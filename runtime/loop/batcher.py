@@ -353,7 +353,7 @@ class Batcher:
                     ref = self.resolver.reference(chunk[0][1])
                     self.scheduler.admit(ref)
                 for job, row in chunk:
-                    row.preview_every = job.request.preview_every
+                    row.preview_every = job.preview_every
                     row.ref = ref if structure else None
                     self.scheduler.admit(row)
                     job.scheduled = row

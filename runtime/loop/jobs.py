@@ -71,6 +71,9 @@ class Job:
     # step row.start_step (pipeline.invert's two phases); "related": a related generation of
     # ``base`` as ``state``'s tail from row.start_step, recorded as a base of its own
     kind: str = ""
+    # every this many steps of its row, a preview (its request's ``on_preview``); 0: none. Per
+    # row, so that rows of one request spread their previews over their own tails
+    preview_every: int = 0
 
 
 @dataclass
@@ -80,9 +83,8 @@ class Request:
     id: str
     deadline: float = float("inf")
     on_progress: Optional[Callable[[int, int, int], None]] = None  # (index, step, of)
-    # every this many steps of a row, (index, step, of, image [H, W, 3] in [0, 1]): the decoded
-    # prediction of the final image (DDIM's x_0 estimate), from the engine thread; 0: none
-    preview_every: int = 0
+    # at each row's previews (Job.preview_every), (index, step, of, image [H, W, 3] in [0, 1]):
+    # the decoded prediction of the final image (DDIM's x_0 estimate), from the engine thread
     on_preview: Optional[Callable[[int, int, int, np.ndarray], None]] = None
     decode: bool = True  # images for the results (the server); latents only otherwise
     cancelled: threading.Event = field(default_factory=threading.Event)

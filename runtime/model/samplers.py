@@ -91,7 +91,16 @@ _SCHEDULERS = [
     ("ddim", "DDIM", None, -1, True),
     ("beta", "Beta", None, -1, True),
 ]
-_RUN_SCHEDULERS = ("automatic", "uniform", "karras", "normal")
+# What runs: the sampler's own default, the model's own spacing (diffusers' timestep_spacing), and
+# Karras sigmas. A1111's Normal (sd_schedulers.normal_scheduler: n timesteps evenly from
+# sigma_to_t(sigma_max) to 0, each sigma interpolated in log-sigma, k-diffusion's) is another
+# schedule than the model config's spacing on most models (SD 1.5: "leading", steps_offset 1), so
+# it is refused by name rather than run as Uniform under Normal's name.
+_RUN_SCHEDULERS = ("automatic", "uniform", "karras")
+_NOT_RUN = {
+    "normal": "A1111's Normal: n timesteps evenly from the model's last to 0, sigmas interpolated in log-sigma "
+              "as k-diffusion does; no sampler here runs that schedule",
+}  # fmt: skip
 
 _NAMES = {n: n for n in SAMPLER_NAMES}
 _NAMES.update({
@@ -128,18 +137,24 @@ def _run_schedulers() -> str:
     return ", ".join(r[1] for r in _SCHEDULERS if r[0] in _RUN_SCHEDULERS)
 
 
+def _not_run(row, label: str) -> str:
+    """Why scheduler ``label`` (its ``_SCHEDULERS`` row, or None: unknown) is refused, and what runs."""
+    why = f" ({_NOT_RUN[row[0]]})" if row is not None and row[0] in _NOT_RUN else ""
+    return f"scheduler {label!r} does not run in edit-rt{why}; it runs: {_run_schedulers()}"
+
+
 def a1111_sampler(sampler_name: Optional[str], scheduler: Optional[str],
                   field: str = "sampler_name") -> Optional[str]:  # fmt: skip
     """A1111's (sampler_name, scheduler) as a canonical sampler; (None, None): None (the default).
 
     As A1111 (>= 1.9) reads them: a scheduler label at the end of the sampler's name ("DPM++ 2M
     Karras") sets the scheduler; "Automatic" is the sampler's own default (Karras for DPM++ 2M);
-    "Uniform" and "Normal" keep the model's own spacing.
+    "Uniform" keeps the model's own spacing; "Normal" and the rest are refused (``_NOT_RUN``).
     """
     sched_field = "scheduler"
     row = _scheduler_row(scheduler) if scheduler not in (None, "") else _SCHEDULERS[0]
     if row is None or row[0] not in _RUN_SCHEDULERS:
-        raise SamplerError(sched_field, f"scheduler {scheduler!r} does not run in edit-rt; it runs: {_run_schedulers()}")
+        raise SamplerError(sched_field, _not_run(row, scheduler))
     if sampler_name in (None, ""):
         if row[0] != "automatic":
             raise SamplerError(sched_field, f"scheduler {scheduler!r} needs a sampler_name")
@@ -150,8 +165,7 @@ def a1111_sampler(sampler_name: Optional[str], scheduler: Optional[str],
         hit = next((o for o in (r[1], r[0], *(r[2] or ())) if name.lower().endswith(" " + o.lower())), None)
         if hit is not None:
             if r[0] not in _RUN_SCHEDULERS:
-                raise SamplerError(field, f"{sampler_name!r}: scheduler {r[1]!r} does not run in edit-rt; "
-                                          f"it runs: {_run_schedulers()}")  # fmt: skip
+                raise SamplerError(field, f"{sampler_name!r}: {_not_run(r, r[1])}")
             row, sched_field, name = r, field, name[: -len(hit) - 1].strip()
             break
     base = next((a for a in _A1111 if name.lower() in (a[0].lower(), *(x.lower() for x in a[1]))), None)
@@ -174,7 +188,7 @@ def a1111_sampler(sampler_name: Optional[str], scheduler: Optional[str],
         return base[3]
     if base[4] is None:
         raise SamplerError(sched_field, f"{base[0]} runs without the Karras schedule in edit-rt; "
-                                        "take scheduler Automatic, Uniform or Normal")  # fmt: skip
+                                        "take scheduler Automatic or Uniform")  # fmt: skip
     return base[4]
 
 

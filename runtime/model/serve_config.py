@@ -4,9 +4,9 @@ related generations (config.py reads it with the rest; each field's reason besid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import ConfigDict, with_config
+from pydantic import AfterValidator, ConfigDict, with_config
 
 from .schema import Bool, Float, Int, Str, between
 
@@ -70,6 +70,39 @@ class Related:
     # the prompt's tokens; "eos", the hidden state at its EOS token (CLIP's pooled position).
     # docs/related.md measures what each calls close.
     embedding: Literal["mean", "eos"] = "mean"
+    # Whether a related reply names the stored base it started from (info.related's base_id,
+    # X-Edit-RT-Related's base=, the PNG's Related base). Off: that base may be another
+    # client's, and its id is all it takes to read, edit or delete it; the reply still says it
+    # was related and how many steps it skipped. On where every client may use every base.
+    share_bases: Bool = False
+
+
+def api_auth_pairs(value: str) -> list[tuple[str, str]]:
+    """``serve.api_auth`` (AUTOMATIC1111's ``--api-auth``: ``user:password``, several joined by
+    commas) as its (user, password) pairs, split at each pair's first colon (a user cannot hold
+    one, a password can; neither can hold a comma). A ValueError names the pair by its place,
+    never its text: the text holds a password."""
+    fix = "write user:password, several joined by a comma alone (user:password,user2:password2)"
+    pairs = []
+    for place, pair in enumerate(value.split(","), 1):
+        user, colon, password = pair.partition(":")
+        where = f"pair {place}" if "," in value else "the pair"
+        if not colon:
+            raise ValueError(f"{where} has no colon; {fix}")
+        if not user:
+            raise ValueError(f"{where} has an empty user; {fix}")
+        if user != user.strip():
+            raise ValueError(f"{where}'s user starts or ends with a space; {fix}")
+        pairs.append((user, password))
+    return pairs
+
+
+def _checked_api_auth(value: str) -> str:
+    api_auth_pairs(value)
+    return value
+
+
+ApiAuth = Annotated[Str, AfterValidator(_checked_api_auth)]
 
 
 @with_config(STRICT)
@@ -80,8 +113,12 @@ class Serve:
     # Loopback by default: exposing the service is a deliberate choice (and wants `token`).
     host: Str = "127.0.0.1"
     port: between(Int, 0, 65535) = 8188
-    # Bearer token for /v1/* and /metrics; EDIT_RT_TOKEN in the environment overrides it.
+    # Bearer token for /v1/*, /sdapi/* and /metrics; EDIT_RT_TOKEN in the environment overrides it.
     token: Optional[Str] = None
+    # HTTP Basic users for the same paths, as AUTOMATIC1111's --api-auth ("user:password",
+    # several comma-separated; webuiapi's set_auth sends them); EDIT_RT_API_AUTH overrides it.
+    # With a token too, either gets in.
+    api_auth: Optional[ApiAuth] = None
     max_edits_per_request: between(Int, 1) = 64
     # Rows waiting for a batch slot; past this a request gets 429 with Retry-After.
     queue_limit: between(Int, 1) = 256
@@ -100,6 +137,13 @@ class Serve:
     # Threads that decode uploads (their own pool: a burst of big images queues there, never
     # in the threads store reads use); each holds one decoded image at a time.
     image_workers: between(Int, 1, 64) = 2
+    # One image task's deadline (an upload's decode, a mask's, its blur), its wait for a worker
+    # included: past it the request gets 503 `image_timeout` (Retry-After) and a task not yet
+    # started is dropped. A running one cannot be stopped (a thread cannot be killed): its
+    # result is discarded, and max_image_pixels bounds how long it holds its worker (a 25 Mpx
+    # decode takes about a second, a mask's blur runs at the served size). 30 s is far past
+    # that, so only a pool backed up by many large images reaches it.
+    image_timeout_s: Seconds = 30.0
     max_steps: between(Int, 1) = 150
     # A request whose rows are not done by then is dropped at the next step boundary.
     request_timeout_s: Seconds = 600.0

@@ -22,6 +22,10 @@ Each replica counts edits by where it found their base (``edit_rt_edit_requests_
 A replica that dies loses nothing acknowledged: a base is in the shared tier before its
 generation is answered. Its in-flight requests get 503 (``replica_lost``, Retry-After) and a
 retry goes to a live replica; Ray Serve starts a replacement.
+
+Job control is scoped by door as in one process: every operation that makes rows carries the
+door its request came in by (``door``: the ingress's ``job_control.DOOR``) to its worker, so
+A1111's ``/progress``, ``/interrupt`` and ``/skip`` see and stop the A1111 door's requests only.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ from ..metrics import merged
 from ..model.config import RunConfig
 from ..model.edit import Base, Edit
 from ..serving.errors import ApiError
+from ..serving.job_control import DOOR
 from ..serving.results import Generated
 from ..serving.service import Event, Service, is_base_id, until_done
 from ..storage.store import base_id
 from ..uploads import Upload
-from ..web.server import create_app
+from ..web.server import create_app, listening_line
 from .router import BaseAffinityRouter
 
 log = logging.getLogger(__name__)
@@ -79,7 +84,9 @@ async def refusing(call):
 
 class EditWorker:
     """One replica: a local Service, loaded before the replica reports healthy. Every method
-    takes the ``route`` its request was routed by (the router reads it; the worker ignores it)."""
+    takes the ``route`` its request was routed by (the router reads it; the worker ignores it);
+    those that make rows take the ``door`` their request came in by (its Requests are that
+    door's: whose interrupt stops them)."""
 
     def __init__(self, cfg: RunConfig):
         self.service = Service(cfg)
@@ -89,15 +96,19 @@ class EditWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, base: Base, route: Optional[dict] = None, related: Optional[bool] = None,
-                       seed_given: bool = False) -> Generated:  # fmt: skip
+                       seed_given: bool = False, door: str = "") -> Generated:  # fmt: skip
+        DOOR.set(door)  # this call's own task: the Requests it makes are the door's
         return await refusing(self.service.generate(base, related=related, seed_given=seed_given))
 
     async def invert(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
-                     guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None) -> Generated:  # fmt: skip
+                     guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None,
+                     door: str = "") -> Generated:  # fmt: skip
+        DOOR.set(door)
         return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
 
     async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
-                          route: Optional[dict] = None, **masks) -> AsyncIterator[Event]:  # fmt: skip
+                          route: Optional[dict] = None, door: str = "", **masks) -> AsyncIterator[Event]:  # fmt: skip
+        DOOR.set(door)  # before the first event: the edit's Request is made then
         try:
             async for event in self.service.edit_events(bid, specs, param, previews, **masks):
                 yield event
@@ -105,7 +116,8 @@ class EditWorker:
             yield "refused", {"error": err}
 
     async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None, related: Optional[bool] = None,
-                              seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
+                              seed_given: bool = False, door: str = "") -> AsyncIterator[Event]:  # fmt: skip
+        DOOR.set(door)
         try:
             async for event in self.service.generate_events(base, previews, related, seed_given):
                 yield event
@@ -122,10 +134,10 @@ class EditWorker:
         return await refusing(self.service.delete_base(bid))
 
     async def status(self, route: Optional[dict] = None, door: Optional[str] = None) -> dict:
-        """This replica's id, process, backend, rows and metrics (the ingress's scrape);
-        ``in_flight`` of ``door``'s requests only where one is named (A1111's /progress)."""
+        """This replica's id, process, backend, rows and metrics (the ingress's scrape); its
+        rows and ``in_flight`` of ``door``'s requests only where one is named (A1111's /progress)."""
         return {"replica": self.replica, "pid": os.getpid(), "backend": self.service.backend,
-                **(await self.service.progress()), "in_flight": self.service.in_flight(door),
+                **(await self.service.progress(door)), "in_flight": self.service.in_flight(door),
                 "metrics": await self.service.metrics_text()}  # fmt: skip
 
     async def interrupt(self, route: Optional[dict] = None, door: Optional[str] = None) -> dict:
@@ -238,26 +250,27 @@ class RayService(Service):
         """On a replica. ``previews`` (A1111's live previews) are not made here: the ingress could
         not show a replica's (its /progress current_image stays None on Ray Serve). ``related``:
         the replica looks its related base up (docs/related.md: routed as any generation)."""
-        bid = base_id(self.fingerprint, base)
+        bid, door = base_id(self.fingerprint, base), DOOR.get()
         return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}, related=related,
-                                                                    seed_given=seed_given), http)  # fmt: skip
+                                                                    seed_given=seed_given, door=door), http)  # fmt: skip
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         if prompt:
             self.check_prompt(prompt, "source_prompt")
         base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
-        route = {"base": base_id(self.fingerprint, base), "new": True}
+        route, door = {"base": base_id(self.fingerprint, base), "new": True}, DOOR.get()
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
-                                                                  clip_skip, route=route))  # fmt: skip
+                                                                  clip_skip, route=route, door=door))  # fmt: skip
 
     async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
                           **masks) -> AsyncIterator[Event]:  # fmt: skip
         """On the replica holding ``bid``; ``masks``: Service.edit_events' pixel masks, backdrops,
         PNG fields and mask parameter (numpy arrays travel as Ray objects)."""
+        door = DOOR.get()
         for attempt in range(2):
             stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, previews, route={"base": bid},
-                                                                          **masks)  # fmt: skip
+                                                                          door=door, **masks)  # fmt: skip
             started = finished = False
             try:
                 async for kind, data in stream:
@@ -294,7 +307,8 @@ class RayService(Service):
         """A streamed generation on the replica it is routed to (previews, then "generated")."""
         bid = base_id(self.fingerprint, base)
         stream = self.workers.options(stream=True).generate_events.remote(base, previews, route={"base": bid, "new": True},
-                                                                          related=related, seed_given=seed_given)  # fmt: skip
+                                                                          related=related, seed_given=seed_given,
+                                                                          door=DOOR.get())  # fmt: skip
         finished = False
         try:
             async for kind, data in stream:
@@ -338,29 +352,29 @@ class RayService(Service):
                 break
         return list(out.values())
 
-    async def progress(self) -> dict[str, int]:
-        statuses = await self.replicas()
+    async def progress(self, door: Optional[str] = None) -> dict[str, int]:
+        statuses = await self.replicas(door=door)
         return {"active": sum(s["active"] for s in statuses), "queued": sum(s["queued"] for s in statuses)}
 
     async def metrics_text(self) -> bytes:
         return merged(self.metrics.registry, {s["replica"]: s["metrics"] for s in await self.replicas()})
 
     async def job_status(self, door: Optional[str] = None) -> dict:
-        """The replicas' step loops as one (A1111's /progress): their requests and row-steps
-        summed, the oldest running row's step (time.monotonic() is one clock per machine).
-        ``door`` is not passed on: a worker's requests do not know the ingress's door (the door
-        is the ingress's context), so under Ray every door's jobs are counted, as before."""
-        parts = [s["in_flight"] for s in await self.replicas()]
+        """The replicas' step loops as one (A1111's /progress): ``door``'s requests and row-steps
+        summed (each worker's requests carry the door they came in by), the oldest running row's
+        step (time.monotonic() is one clock per machine)."""
+        parts = [s["in_flight"] for s in await self.replicas(door=door)]
         started = [p for p in parts if p["started"] is not None]
         oldest = min(started, key=lambda p: p["started"]) if started else None
         return {**{key: sum(p[key] for p in parts) for key in ("running", "queued", "done", "total")},
                 "started": oldest["started"] if oldest else None, "current": oldest["current"] if oldest else None}
 
     async def stop_jobs(self, door: Optional[str] = None) -> int:
-        """A1111's interrupt on every replica (of every door's requests: see job_status)."""
+        """A1111's interrupt on every replica, of ``door``'s running requests only (None: every
+        door's), as the local service's."""
         self.interrupts += 1
         self.interrupted_at = time.monotonic()
-        return sum(answer["interrupted"] for answer in await self.replicas("interrupt"))
+        return sum(answer["interrupted"] for answer in await self.replicas("interrupt", door=door))
 
 
 class Ingress:
@@ -409,7 +423,8 @@ def start(cfg: RunConfig) -> None:
 def serve_forever(cfg: RunConfig, say=print) -> None:
     """`edit-rt serve --ray`: deploy, then wait for SIGTERM or SIGINT and take it down."""
     start(cfg)
-    say(f"serving on http://{cfg.serve.host}:{cfg.serve.port} (Ray Serve, {cfg.serve.ray.replicas} replicas)")
+    # said once Ray Serve's proxy holds the port (the CLI prints no address before that)
+    say(listening_line(cfg, f"; Ray Serve, {cfg.serve.ray.replicas} replicas"))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -2,8 +2,10 @@
 (serving/related.py: a stored near twin's tail) where the request and the server say so.
 
 A preview is the decoded x_0 that a step predicts (the step graph's, whatever the sampler): one
-VAE decode of its row on the engine thread and one PNG encode in the image pool; rows ask for one every
-``Request.preview_every`` steps. The latest preview's PNG is kept (A1111's ``current_image``).
+VAE decode of its row on the engine thread and one PNG encode in the image pool. ``k`` previews
+are spread over each row's own tail (``Job.preview_every`` = ceil(tail / (k + 1)) steps), so the
+rows of one request with tails of 12 and 6 steps each get theirs. The latest preview's PNG is kept
+(A1111's ``current_image``).
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ class Generation:
         await self.keep(result.state)
         self.index_base(bid, result.state, vector)
         self.metrics.inc("edit_rt_bases_generated_total")
-        fields = base_fields(base, self.model_name, self.pipe.manifest.fingerprint, bid)
+        fields = self.shown_fields(base_fields(base, self.model_name, self.pipe.manifest.fingerprint, bid))
         with self.metrics.stage("png_encode"):
             png = png_bytes(result.image, parameters_text(base.prompt, base.negative_prompt, fields))
-        return Generated(bid, base, png, result.seconds, self.store.tier(bid), None if plan is None else plan.info())
+        related = None if plan is None else plan.info(self.shares_bases())
+        return Generated(bid, base, png, result.seconds, self.store.tier(bid), related)
 
     async def generate_events(self, base: Base, previews: int = 0, related: Optional[bool] = None,
                               seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
@@ -97,7 +100,7 @@ class Generation:
         bid, request, job = self._generation(base, plan)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        self._send_previews(request, events, previews, base.steps)
+        self._send_previews(request, [job], events, previews)
         job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
         try:
             self.submit(request, [job])
@@ -115,13 +118,15 @@ class Generation:
             if not job.future.done():
                 request.cancelled.set()  # a client that left: its row goes at the next step
 
-    def _send_previews(self, request: Request, events: asyncio.Queue, previews: int, steps: int) -> None:
-        """Ask ``request``'s rows for ``previews`` previews spread over ``steps`` steps, each put
-        on ``events`` as ("preview", (index, step, of, image)) from the engine thread."""
+    def _send_previews(self, request: Request, jobs: list[Job], events: asyncio.Queue, previews: int) -> None:
+        """Ask each of ``jobs`` (``request``'s rows) for ``previews`` previews spread over its own
+        tail, each put on ``events`` as ("preview", (index, step, of, image)) from the engine thread."""
         if previews <= 0:
             return
         loop = asyncio.get_running_loop()
-        request.preview_every = max(1, -(-steps // (previews + 1)))
+        for job in jobs:
+            tail = job.base.steps - job.row.start_step
+            job.preview_every = max(1, -(-tail // (previews + 1)))
         request.on_preview = lambda *preview: loop.call_soon_threadsafe(events.put_nowait, ("preview", preview))
 
     async def _preview_event(self, preview: tuple) -> dict:

@@ -3,11 +3,20 @@
 Decoding runs in the service's image pool (``serve.image_workers`` threads) within
 ``serve.max_image_pixels`` (runtime/uploads.py reads and checks); inversion runs on the engine
 thread, its rows through the batcher's queue; the base is kept in the store like a generation.
+
+Each image task (a decode, a mask, its blur) has a deadline, ``serve.image_timeout_s``, its wait
+for a worker included: past it the request is answered 503 ``image_timeout``. A task still
+queued then is dropped and never runs. One already running cannot be stopped (a Python thread
+cannot be killed): it finishes in its worker and its result is discarded; what bounds how long
+it holds the worker is the work itself, bounded before it starts (``serve.max_image_bytes`` and
+``max_image_pixels`` checked on the header, a mask resized to the served size before any
+per-pixel work: about a second for the largest image allowed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 from typing import Optional
@@ -20,6 +29,8 @@ from ..storage.store import base_id
 from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
 from .errors import ApiError, queue_errors, row_error
 from .results import Generated
+
+log = logging.getLogger(__name__)
 
 
 class Uploads:
@@ -40,12 +51,22 @@ class Uploads:
         return await self.in_image_pool(param, text_of_image, data, param, s.max_image_bytes, s.max_image_pixels)
 
     async def in_image_pool(self, param: str, fn, *args):
-        """``fn(*args)`` (a decode, a mask, a blur) in the image pool, off the event loop; its
-        ImageInputError as the API's error for ``param``."""
+        """``fn(*args)`` (a decode, a mask, a blur) in the image pool, off the event loop, within
+        ``serve.image_timeout_s`` (the module's docstring); its ImageInputError as the API's
+        error for ``param``."""
+        limit = self.cfg.serve.image_timeout_s
+        task = asyncio.get_running_loop().run_in_executor(self.image_pool, fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.image_pool, fn, *args)
+            # on the deadline wait_for cancels the task: a queued one is taken off the pool's
+            # queue; a running one goes on, its result dropped
+            return await asyncio.wait_for(task, limit)
         except ImageInputError as err:
             raise ApiError(err.status, str(err), param=param, code="invalid_image") from None
+        except asyncio.TimeoutError:
+            log.warning("%s: image work past serve.image_timeout_s (%g s); answered 503", param, limit)
+            raise ApiError(503, f"{param}: its decoding did not finish within serve.image_timeout_s ({limit:g} s), its "
+                                "wait for an image worker included; retry later, or send a smaller image",
+                           "server_error", param=param, code="image_timeout", headers={"Retry-After": "5"}) from None  # fmt: skip
 
     def inversion_base(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
                        guidance: Optional[float], clip_skip: Optional[int]) -> Base:  # fmt: skip

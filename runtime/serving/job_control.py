@@ -23,10 +23,19 @@ class JobControl:
     """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its ``batchers``,
     ``interrupts`` and ``interrupted_at``)."""
 
-    async def progress(self) -> dict[str, int]:
-        """Rows running and rows queued (AUTOMATIC1111's /progress)."""
-        batchers = self.batchers.values()
-        return {"active": sum(len(b.scheduler.active) for b in batchers), "queued": sum(b.queued_rows for b in batchers)}
+    async def progress(self, door: Optional[str] = None) -> dict[str, int]:
+        """Rows in the step loops and rows queued (AUTOMATIC1111's /progress textinfo): of
+        ``door``'s requests only (None: every door's, a structure reference row included)."""
+        active = queued = 0
+        for batcher in list(self.batchers.values()):
+            if door is None:
+                active, queued = active + len(batcher.scheduler.active), queued + batcher.queued_rows
+                continue
+            s = batcher.scheduler
+            active += sum(1 for row in _snapshot(s.active) + _snapshot(s.pending)
+                          if not row.reference and row.owner is not None and _ours(row.owner.request, door))  # fmt: skip
+            queued += sum(len(_snapshot(request.pending)) for request in _snapshot(batcher.queue) if _ours(request, door))
+        return {"active": active, "queued": queued}
 
     def in_flight(self, door: Optional[str] = None) -> dict[str, Any]:
         """What the step loops hold now (AUTOMATIC1111's /progress): ``running`` requests (a row

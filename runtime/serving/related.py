@@ -15,8 +15,12 @@ runs each request alone; here a base's whole state is kept and the tail shares t
 - the related result is stored as a base of its own (its key names the base and step it came
   from: ``Base.related``; its window starts at k), indexed, so it serves the next request;
 - every reply served related says so (the reply's ``related``, the ``X-Edit-RT-Related``
-  header, the PNG's ``Related base: <id>, Skipped steps: k``), and ``/metrics`` counts hits,
-  misses and the steps saved.
+  header, the PNG's ``Skipped steps: k``), and ``/metrics`` counts hits, misses and the steps
+  saved. The stored base it came from is named (``base_id``, ``base=``, the PNG's ``Related
+  base``, its ``Base.related`` in ``GET /v1/bases/{id}``) only where ``serve.related.share_bases``
+  says bases are shared: it may be another client's, and its id reads, edits and deletes it;
+- a client that leaves while its related base is being pinned lets the pin go (the pin runs in
+  the store's pool; its result, landing after the caller was cancelled, is unpinned).
 """
 
 from __future__ import annotations
@@ -45,8 +49,17 @@ class RelatedPlan:
     step: int
     similarity: float
 
-    def info(self) -> dict:
-        return {"base_id": self.bid, "skipped_steps": self.step, "similarity": round(self.similarity, 4)}
+    def info(self, shared: bool) -> dict:
+        """The reply's ``related``: the base's id only where bases are ``shared`` (serve.related.share_bases)."""
+        out = {"base_id": self.bid} if shared else {}
+        return {**out, "skipped_steps": self.step, "similarity": round(self.similarity, 4)}
+
+
+def related_header(info: dict) -> str:
+    """``X-Edit-RT-Related`` of a reply served related (``RelatedPlan.info``): ``base=<id>;`` first
+    where bases are shared, then ``skipped=<k>; similarity=<s>``."""
+    base = f"base={info['base_id']}; " if "base_id" in info else ""
+    return f"{base}skipped={info['skipped_steps']}; similarity={info['similarity']}"
 
 
 def entry_step(similarity: float, thresholds, steps: int, window_start: int) -> Optional[int]:
@@ -90,8 +103,12 @@ class RelatedGenerations:
             self.metrics.inc("edit_rt_related_misses_total")
             return None
         bid, similarity, _ = found
+        pin = loop.run_in_executor(self.store_pool, self.store.pin, bid)
         try:
-            state = await loop.run_in_executor(self.store_pool, self.store.pin, bid)
+            state = await asyncio.shield(pin)
+        except asyncio.CancelledError:  # the client left while the pool pinned: the pin goes when it lands
+            pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.store.unpin(bid))
+            raise
         except Exception as err:  # evicted or damaged meanwhile: generated from scratch
             log.info("related base %s not served (%s)", bid, err)
             self.related_index.remove(bid)
@@ -114,6 +131,24 @@ class RelatedGenerations:
         index entry says) and not an upload (a base inverted from a client's image is never
         served to another prompt)."""
         return stored.image is None and group(stored) == group(request)
+
+    def shares_bases(self) -> bool:
+        """Whether a reply may name the stored base a related generation came from (serve.related.share_bases)."""
+        return self.cfg.serve.related.share_bases
+
+    def shown_fields(self, fields: dict) -> dict:
+        """A PNG's parameters as a reply shows them: its ``Related base`` (another client's id,
+        perhaps) left out unless bases are shared; ``Skipped steps`` stays."""
+        if not self.shares_bases():
+            fields.pop("Related base", None)
+        return fields
+
+    def shown_base(self, base: dict) -> dict:
+        """A stored base's fields (``GET /v1/bases/{id}``) as shown: its ``related``
+        ("<id>@<k>") as "@<k>" unless bases are shared."""
+        if base.get("related") and not self.shares_bases():
+            base = {**base, "related": "@" + str(base["related"]).rsplit("@", 1)[-1]}
+        return base
 
     def related_base(self, base: Base, plan: RelatedPlan) -> Base:
         """The base a related result is stored as: the request's prompt on the related base's

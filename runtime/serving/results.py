@@ -15,7 +15,8 @@ class Generated:
     png: bytes
     seconds: float
     tier: Optional[str] = None  # the store tier that holds it ("ram", "disk")
-    # Served related (serving/related.py): {"base_id", "skipped_steps", "similarity"}; None: exact
+    # Served related (serving/related.py): {"skipped_steps", "similarity"}, and "base_id" where
+    # serve.related.share_bases; None: exact
     related: Optional[dict] = None
 
 

@@ -316,7 +316,7 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
         """An edit's PNG with its parameters; ``extra``: a door's own fields, added after them
         (AUTOMATIC1111's ``Mask blur``, say)."""
         bid = base_id(state.fingerprint, state.base)
-        fields = edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve)
+        fields = self.shown_fields(edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve))
         if row.pixel_mask is not None:
             fields["Pixel mask"] = f"{int(np.count_nonzero(row.pixel_mask))} of {row.pixel_mask.size} px may change"
         fields.update(extra or {})
@@ -358,7 +358,7 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
             events: asyncio.Queue = asyncio.Queue()  # from the batcher's thread to this loop
             request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
                 events.put_nowait, ("edit_rt.progress", {"index": i, "step": step, "of": of}))  # fmt: skip
-            self._send_previews(request, events, previews, max(state.base.steps - row.start_step for row in rows))
+            self._send_previews(request, jobs, events, previews)
             for job in jobs:
                 job.future.add_done_callback(lambda f, job=job: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
             self.submit(request, jobs)
@@ -410,7 +410,8 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
 
     async def base_info(self, bid: str) -> dict:
         with base_errors(bid):
-            return await self._store_read(self.store.info, check_base_id(bid))
+            info = await self._store_read(self.store.info, check_base_id(bid))
+        return {**info, "base": self.shown_base(info["base"])}
 
     async def delete_base(self, bid: str) -> None:
         with base_errors(bid):

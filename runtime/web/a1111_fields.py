@@ -23,8 +23,9 @@ override_settings               ``CLIP_stop_at_last_layers`` implemented; ``sd_m
                                 the served model (another: 400), ``sd_vae`` its own VAE,
                                 ``eta_ddim`` 0, ``samples_format`` png; any other key 400
 sampler_name, sampler_index,    txt2img: implemented (``GET /sdapi/v1/samplers``, ``/schedulers``:
-scheduler                       DDIM, Euler, Euler a, DPM++ 2M, UniPC; Automatic, Uniform, Karras,
-                                Normal; "DPM++ 2M Karras" names the scheduler too, as in A1111;
+scheduler                       DDIM, Euler, Euler a, DPM++ 2M, UniPC; Automatic, Uniform, Karras
+                                (Normal, a schedule none runs, 400); "DPM++ 2M Karras" names the
+                                scheduler too, as in A1111;
                                 none: the served default); a sampler or scheduler edit-rt does
                                 not run 400 naming the field and listing what runs. img2img:
                                 the base's sampler runs (an uploaded image's: DDIM), another

@@ -2,18 +2,18 @@
 ``util_wait_for_ready``, ``interrupt``, ``skip``, ``get_samplers``, ``set_options`` and the
 like work against edit-rt as against A1111.
 
-- ``GET /progress``: 0.0 and ``state.job_count`` 0 when idle; while rows run, the fraction of
-  the row-steps of every request in flight that are done (running and queued rows alike),
+- ``GET /progress``: of this door's requests only (another door's are no job: A1111's own is
+  one queue): 0.0 and ``state.job_count`` 0 when idle; while rows run, the fraction of the
+  row-steps of its requests in flight that are done (running and queued rows alike),
   ``eta_relative`` as A1111 computes it (elapsed / progress - elapsed), the oldest running
-  row's ``sampling_step`` of ``sampling_steps``, ``current_image`` the latest preview (when a
-  request streams previews). With Ray Serve the ingress sees row counts only (its fraction
-  is 0).
-- ``POST /interrupt``, ``/skip``: the requests running now (a row in a step loop) stop at the
-  next step; a request wholly queued goes on. A1111's skip ends the current batch and goes on
-  with the next of ``n_iter``; here a request's ``batch_size x n_iter`` images run as one batch,
-  so skip stops what interrupt stops (and says ``skipped``).
+  row's ``sampling_step`` of ``sampling_steps``, ``textinfo`` its requests and rows,
+  ``current_image`` its latest preview (with Ray Serve none: previews stay on the replicas).
+- ``POST /interrupt``, ``/skip``: this door's requests running now (a row in a step loop) stop
+  at the next step; a request wholly queued, or another door's, goes on. A1111's skip ends the
+  current batch and goes on with the next of ``n_iter``; here a request's ``batch_size x
+  n_iter`` images run as one batch, so skip stops what interrupt stops (and says ``skipped``).
 - ``GET /samplers``, ``/schedulers``: what runs (DDIM, Euler, Euler a, DPM++ 2M, UniPC; Automatic,
-  Uniform, Karras, Normal: samplers.py), in A1111's shapes.
+  Uniform, Karras: samplers.py; A1111's Normal is refused, not listed), in A1111's shapes.
 - ``GET /options``; ``POST /options``: ``CLIP_stop_at_last_layers`` is set for the A1111 routes'
   later requests; ``sd_model_checkpoint`` (the served model's name or title), ``sd_vae`` (its own
   VAE), ``eta_ddim`` (0) and ``samples_format`` (png) are accepted as they are; any other
@@ -57,7 +57,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
     @router.get("/progress", responses=errors(400, 401), summary="The step loops' progress (A1111's)")
     async def progress(skip_current_image: bool = False):
         now = await service.job_status(A1111)  # this door's jobs only, never another door's
-        rows = await service.progress()  # row counts: with Ray Serve, the replicas'
+        rows = await service.progress(A1111)  # its rows too: with Ray Serve, the replicas'
         jobs = now["running"] + now["queued"]
         fraction = now["done"] / now["total"] if now["total"] else 0.0
         elapsed = time.monotonic() - now["started"] if now["started"] is not None else 0.0

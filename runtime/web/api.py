@@ -137,9 +137,9 @@ class GenerationInfo(Ran):
     seconds: float
     store_tier: Optional[str]
     base_ids: list[str]
-    related: list[Optional[dict[str, Any]]] = Field(default_factory=list, description="Per image: the stored base it was "
-                                                    "served from ({base_id, skipped_steps, similarity}), or null: generated "
-                                                    "from scratch.")
+    related: list[Optional[dict[str, Any]]] = Field(default_factory=list, description="Per image: served related "
+                                                    "({skipped_steps, similarity}, and the stored base's base_id where "
+                                                    "serve.related.share_bases), or null: generated from scratch.")
 
 
 class OpenAiReply(BaseModel):

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..model.sweep import expand_all, rows_of
 from ..serving.errors import ApiError, validation_error
+from ..serving.related import related_header
 from ..serving.sampler_fields import sampler_label
 from ..serving.service import Service
 from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, GenerationRequest, GenerationResponse, ModelCard, ModelList, b64, \
@@ -69,8 +70,7 @@ def openai_routes(service: Service) -> APIRouter:
         base = made[0].base
         ran["seeds"] = [g.base.seed for g in made]  # a related result's is its related base's (its noise)
         if made[0].related is not None:  # served related: said in a header too
-            r = made[0].related
-            response.headers["X-Edit-RT-Related"] = f"base={r['base_id']}; skipped={r['skipped_steps']}; similarity={r['similarity']}"
+            response.headers["X-Edit-RT-Related"] = related_header(made[0].related)
         return {
             "id": made[0].id, "created": int(time.time()), "seed": base.seed, **delivery.reply_fields(size),
             "data": [{"b64_json": b64(await encoder(delivery, g.png))} for g in made],

@@ -5,9 +5,11 @@ FastAPI's own pages load Swagger UI and ReDoc from a CDN, so on a machine withou
 ``get_redoc_html``) load their scripts from this server, ``/docs/assets/<name>``: the files the
 ``fastapi-offline`` package ships (Swagger UI 5, which reads the OpenAPI 3.1 document FastAPI
 writes, and ReDoc), served from a fixed list, never from a path a client chooses. No page asks
-another host for anything (no CDN, no Google fonts, the favicon from here), and a
-Content-Security-Policy makes the browser refuse what they would ask all the same (ReDoc's
-footer loads its maker's logo from their CDN).
+another host for anything: no CDN, no Google fonts, the favicon from here; ReDoc's script is
+served with the address of its footer's logo (Redocly's CDN) taken out, so the logo's image
+fails at once and ReDoc hides it, as it does offline; Swagger UI's online validator badge (an
+image from validator.swagger.io) is off. A Content-Security-Policy makes the browser refuse
+anything they would ask all the same.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from ..errors import EditRtError
 
@@ -25,6 +27,10 @@ ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css
 PREFIX = "/docs/assets"
 # This server only; inline scripts and styles (both pages start from an inline script), data:
 # images (Swagger UI's icons), blob: workers (ReDoc's search).
+# ReDoc 2's footer: <img src="https://cdn.redoc.ly/redoc/logo-mini.svg">, hidden on its error.
+# An empty src fails without a request (HTML: an empty URL is an error, not a fetch).
+REDOC_LOGO = b'src:"https://cdn.redoc.ly/redoc/logo-mini.svg"'
+CACHED = {"Cache-Control": "public, max-age=86400"}  # they change only with the package: a reload spares 2.7 MB
 POLICY = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
           "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; connect-src 'self'")  # fmt: skip
 
@@ -43,12 +49,14 @@ def docs_routes(title: str, openapi_url: str = "/openapi.json") -> APIRouter:
     """The two pages and their assets, none in the OpenAPI document."""
     router = APIRouter(include_in_schema=False)
     folder = assets_dir()
+    redoc_js = (folder / "redoc.standalone.js").read_bytes().replace(REDOC_LOGO, b'src:""')
 
     @router.get("/docs", response_class=HTMLResponse)
     async def swagger_ui():
         return _own_only(get_swagger_ui_html(openapi_url=openapi_url, title=f"{title} - Swagger UI",
                                    swagger_js_url=f"{PREFIX}/swagger-ui-bundle.js", swagger_css_url=f"{PREFIX}/swagger-ui.css",
-                                   swagger_favicon_url=f"{PREFIX}/favicon.png"))  # fmt: skip
+                                   swagger_favicon_url=f"{PREFIX}/favicon.png",
+                                   swagger_ui_parameters={"validatorUrl": None}))  # fmt: skip
 
     @router.get("/redoc", response_class=HTMLResponse)
     async def redoc():
@@ -59,8 +67,9 @@ def docs_routes(title: str, openapi_url: str = "/openapi.json") -> APIRouter:
     async def asset(name: str):
         if name not in ASSETS:
             raise HTTPException(404, f"not one of the docs' assets ({', '.join(ASSETS)})")
-        # they change only with the package: a day's caching spares a reload 2.7 MB
-        return FileResponse(folder / name, media_type=ASSETS[name], headers={"Cache-Control": "public, max-age=86400"})
+        if name == "redoc.standalone.js":
+            return Response(redoc_js, media_type=ASSETS[name], headers=CACHED)
+        return FileResponse(folder / name, media_type=ASSETS[name], headers=CACHED)
 
     return router
 

@@ -1,4 +1,4 @@
-"""What a request's headers must say before the app reads them (server.py's guard asks :func:`refusal`).
+"""What a request's method and headers must say before the app reads them (server.py's guard asks :func:`refusal`).
 
 A local tool without a token is what drive-by pages aim at: any page the user opens can make
 the browser send a "simple" request to 127.0.0.1 (an HTML form's post, a ``no-cors`` fetch with
@@ -10,6 +10,10 @@ here (DNS rebinding) can read the answers too. So, in this order:
 - **Host, exactly** ``host[:port]``, the port digits in 1..65535, an IPv6 literal in brackets;
   bound to loopback, the host is 127.0.0.1, localhost or [::1] (a rebinding page sends its
   own name). 400.
+- **A method the path serves**: a path some route serves, asked with a method none of its
+  routes serves, is 405 with ``Allow`` listing every method served there (route_table.py reads
+  them from the app's router), before any rule on the body: a bodiless POST to a GET route is
+  405, not 415 or 411. A path no route serves passes, to be the router's 404.
 - **Same origin, when a browser says where it is from**: a state-changing request (any method
   but GET, HEAD, OPTIONS) whose ``Origin`` is not this server's (scheme, host, port), or whose
   ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` (another port of 127.0.0.1 is
@@ -21,7 +25,7 @@ here (DNS rebinding) can read the answers too. So, in this order:
   (OpenAI's images.edit and images.create_variation forms),
   and there only past the origin check; no body at all only on the routes that read none
   (A1111's ``/sdapi/v1/interrupt``, ``/skip`` and ``/refresh-loras``, which its clients post
-  empty). Else 415.
+  empty). Else 415. Not on a path no route serves: nothing would read the body (404).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from ..serving.errors import ApiError
+from .route_table import Routed
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # as host_port gives them: no brackets
@@ -91,8 +96,9 @@ def media_type(content_type: Optional[str]) -> str:
     return message.get_content_type()
 
 
-def refusal(request: Request, loopback: bool) -> Optional[ApiError]:
-    """The first of the rules above that the request breaks, as its error; None when it breaks none."""
+def refusal(request: Request, loopback: bool, routed: Routed) -> Optional[ApiError]:
+    """The first of the rules above that the request breaks, as its error; None when it breaks
+    none. ``routed``: where the request's path lands in the app's routes (RouteTable.at)."""
     names = [name for name, _ in request.scope["headers"] if name in SINGLE_HEADERS]  # ASGI lowercases them
     for name in SINGLE_HEADERS:
         if names.count(name) > 1:
@@ -106,6 +112,9 @@ def refusal(request: Request, loopback: bool) -> Optional[ApiError]:
         # a page elsewhere that resolves its own name here (DNS rebinding) sends its own Host
         return ApiError(400, "this server answers to 127.0.0.1, localhost and [::1] only", code="untrusted_host")
     method = request.method
+    if routed.methods is not None and method not in routed.methods:
+        allow = ", ".join(sorted(routed.methods))
+        return ApiError(405, f"{routed.template} serves {allow} only", code="method_not_allowed", headers={"Allow": allow})
     if method in SAFE_METHODS:
         return None
     site = request.headers.get("sec-fetch-site")
@@ -119,7 +128,7 @@ def refusal(request: Request, loopback: bool) -> Optional[ApiError]:
         return ApiError(403, f"Origin {origin[:100]!r} is not this server's: this server takes requests from its "
                         "own page, or from clients that are not browsers (they send no Origin)", code="cross_origin")  # fmt: skip
     path = request.url.path
-    if method != "POST" or not path.startswith(API_PREFIXES):
+    if method != "POST" or not path.startswith(API_PREFIXES) or routed.template is None:
         return None
     kind = media_type(request.headers.get("content-type"))
     form = path in FORM_ROUTES

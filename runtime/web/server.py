@@ -6,8 +6,11 @@ Route families, one app: edit-rt's own and the OpenAI Images API's (api_openai.p
 ``GET /metrics`` (Prometheus), ``GET /`` (the editing page), ``GET /openapi.json`` and its pages
 ``GET /docs``, ``GET /redoc`` (docs.py: offline). The routes
 validate and wait; the service's one batcher worker owns the engines (service.py). What a
-request's headers must say to be let in (Host, origin, content type) is request_checks.py's;
-how deep its JSON may nest, json_depth.py's.
+request's method and headers must say to be let in (Host, the method, origin, content type) is
+request_checks.py's; who may call the API, credentials.py's (a bearer token, HTTP Basic users);
+how deep its JSON may nest, json_depth.py's. Every answer, refusals included, is counted in
+``/metrics`` under the template of the route its path lands on, or ``unmatched``
+(route_table.py), never under the path a client chose.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import threading
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -37,10 +39,12 @@ from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
+from .credentials import Credentials, api_auth_of
 from .docs import docs_routes
 from .openapi_bodies import body_schemas
 from .json_depth import JsonDepthLimit
 from .request_checks import SAFE_METHODS, refusal
+from .route_table import RouteTable, Routed
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("edit_rt.access")
@@ -50,12 +54,6 @@ KNOWN_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "P
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _route(request: HttpRequest) -> str:
-    """The matched route's template (bounded: never the raw path, which a client chooses)."""
-    route = request.scope.get("route")
-    return getattr(route, "path", "unmatched")
 
 
 def page_html(service: Service) -> str:
@@ -114,15 +112,13 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         return _error_response(ApiError(500, "internal error; see the server log", "server_error"))
 
     loopback = cfg.serve.host in ("127.0.0.1", "localhost", "::1")
-    token = (service.token or "").encode("utf-8")
+    credentials = Credentials(service.token, api_auth_of(cfg.serve))
 
-    @app.middleware("http")
-    async def guard(request: HttpRequest, call_next):
+    def refused_before_routing(request: HttpRequest, routed: Routed) -> Optional[Response]:
+        """The answer to a request the router never sees; None: route it."""
         path = request.url.path
-        method = request.method if request.method in KNOWN_METHODS else "OTHER"  # labels stay bounded
-        refused = refusal(request, loopback)  # Host, one Authorization, same origin, JSON
+        refused = refusal(request, loopback, routed)  # Host, one Authorization, the method, same origin, JSON
         if refused is not None:
-            access.info("%s %s %d", method, path[:200], refused.status)
             return _error_response(refused)
         if service.draining.is_set():
             if path == "/health":
@@ -132,22 +128,32 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
             return _error_response(ApiError(413, f"the body is larger than {limits.max_body_bytes} bytes", code="body_too_large"))
-        if request.method == "POST" and length is None:
+        if request.method == "POST" and length is None and routed.template is not None:
             return _error_response(ApiError(411, "a Content-Length header is required", code="length_required"))
         guarded = path.startswith(("/v1/", "/sdapi/")) or path == "/metrics"
-        if token and guarded:
-            # the raw header bytes against the token's UTF-8 bytes: a non-ASCII token matches
-            # (refusal() has made sure there is at most one)
-            given = dict(request.scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, b"Bearer " + token):
-                return _error_response(ApiError(401, "missing or wrong bearer token", "authentication_error"))
+        # the raw header's bytes (refusal() has made sure there is at most one)
+        if credentials.required and guarded and not credentials.accept(dict(request.scope["headers"]).get(b"authorization", b"")):
+            response = _error_response(ApiError(401, credentials.wanted(), "authentication_error"))
+            for challenge in credentials.challenges():  # one header each
+                response.headers.append("WWW-Authenticate", challenge)
+            return response
         if path.startswith(("/v1/", "/sdapi/")) and not service.ready.is_set():
             why = service.load_error or "the engines are loading"
             return _error_response(ApiError(503, f"not ready: {why}", "server_error", headers={"Retry-After": "5"}))
+        return None
+
+    @app.middleware("http")
+    async def guard(request: HttpRequest, call_next):
         start = time.perf_counter()
-        response = await call_next(request)
-        service.metrics.http.labels(_route(request), method, str(response.status_code)).observe(time.perf_counter() - start)
-        access.info("%s %s %d", method, path[:200], response.status_code)  # never the query string
+        routed = app.state.routes.at(request.scope)
+        response = refused_before_routing(request, routed)
+        if response is None:
+            response = await call_next(request)
+        # labels stay bounded: a route's template (never the path a client chose), a known method
+        method = request.method if request.method in KNOWN_METHODS else "OTHER"
+        route = routed.template or "unmatched"
+        service.metrics.http.labels(route, method, str(response.status_code)).observe(time.perf_counter() - start)
+        access.info("%s %s %d", method, request.url.path[:200], response.status_code)  # never the query string
         return response
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "loading, failed or draining"}})
@@ -180,17 +186,20 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     app.include_router(openai_routes(service))
     app.include_router(a1111_routes(service))
     app.openapi = lambda: openapi_schema(app)
+    app.state.routes = RouteTable(app.routes)  # every route is in by now, FastAPI's own /openapi.json too
     return app
 
 
 def openapi_schema(app: FastAPI) -> dict:
-    """FastAPI's schema, with the bearer scheme and the real error body for every status."""
+    """FastAPI's schema, with the bearer and Basic schemes and the real error body for every status."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
-        "type": "http", "scheme": "bearer", "description": "serve.token or EDIT_RT_TOKEN (when set)"}  # fmt: skip
-    schema["security"] = [{"bearer": []}, {}]
+    schema.setdefault("components", {}).setdefault("securitySchemes", {}).update({
+        "bearer": {"type": "http", "scheme": "bearer", "description": "serve.token or EDIT_RT_TOKEN (when set)"},
+        "basic": {"type": "http", "scheme": "basic", "description": "a user:password of serve.api_auth or "
+                  "EDIT_RT_API_AUTH (when set; AUTOMATIC1111's --api-auth)"}})  # fmt: skip
+    schema["security"] = [{"bearer": []}, {"basic": []}, {}]
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
     for path in schema["paths"].values():
         for method, op in path.items():
@@ -252,7 +261,15 @@ class BodyTimeout:
         await self.app(scope, timed_receive, tracked_send)
 
 
-def serve(cfg: RunConfig) -> None:
+def listening_line(cfg: RunConfig, more: str = "") -> str:
+    """What `edit-rt serve` prints once its port is bound: the address to open."""
+    s = cfg.serve
+    host = f"[{s.host}]" if ":" in s.host else s.host  # an IPv6 address, as a URL writes it
+    return f"edit-rt serve: http://{host}:{s.port}/ (API docs at /docs{more})"
+
+
+def serve(cfg: RunConfig, say: Callable[[str], None] = print) -> None:
+    """Listen on ``serve.host``:``serve.port``, say so with ``say``, and serve until SIGTERM."""
     import uvicorn
 
     from .http_server import DrainingServer, header_timeout_protocol, listening_sockets
@@ -261,6 +278,7 @@ def serve(cfg: RunConfig) -> None:
     # bound before anything starts: a busy port is one line (EditRtError), not uvicorn's exit
     # after the engines began loading (which aborted the process)
     sockets = listening_sockets(s.host, s.port)
+    say(listening_line(cfg))  # only now: before the bind, a busy port printed an address it never served
     app = create_app(cfg)
     service: Service = app.state.service
     # The access log (uvicorn's own is off: it prints query strings, tokens included).
