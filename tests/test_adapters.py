@@ -188,6 +188,7 @@ def test_rows_with_different_adapters_batched_equal_each_alone(lora_pipe):
     assert np.abs(batched[3] - batched[4]).max() > 1e-3  # the base's adapter stays on unless taken off
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps SD 1.x against set_adapters
 def test_sdxl_generation_and_tail_with_an_adapter_equal_diffusers(tmp_path_factory):
     from edit_rt.export.tiny_model import write_tiny_sdxl
 

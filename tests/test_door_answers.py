@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from .server_process import ServerProcess
+from .test_related import _generate  # the same reply check
 
 STEPS = 12
 A = "a red circle on a blue background"
@@ -34,12 +35,6 @@ def server(tmp_path_factory, model_dir, onnx_dir):
                          base={"prompt": "x", "steps": STEPS, "guidance": 7.5, "width": 32, "height": 32})  # fmt: skip
     yield proc
     assert proc.stop()
-
-
-def _generate(server, prompt: str, **fields) -> httpx.Response:
-    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": prompt, "size": "32x32", **fields}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r
 
 
 def _events(response: httpx.Response) -> list[dict]:

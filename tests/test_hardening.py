@@ -233,6 +233,7 @@ def test_a_base_made_beside_int8_edits_equals_the_base_made_alone(tmp_path, pipe
 # --- 5. names from the wire stay bounded -------------------------------------------------------
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps test_answers.py's methods x routes
 def test_odd_methods_and_huge_ids_stay_bounded(server):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -195,6 +195,7 @@ def test_two_replicas_writing_the_same_base_leave_one_valid_file(server):
     assert state.base == base
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps the Ray 32-client and A1111 tests
 def test_a_killed_replica_loses_no_acknowledged_base_and_is_replaced(server):
     ids = []
     for k in range(6):

@@ -47,6 +47,7 @@ def test_generation_equals_diffusers(shapes64):
     assert_generation_equals_diffusers(shapes64, MODEL, BASE, "a small yellow square left of a large red circle on a blue background")
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps the 32x32 model's (test_shapes_model.py)
 def test_generations_follow_their_prompts(shapes64):
     judge = World2()
     rng = np.random.default_rng(7)

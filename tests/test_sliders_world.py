@@ -157,6 +157,7 @@ def test_read_any_look_reads_the_world2_scene_through_each_look(two):
         assert right >= 0.9, (look, right)
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps world 1's metrics
 def test_world2_metrics_score_rendered_sweeps_as_following_and_preserving():
     from edit_rt.export.slider_eval import SCALES, slider_metrics
 

@@ -164,6 +164,7 @@ def test_no_array_is_allocated_per_step(pipeline):
         batcher.work_once()
 
 
+@pytest.mark.slow  # ~10-20 s; the default run keeps test_every_binding_reads_the_same_resident_slots
 def test_bindings_are_reused_bounded_and_freed(pipeline, base_state):
     graph = CountingGraph(pipeline.graphs["unet_step"])
     scheduler = pipeline.new_scheduler(base_state.latents.shape[1:], max_rows=8, graph=graph)

@@ -236,7 +236,7 @@ def errors(*statuses: int) -> dict[int, dict]:
 
 _STATUS = {
     400: "invalid request (a field, its type or its range)",
-    401: "missing or wrong bearer token",
+    401: "missing or wrong credentials: the bearer token, or an HTTP Basic user where serve.api_auth is set (see WWW-Authenticate)",
     404: "unknown base or route",
     405: "method not allowed (see Allow)",
     408: "the request body stalled",
@@ -245,7 +245,7 @@ _STATUS = {
     413: "too many edits, a body over serve.max_body_bytes, or an image over serve.max_image_bytes / max_image_pixels",
     429: "the queue is full (see Retry-After)",
     499: "the client disconnected",
-    503: "loading, draining, shutting down, or the store busy or full of bases in use (see Retry-After)",
+    503: "loading, draining, shutting down, the store busy or full of bases in use, or an image not decoded within serve.image_timeout_s (see Retry-After)",
     507: "the store's disk is full and its RAM cannot hold the base (free space, or lower store.disk_mb)",
 }
 

@@ -202,7 +202,7 @@ def a1111_routes(service: Service) -> APIRouter:
         return {"images": [b64(e.png) for e in made] if body.send_images else [], "parameters": parameters,
                 "info": json.dumps(info)}  # fmt: skip
 
-    @router.post("/png-info", responses=errors(400, 401), summary="An image's generation parameters")
+    @router.post("/png-info", responses=errors(400, 401, 503), summary="An image's generation parameters")
     async def png_info(body: PngInfoRequest):
         items = await service.image_text(decode_base64_or_400(body.image), "image")
         return {"info": items.get("parameters", ""), "items": items, "parameters": {}}
