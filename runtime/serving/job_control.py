@@ -31,10 +31,8 @@ class JobControl:
             if door is None:
                 active, queued = active + len(batcher.scheduler.active), queued + batcher.queued_rows
                 continue
-            s = batcher.scheduler
-            active += sum(1 for row in _snapshot(s.active) + _snapshot(s.pending)
-                          if not row.reference and row.owner is not None and _ours(row.owner.request, door))  # fmt: skip
-            queued += sum(len(_snapshot(request.pending)) for request in _snapshot(batcher.queue) if _ours(request, door))
+            active += len(_rows_of(batcher, door))
+            queued += sum(len(_snapshot(request.pending)) for request in _queued_of(batcher, door))
         return {"active": active, "queued": queued}
 
     def in_flight(self, door: Optional[str] = None) -> dict[str, Any]:
@@ -46,19 +44,14 @@ class JobControl:
         thread steps: a snapshot, a step behind at most."""
         running, queued, done, total, oldest = {}, {}, 0, 0, None
         for batcher in list(self.batchers.values()):
-            s = batcher.scheduler
-            for row in _snapshot(s.active) + _snapshot(s.pending):
+            for row in _rows_of(batcher, door):
                 job = row.owner
-                if row.reference or job is None or not _ours(job.request, door):
-                    continue
                 entry = 0 if job.kind == "invert" else job.row.start_step
                 running[id(job.request)] = job.request
                 done, total = done + row.step - entry, total + row.end - entry
                 if oldest is None or job.started < oldest[0]:
                     oldest = (job.started, row.step - entry, row.end - entry)
-            for request in _snapshot(batcher.queue):
-                if not _ours(request, door):
-                    continue
+            for request in _queued_of(batcher, door):
                 for job in _snapshot(request.pending):
                     total += 1 if job.kind == "correct" else job.base.steps - job.row.start_step
                 if id(request) not in running:
@@ -82,15 +75,26 @@ class JobControl:
         door's requests are never touched. Returns how many requests."""
         found = {}
         for batcher in list(self.batchers.values()):
-            s = batcher.scheduler
-            for row in _snapshot(s.active) + _snapshot(s.pending):
-                if not row.reference and row.owner is not None and _ours(row.owner.request, door):
-                    found[id(row.owner.request)] = row.owner.request
+            for row in _rows_of(batcher, door):
+                found[id(row.owner.request)] = row.owner.request
         self.interrupts += 1
         self.interrupted_at = time.monotonic()
         for request in found.values():
             request.cancelled.set()
         return len(found)
+
+
+def _rows_of(batcher, door: Optional[str]) -> list:
+    """The rows of ``door``'s requests (None: every door's) in ``batcher``'s step loop, running
+    or admitted, a structure reference row (no request's own) left out: a snapshot."""
+    s = batcher.scheduler
+    return [row for row in _snapshot(s.active) + _snapshot(s.pending)
+            if not row.reference and row.owner is not None and _ours(row.owner.request, door)]  # fmt: skip
+
+
+def _queued_of(batcher, door: Optional[str]) -> list:
+    """``door``'s requests (None: every door's) in ``batcher``'s queue: a snapshot."""
+    return [request for request in _snapshot(batcher.queue) if _ours(request, door)]
 
 
 def _snapshot(items) -> list:
