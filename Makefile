@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train64 gates64 quality quality-dpmpp quality64 sliders check-sd15 redteam test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-dpmpp quality-looks quality64 sliders check-sd15 redteam test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -23,10 +23,12 @@ help:
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
-	@echo "make sliders train + measure its concept sliders: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
+	@echo "make train-looks train issue 36's model, its scenes' looks drawn at random (CPU, pieces of 85 min; resumes)"
+	@echo "make sliders train + measure the concept sliders of SLIDERS_MODEL: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
 	@echo "make train64 train the 64x64 two-object shapes model (world 2; CPU, ~70 min on 2 cores; resumes if cut)"
 	@echo "make gates64 measure its gates (prompt following, oracle-mask ceiling, maps' overlap; ~15 min)"
 	@echo "make quality64 make quality on it (out/quality64/)"
+	@echo "make quality-looks make quality on the looks model (out/quality-looks/)"
 	@echo "make redteam issue 35's attacks replayed against a real server, /health polled (out/redteam/redteam.json)"
 	@echo "make test-all the test suite with the checks marked slow"
 	@echo "make check-sd15  a random SD 1.5 at true size: single file, export, engines, 4 edits at 512x512 (build/check-sd15/)"
@@ -83,6 +85,14 @@ quality-dpmpp: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes-dpmpp.yaml --sliders without
 
+# Issue 36's model: world 1 with every look (saturation, stroke, blur) of its training scenes drawn
+# at random, so that its autoencoder keeps them (TrainSpec.looks32). Trained in pieces of at most
+# 85 minutes, each resuming from the state the last one committed in export/checkpoints/shapes-looks
+# (the autoencoder, the UNet's optimizer and EMA; not the 98 MB dataset, drawn again from its seed).
+train-looks: setup
+	$(BIN)/python scripts/train_shapes.py --preset looks --out export/models/shapes-looks-sd \
+		--checkpoint export/checkpoints/shapes-looks --piece-minutes 85
+
 # The 64x64 world-2 model (issue 26): one or two objects, VAE factor 4, cross-attention at 16x16
 # and 8x8. A cut run resumes from build/train-shapes64 (its budget counting the time spent).
 train64: setup
@@ -93,16 +103,23 @@ gates64: setup
 	$(BIN)/edit-rt export configs/shapes64.yaml
 	$(BIN)/edit-rt gates configs/shapes64.yaml
 
+# make quality on the looks model (out/quality-looks/), beside make quality's default model
+quality-looks: setup
+	$(BIN)/edit-rt export configs/shapes-looks.yaml
+	$(BIN)/edit-rt engines configs/shapes-looks.yaml
+	$(BIN)/edit-rt quality configs/shapes-looks.yaml
+
 quality64: setup
 	$(BIN)/edit-rt export configs/shapes64.yaml
 	$(BIN)/edit-rt engines configs/shapes64.yaml
 	$(BIN)/edit-rt quality configs/shapes64.yaml
 
-# Concept sliders (issue 25): three LoRAs on the shapes model, 6 min each (pairs included), then
-# measured with diffusers on 24 world bases; a cut run resumes from build/sliders-work.
-sliders: setup export/models/shapes-sd/model_index.json
-	$(BIN)/python scripts/train_sliders.py --model export/models/shapes-sd --out export/models/shapes-sd/sliders \
-		--work build/sliders-work --minutes-per-slider 6 --seed 0 --bases 24
+# Concept sliders (issues 25, 36): three LoRAs on SLIDERS_MODEL, 6 min each (pairs included), then
+# measured with diffusers on 24 world bases; a cut run resumes from build/sliders-work/<model>.
+SLIDERS_MODEL ?= export/models/shapes-looks-sd
+sliders: setup
+	$(BIN)/python scripts/train_sliders.py --model $(SLIDERS_MODEL) --out $(SLIDERS_MODEL)/sliders \
+		--work build/sliders-work/$(notdir $(SLIDERS_MODEL)) --minutes-per-slider 6 --seed 0 --bases 24
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

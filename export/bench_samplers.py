@@ -42,7 +42,7 @@ from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.model.samplers import schedule_for
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
-from .judges import judge_for, psnr, world_of
+from .judges import judge_of, psnr
 from .shapes import prompt
 
 REFERENCES = {"ddim_100": ("ddim", 100), "converged": ("ddim", 500)}
@@ -90,7 +90,7 @@ def _tail_seconds(pipe: EditPipeline, cfg: RunConfig, settings: list[tuple[str, 
 
 def run_sampler_bench(cfg: RunConfig, prompts: int = 100, repeats: int = 5, out_dir: Optional[Path] = None,
                       advance: Callable[[int], None] = lambda n: None) -> dict[str, Any]:  # fmt: skip
-    judge = judge_for(world_of(cfg.model_dir))
+    judge = judge_of(cfg.model_dir)
     rng = np.random.default_rng(1)
     scenes = [judge.scene(rng) for _ in range(prompts)]
     bases = [dataclasses.replace(cfg.base, prompt=prompt(s), seed=1000 + k) for k, s in enumerate(scenes)]

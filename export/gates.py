@@ -28,7 +28,7 @@ from edit_rt.runtime.model.automask import dilate
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.pipeline import EditPipeline, TailRow
 
-from .judges import World1, foreground, iou, judge_for, world_of
+from .judges import World1, foreground, iou, judge_of
 from .quality import Tally, _prompt_following, quality_bases
 
 GOALS = {
@@ -51,7 +51,7 @@ def _edited_pixels(judge, seen, base_image: np.ndarray, kind: str) -> tuple[np.n
     of it, as its reader segments it); world 2 the prompt's first object, or every object for a
     background edit."""
     if isinstance(judge, World1):
-        mask = foreground(base_image, seen.background)
+        mask = foreground(base_image, seen.background, judge.looks)
         return mask, mask.astype(np.float64)
     objects = seen.objects if kind.startswith("background") else seen.objects[:1]
     return np.logical_or.reduce([o.mask for o in objects]), np.maximum.reduce([o.coverage for o in objects])
@@ -64,7 +64,7 @@ def oracle_ceiling(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, advance:
     strengths 1 and 1.5. Colour edits may change the shape's latent cells (``d0``) or those grown
     by one cell (``d1``); background edits keep the cells that touch the shapes (``any``) or
     only those inside them (``all``). A row per (setting, kind, strength)."""
-    judge = judge_for(world_of(cfg.model_dir))
+    judge = judge_of(cfg.model_dir)
     T = cfg.base.steps
     oracle: dict[str, Optional[np.ndarray]] = {"keep": None}
     own = pipe.keep_mask
@@ -98,7 +98,7 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
     """IoU of the changed words' thresholded maps with the edited object's cells, over colour
     edits of `make quality`'s bases (default tail): ``preserve: auto`` with ``region: words`` and
     no dilation, per threshold; the object's cells are those it covers at least half of."""
-    judge = judge_for(world_of(cfg.model_dir))
+    judge = judge_of(cfg.model_dir)
     T = cfg.base.steps
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
     scores: dict[str, list[float]] = defaultdict(list)
@@ -128,7 +128,7 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
 def run_gates(cfg: RunConfig, prompts: int = 100, bases: int = 50, out: Optional[Path] = None,
               say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every gate on ``cfg``'s model; ``gates.json`` in ``out`` (default: the model folder)."""
-    judge = judge_for(world_of(cfg.model_dir))
+    judge = judge_of(cfg.model_dir)
     with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
         following = _prompt_following(pipe, cfg.base, prompts, judge)
         say(f"prompt following: {following}")

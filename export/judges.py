@@ -35,6 +35,7 @@ import numpy as np
 
 from edit_rt.runtime.images import to_uint8
 
+from .shape_looks import _border_colour, read_any_look
 from .shapes import COLOURS, POSITIONS, SHAPES, Scene, Seen, _dilate, _erode, canonical, prompt, random_scene, read, read_objects, relation
 
 PSNR_CAP = 60.0  # dB given to identical regions (no error to take the log of)
@@ -56,10 +57,13 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.minimum(a, b).sum() / max(1e-9, np.maximum(a, b).sum()))
 
 
-def foreground(image: np.ndarray, background: str) -> np.ndarray:
-    """[H, W] bool: the shapes' pixels, as the world-1 reader segments them (far from the background)."""
+def foreground(image: np.ndarray, background: str, looks: bool = False) -> np.ndarray:
+    """[H, W] bool: the shapes' pixels, as the world-1 reader segments them (far from the
+    background's palette colour; with ``looks``, from the frame's median colour, which a
+    saturation look moves off the palette)."""
     img = to_uint8(image).astype(np.float64)
-    return np.sqrt(((img - np.array(COLOURS[background], dtype=np.float64)) ** 2).sum(axis=-1)) > 60
+    bg = _border_colour(img) if looks else np.array(COLOURS[background], dtype=np.float64)
+    return np.sqrt(((img - bg) ** 2).sum(axis=-1)) > 60
 
 
 def _pick(kind: str, avoid: list[Scene], rng: np.random.Generator) -> str:
@@ -84,10 +88,15 @@ class Score:
 
 
 class World1:
-    """One shape per image (32x32): the scene is the reading."""
+    """One shape per image (32x32): the scene is the reading. A model trained with its scenes'
+    looks drawn at random (issue 36: ``looks``) is read by ``read_any_look``, which names a
+    colour along its saturation curve and reads through an outline or a blur."""
 
     world = 1
     fields = tuple(f.name for f in dataclasses.fields(Scene) if f.name not in ("size", "other"))
+
+    def __init__(self, looks: bool = False):
+        self.looks = looks
 
     def kinds(self) -> tuple[str, ...]:
         return KINDS
@@ -97,7 +106,7 @@ class World1:
 
     def read(self, image: np.ndarray, like: Any = None) -> Optional[Scene]:
         """The reader on a decoded image ([H, W, 3] in [0, 1]), quantized as a saved PNG would be."""
-        return read(to_uint8(image))
+        return read_any_look(to_uint8(image)) if self.looks else read(to_uint8(image))
 
     def base_reading(self, image: np.ndarray, intended: Scene) -> Optional[Scene]:
         return self.read(image)
@@ -123,8 +132,8 @@ class World1:
         else:
             changed = [f for f in self.fields if f != kind and getattr(result, f) != getattr(seen, f)]
             ok, kept = getattr(result, kind) == getattr(target, kind), not changed
-        shape_base = foreground(base_image, seen.background)
-        shape_edit = foreground(image, result.background if result else target.background)
+        shape_base = foreground(base_image, seen.background, self.looks)
+        shape_edit = foreground(image, result.background if result else target.background, self.looks)
         region = {"background": shape_base, "shape": ~shape_base & ~shape_edit}.get(kind, ~shape_base)
         return Score(ok, kept, result is None, changed, psnr(base_image, image, region),
                      None if kind == "shape" else iou(shape_base, shape_edit))  # fmt: skip
@@ -258,12 +267,26 @@ class World2:
         return score
 
 
-def judge_for(world: int) -> World1 | World2:
-    return World2() if world == 2 else World1()
+def judge_for(world: int, looks: bool = False) -> World1 | World2:
+    return World2() if world == 2 else World1(looks)
+
+
+def judge_of(model: str | Path) -> World1 | World2:
+    """The judge of a model folder's world, reading through the looks when it was trained with them."""
+    return judge_for(world_of(model), looks_of(model))
+
+
+def _world_json(model: str | Path) -> dict:
+    path = Path(model) / "world.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def world_of(model: str | Path) -> int:
     """The shapes world a model folder was trained on: its ``world.json`` (written by
     export/train_shapes.py), world 1 when it has none."""
-    path = Path(model) / "world.json"
-    return int(json.loads(path.read_text())["world"]) if path.is_file() else 1
+    return int(_world_json(model).get("world", 1))
+
+
+def looks_of(model: str | Path) -> bool:
+    """Whether its training scenes drew their looks at random (``world.json``'s ``looks`` > 0)."""
+    return float(_world_json(model).get("looks", 0.0)) > 0

@@ -37,7 +37,7 @@ from edit_rt.runtime.model.edit import Base
 from edit_rt.runtime.pipeline import EditPipeline
 from edit_rt.runtime.model.edit import TailRow
 
-from .judges import Score, judge_for, world_of
+from .judges import Score, judge_of
 from .quality_targets import judge_targets, oracle_beside
 from .shapes import prompt, render
 
@@ -145,7 +145,7 @@ def run_quality(
     structure_settings = [(f, k) for f in sorted({default_fraction, *STRUCTURE_TAILS}) for k in structures]
     pipe = EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
     bar = progress or (lambda total, description: lambda n: None)
-    judge = judge_for(world_of(cfg.model_dir))
+    judge = judge_of(cfg.model_dir)
     following = _prompt_following(pipe, cfg.base, prompts, judge, bar(prompts, "prompts")) if prompts else None
     advance = bar(bases, "bases")
     img2img = StableDiffusionImg2ImgPipeline.from_pretrained(cfg.model_dir, safety_checker=None, requires_safety_checker=False)
@@ -275,7 +275,7 @@ def _plot(report: dict, path: Path) -> None:
 def prompt_following(cfg: RunConfig, n: int = 100) -> dict[str, float]:
     """How often the reader finds, in the model's own generations, what their prompts asked for."""
     with EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)) as pipe:
-        return _prompt_following(pipe, cfg.base, n, judge_for(world_of(cfg.model_dir)))
+        return _prompt_following(pipe, cfg.base, n, judge_of(cfg.model_dir))
 
 
 def _prompt_following(pipe: EditPipeline, base: Base, n: int, judge, advance: Callable[[int], None] = lambda n: None) -> dict[str, float]:

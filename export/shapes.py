@@ -30,7 +30,8 @@ them; ``export/sliders.py`` trains on pairs of renders that differ in one of the
 - ``render(..., blur=b)``: a Gaussian blur of sigma ``b`` pixels.
 
 Their defaults draw exactly what ``render`` drew before they existed; their readers, which need
-no scene, are in ``export/shape_looks.py``.
+no scene, are in ``export/shape_looks.py``. ``random_looks`` draws them for a model that learns
+them (issue 36): each off its default with a probability, uniform over ``LOOK_RANGES``.
 """
 
 from __future__ import annotations
@@ -177,6 +178,23 @@ def placements(scene: Scene, rng: Optional[np.random.Generator] = None) -> list[
         cx = mx + sign * dx * PAIR_HALF_GAP + jitter(0.02)
         cy = my + sign * dy * PAIR_HALF_GAP + jitter(0.02)
         out.append((thing, cx, cy, SIZES[thing.size] * grow()))
+    return out
+
+
+# The looks' ranges: the concept sliders' pairs (export/sliders.py PAIRS), which a looks model's
+# training scenes draw them over (``random_looks``).
+LOOK_RANGES: dict[str, tuple[float, float]] = {"saturation": (0.4, 1.6), "stroke": (-2.0, 2.0), "blur": (0.0, 1.5)}
+LOOK_DEFAULTS: dict[str, float] = {"saturation": 1.0, "stroke": 0.0, "blur": 0.0}
+
+
+def random_looks(rng: np.random.Generator, p: float) -> dict[str, float]:
+    """``render``'s look keywords for one scene: each look, independently, uniform over its
+    ``LOOK_RANGES`` with probability ``p``, else at its default (so a scene is plain with
+    probability (1 - p) ** 3). Always draws the same numbers from ``rng``, whatever ``p``."""
+    out = {}
+    for name, (low, high) in LOOK_RANGES.items():
+        on, value = rng.random() < p, rng.uniform(low, high)
+        out[name] = float(value) if on else LOOK_DEFAULTS[name]
     return out
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .judges import world_of
-from .shapes import WORLD_SIZES, prompt, random_scene, render
+from .shapes import LOOK_RANGES, WORLD_SIZES, prompt, random_scene, render
 from .train_shapes import images_to_x
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,9 @@ SliderName = Literal["saturation", "stroke", "blur"]
 # (render keyword, x- value, x+ value): scale +1 moves toward x+. Each pair straddles what the
 # model draws at scale 0, so the slider has somewhere to go both ways: the palette sits at
 # saturation 1 between greyer and more vivid; no outline between a light and a dark one; the
-# model's own edges (softer than a render's) between a crisp render and a blurred one.
-PAIRS: dict[str, tuple[str, float, float]] = {
-    "saturation": ("saturation", 0.4, 1.6),
-    "stroke": ("stroke", -2.0, 2.0),
-    "blur": ("blur", 0.0, 1.5),
-}
+# model's own edges (softer than a render's) between a crisp render and a blurred one. A looks
+# model (issue 36) was trained on scenes drawn over exactly these ranges (shapes.LOOK_RANGES).
+PAIRS: dict[str, tuple[str, float, float]] = {name: (name, low, high) for name, (low, high) in LOOK_RANGES.items()}
 SLIDER_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -408,7 +405,24 @@ SPEC_OVERRIDES: dict[str, dict] = {
 }
 
 
-def default_spec(name: str, seed: int = 0, minutes: float = 6.0) -> SliderSpec:
-    if name not in SPEC_OVERRIDES:
-        raise ValueError(f"unknown slider {name!r}: one of {sorted(SPEC_OVERRIDES)}")
-    return SliderSpec(name=name, seed=seed, minutes=minutes, **SPEC_OVERRIDES[name])
+# On a looks model (issue 36: its autoencoder keeps the looks, its scenes were drawn with them),
+# every slider trains on the encoder's latents of its pairs.
+LOOKS_OVERRIDES: dict[str, dict] = {
+    "saturation": {"lr": 1e-3},
+    "stroke": {"scales": (1.0, 2.0)},
+    "blur": {},
+}
+
+
+def trained_with_looks(model_dir: Path) -> bool:
+    """Whether the model's scenes were drawn with their looks (its training.json's spec)."""
+    path = Path(model_dir) / "training.json"
+    return path.is_file() and json.loads(path.read_text()).get("spec", {}).get("looks", 0.0) > 0
+
+
+def default_spec(name: str, seed: int = 0, minutes: float = 6.0, looks: bool = False) -> SliderSpec:
+    """The slider ``name``'s settings: ``SPEC_OVERRIDES``, or on a looks model ``LOOKS_OVERRIDES``."""
+    overrides = LOOKS_OVERRIDES if looks else SPEC_OVERRIDES
+    if name not in overrides:
+        raise ValueError(f"unknown slider {name!r}: one of {sorted(overrides)}")
+    return SliderSpec(name=name, seed=seed, minutes=minutes, **overrides[name])

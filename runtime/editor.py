@@ -38,6 +38,7 @@ from .errors import EditRtError
 from .images import to_uint8
 from .model.config import RunConfig, config_from_dict, load_config
 from .model.edit import Base, Direction, Edit
+from .model.sweep import expand
 from .pnginfo import parse_fields
 from .run import edit_label
 from .serving import service as service_module
@@ -278,8 +279,12 @@ class Editor:
         specs, pixel_masks = [], []
         for i, given in enumerate(edits):
             spec, pixel_mask = _edit_of(given, i)
-            specs.append(spec)
-            pixel_masks.append(pixel_mask)
+            try:  # a sweep is its rows, in place, as at every door (model/sweep.py)
+                rows = expand(spec)
+            except ValueError as err:
+                raise EditorError(f"edits[{i}].{err}", f"edits[{i}].sweep", "out_of_range") from None
+            specs += rows
+            pixel_masks += [pixel_mask] * len(rows)
 
         async def edit():
             out = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import textwrap
 from pathlib import Path
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -90,20 +90,24 @@ def png_bytes(image: np.ndarray, parameters: str) -> bytes:
     return out.getvalue()
 
 
-def contact_sheet(images: Sequence[np.ndarray], labels: Sequence[str], min_cell: int = 160) -> Image.Image:
-    """A grid of images, each upscaled (nearest) to at least ``min_cell`` px with its label under it."""
-    cols = min(4, len(images))
-    rows = -(-len(images) // cols)
+def contact_sheet(images: Sequence[np.ndarray], labels: Sequence[str], min_cell: int = 160,
+                  rows: Optional[Sequence[Sequence[int]]] = None) -> Image.Image:  # fmt: skip
+    """A grid of images, each upscaled (nearest) to at least ``min_cell`` px with its label under
+    it: ``rows`` lists the images' indices on each row (default: four to a row, in order)."""
+    if rows is None:
+        rows = [range(k, min(k + 4, len(images))) for k in range(0, len(images), 4)]
+    cols = max(len(r) for r in rows)
     h, w = images[0].shape[:2]
     zoom = max(1, -(-min_cell // max(h, w)))
     cw, ch = w * zoom, h * zoom
     font = ImageFont.load_default()
     label_h = 28
-    sheet = Image.new("RGB", (cols * cw, rows * (ch + label_h)), "white")
+    sheet = Image.new("RGB", (cols * cw, len(rows) * (ch + label_h)), "white")
     draw = ImageDraw.Draw(sheet)
     chars_per_line = max(8, cw // 6)  # the default bitmap font is ~6 px per character
+    places = {k: (j * cw, i * (ch + label_h)) for i, row in enumerate(rows) for j, k in enumerate(row)}
     for k, (image, label) in enumerate(zip(images, labels)):
-        x, y = (k % cols) * cw, (k // cols) * (ch + label_h)
+        x, y = places[k]
         sheet.paste(Image.fromarray(to_uint8(image)).resize((cw, ch), Image.NEAREST), (x, y))
         lines = textwrap.wrap(label, chars_per_line)
         if len(lines) > 2:

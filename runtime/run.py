@@ -74,6 +74,23 @@ def edit_label(edit: Edit, strength: float, start_step: int, steps: int, preserv
     return " ".join(parts) + ": " + " + ".join(prompts)
 
 
+def grid_rows(edit_rows: Sequence[int], n_edits: int, per_row: int = 4) -> list[list[int]]:
+    """The grid's rows of image indices (0: the base, k: edit k - 1): the base and the plain
+    edits four to a row, in order, and each sweep (an edit of ``edit_rows`` > 1) on a row of
+    its own, its positions left to right."""
+    spans = [(sum(edit_rows[:i]), n) for i, n in enumerate(edit_rows)] if sum(edit_rows) == n_edits else [(i, 1) for i in range(n_edits)]
+    rows: list[list[int]] = [[0]]
+    for first, n in spans:
+        cells = [1 + first + j for j in range(n)]
+        if n > 1:
+            rows += [cells, []]
+        elif len(rows[-1]) < per_row:
+            rows[-1] += cells
+        else:
+            rows.append(cells)
+    return [r for r in rows if r]
+
+
 def image_of(cfg: RunConfig) -> Upload:
     """``base.image``, read as the server reads an upload (the same checks, the same key)."""
     path, s = Path(cfg.base.image), cfg.serve
@@ -188,7 +205,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         pipe.deactivate()
 
     with timer.stage("write"), output_errors(cfg.output_dir):
-        contact_sheet(images, labels).save(cfg.output_dir / "grid.png")
+        contact_sheet(images, labels, rows=grid_rows(cfg.edit_rows, len(images) - 1)).save(cfg.output_dir / "grid.png")
 
     # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
     # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,

@@ -23,7 +23,7 @@ from pydantic import ConfigDict, StringConstraints, TypeAdapter, ValidationError
 from ..errors import ConfigError, ModelError
 from .weighting import PromptSyntaxError, prompt_spans
 from .lora_tags import config_with_tags
-from .sweep import expand_all
+from .sweep import expand_all, rows_of
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
 from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
 from .serve_config import Serve
@@ -168,7 +168,10 @@ class RunConfig:
     # to the config): `edit-rt adapters` (and make export) converts them for the model; rows
     # name them in `adapters: {name: scale}`.
     adapters: dict[Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Path] = field(default_factory=dict)
+    # Set at load, never from the file: the file's path, and the rows each of the file's edits
+    # became (a sweep's n, else 1; ``edits`` holds them expanded): the grid shows a sweep as a row.
     source: Optional[Path] = None
+    edit_rows: tuple[int, ...] = ()
 
     def served_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of every size served: the base's first, then engines.sizes."""
@@ -311,7 +314,7 @@ def _config_error(err: ValidationError) -> ConfigError:
     where = _path(loc) or "top level"
     if kind == "unexpected_keyword_argument":
         owner = _type_at(loc[:-1])
-        known = sorted(f.name for f in dataclasses.fields(owner) if f.name != "source") if owner else []
+        known = sorted(f.name for f in dataclasses.fields(owner) if f.name not in _SET_AT_LOAD) if owner else []
         return ConfigError(f"{where}: unknown key; the keys allowed here are {', '.join(known)}")
     if kind in ("missing", "missing_argument", "missing_keyword_argument"):
         return ConfigError(f"{where}: missing; this field is required")
@@ -319,6 +322,7 @@ def _config_error(err: ValidationError) -> ConfigError:
 
 
 _ADAPTER: Optional[TypeAdapter] = None
+_SET_AT_LOAD = {"source": "from the file's path", "edit_rows": "from the edits' sweeps"}
 
 
 def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
@@ -328,8 +332,9 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
     try:
         if not isinstance(data, dict):
             raise ConfigError(f"top level: must be a mapping, got {type(data).__name__}")
-        if "source" in data:
-            raise ConfigError("source: unknown key; it is set from the file's path")
+        for key in _SET_AT_LOAD:
+            if key in data:
+                raise ConfigError(f"{key}: unknown key; it is set at load ({_SET_AT_LOAD[key]})")
         if _ADAPTER is None:
             _ADAPTER = TypeAdapter(RunConfig)
         data, base_tags = config_with_tags(data)  # <lora:name:w> in base.prompt, edits[i].prompt: their adapters
@@ -350,7 +355,7 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
         )
         if any(edit.sweep is not None for edit in cfg.edits):  # a sweep runs as its rows (model/sweep.py)
             try:
-                cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits))
+                cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits), edit_rows=tuple(rows_of([e]) for e in cfg.edits))
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         if cfg.store.disk_dir is not None:
