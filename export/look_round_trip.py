@@ -89,13 +89,15 @@ def look_round_trip(vae, world: int = 1, size: int = 32, n: int = 40, seed: int 
     render's and the round trip's mean readings, each scene's rho, the shares and the verdicts;
     ``passes`` when every look keeps both its order and its levels."""
     scenes, sweeps = look_sweeps(world, size, n, seed)
+    backs: dict[str, np.ndarray] = {}
     report: dict = {"n": n, "seed": seed, "levels": LEVELS, "bars": {"rho": RHO_BAR, "share": SHARE_BAR, "mean": MEAN_BAR}, "looks": {}}
     for look, reader in look_readers(world).items():
         rendered = sweeps[look]
-        back = round_trip(vae, rendered)
+        back = backs[look] = round_trip(vae, rendered)
         a = np.array([[reader(im) for im in row] for row in rendered])
         b = np.array([[reader(im) for im in row] for row in back])
-        rhos = np.array([spearman(a[i][_visible(look, s)], b[i][_visible(look, s)]) for i, s in enumerate(scenes)])
+        shown = [_visible(look, s) for s in scenes]
+        rhos = np.array([spearman(a[i][v], b[i][v]) for i, v in enumerate(shown)])
         ma, mb = a.mean(axis=0), b.mean(axis=0)
         span = float(abs(ma[-1] - ma[0]))
         off = np.abs(mb - ma) / max(span, 1e-9)
@@ -107,18 +109,18 @@ def look_round_trip(vae, world: int = 1, size: int = 32, n: int = 40, seed: int 
             "order_ok": bool(np.mean(rhos >= RHO_BAR) >= SHARE_BAR), "levels_ok": bool(np.all(off <= MEAN_BAR)),
         }  # fmt: skip
     report["passes"] = all(v["order_ok"] and v["levels_ok"] for v in report["looks"].values())
-    report["_sweeps"] = sweeps  # for the picture; dropped before the report is written
+    report["_sweeps"], report["_round_trips"] = sweeps, backs  # for the picture; not written
     return report
 
 
-def plot_look_round_trip(vae, report: dict, path: Path, scenes: int = 2) -> None:
+def plot_look_round_trip(report: dict, path: Path, scenes: int = 2) -> None:
     """Rows per look and scene: the renders over the levels, then their round trips."""
     from PIL import Image, ImageDraw, ImageFont
 
     rows = []
     for look, sweep in report["_sweeps"].items():
         for i in range(min(scenes, len(sweep))):
-            rows += [(f"{look} render", sweep[i]), (f"{look} round trip", round_trip(vae, sweep[i]))]
+            rows += [(f"{look} render", sweep[i]), (f"{look} round trip", report["_round_trips"][look][i])]
     zoom, label_w = 3, 110
     h, w = rows[0][1].shape[1:3]
     sheet = Image.new("RGB", (label_w + LEVELS * w * zoom, len(rows) * h * zoom + 14), "white")

@@ -414,12 +414,6 @@ LOOKS_OVERRIDES: dict[str, dict] = {
 }
 
 
-def trained_with_looks(model_dir: Path) -> bool:
-    """Whether the model's scenes were drawn with their looks (its training.json's spec)."""
-    path = Path(model_dir) / "training.json"
-    return path.is_file() and json.loads(path.read_text()).get("spec", {}).get("looks", 0.0) > 0
-
-
 def default_spec(name: str, seed: int = 0, minutes: float = 6.0, looks: bool = False) -> SliderSpec:
     """The slider ``name``'s settings: ``SPEC_OVERRIDES``, or on a looks model ``LOOKS_OVERRIDES``."""
     overrides = LOOKS_OVERRIDES if looks else SPEC_OVERRIDES

@@ -36,8 +36,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edit_rt.runtime.images import to_uint8
-
 from .shape_looks import read_any_look
 from .shapes import COLOURS, POSITIONS, RELATIONS, SHAPES, SIZES, canonical, prompt, random_looks, random_scene, read, render
 from .tiny_model import write_tokenizer
@@ -110,9 +108,7 @@ def _scenes(rng: np.random.Generator, n: int, spec: TrainSpec) -> tuple[list, np
     """``n`` scenes of ``spec``'s world and their jittered renders (uint8 [n, H, W, 3]), each
     with its looks drawn at random when ``spec.looks``."""
     scenes = [random_scene(rng, spec.world, spec.two_objects) for _ in range(n)]
-    if not spec.looks:
-        return scenes, np.stack([render(s, spec.image_size, rng) for s in scenes])
-    return scenes, np.stack([render(s, spec.image_size, rng, **random_looks(rng, spec.looks)) for s in scenes])
+    return scenes, np.stack([render(s, spec.image_size, rng, **(random_looks(rng, spec.looks) if spec.looks else {})) for s in scenes])
 
 
 def _edge_loss(recon: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +145,10 @@ def _round_trip(vae, spec: TrainSpec, n: int = 200) -> dict[str, float]:
     every prompt-following number read from this model's images. A looks model's renders are
     read by ``read_any_look`` (the palette reader ``read`` misses a greyed colour), and
     ``reader_on_renders`` says how often it reads the renders themselves."""
+    from .look_round_trip import round_trip
+
     scenes, images = _scenes(np.random.default_rng(10_000 + spec.seed), n, spec)
-    with torch.no_grad():
-        y = vae.decode(vae.encode(images_to_x(images)).latent_dist.mean).sample
-    out = to_uint8(y.permute(0, 2, 3, 1).numpy() / 2 + 0.5)
+    out = round_trip(vae, images)
     mse = ((out.astype(np.float64) - images) ** 2).mean(axis=(1, 2, 3))
     reader = partial(read_any_look, world=spec.world) if spec.looks else partial(read, world=spec.world)
     report = {"psnr_db": float(np.mean(10 * np.log10(255.0**2 / np.maximum(mse, 1e-10)))),
@@ -193,8 +189,9 @@ def train_shapes(
     UNet stage at that step without saving a checkpoint there: with a checkpoint of a run still
     going, ``stop_at=0`` writes that run's model as of its last checkpoint (its EMA weights).
     ``piece_minutes`` (with ``checkpoint``) ends this run's UNet stage once this run (its
-    autoencoder stage included) has taken that long, saving the state there: the next run resumes from it (a training in pieces, each
-    committed; ``report["finished"]`` says whether the UNet stage is done)."""
+    autoencoder stage included) has taken that long, saving the state there: the next run
+    resumes from it (a training in pieces, each committed; ``report["finished"]`` says whether
+    the UNet stage is done)."""
     from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -398,7 +395,7 @@ def _look_round_trip(vae, spec: TrainSpec, out: Path, checkpoint: Optional[Path]
 
     report = look_round_trip(vae, spec.world, spec.image_size, n=spec.look_scenes)
     out.mkdir(parents=True, exist_ok=True)
-    plot_look_round_trip(vae, report, out / "look_round_trip.png")
+    plot_look_round_trip(report, out / "look_round_trip.png")
     kept = written(report)
     for folder in (out, checkpoint):
         if folder is not None:

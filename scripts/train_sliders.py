@@ -25,10 +25,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from edit_rt.export.judges import world_of  # noqa: E402
+from edit_rt.export.judges import looks_of, world_of  # noqa: E402
 from edit_rt.export.shapes import WORLD_SIZES  # noqa: E402
 from edit_rt.export.slider_eval import CROSS_TOLERANCE, evaluate_sliders, plot_sliders  # noqa: E402
-from edit_rt.export.sliders import ALLOWED_TARGETS, default_spec, train_slider, trained_with_looks  # noqa: E402
+from edit_rt.export.sliders import ALLOWED_TARGETS, default_spec, train_slider  # noqa: E402
 
 NAMES = ("saturation", "stroke", "blur")
 DIRECTION = {
@@ -129,8 +129,7 @@ def _card(training: dict, evaluation: dict) -> str:
     for key, m in evaluation["two_sliders"].items():
         lines.append(f"| {key} | {m['share_rho_ge_0.9']:.2f} | {m['median_rho']:.2f} | {m['range']:.3f} |")
     lines += ["", "Measurement seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in evaluation["seconds"].items()), ""]
-    looks = trained_with_looks(Path(training.get("sliders_dir", "."), ".."))
-    lines += WORLD2_NOTES if world == 2 else LOOKS_NOTES if looks else LIMITS
+    lines += WORLD2_NOTES if world == 2 else LOOKS_NOTES if looks_of(Path(sliders_dir).parent) else LIMITS
     return "\n".join(lines)
 
 
@@ -249,7 +248,7 @@ def main() -> None:
     start = time.perf_counter()
     if not args.skip_training:
         for name in args.only:
-            spec = default_spec(name, seed=args.seed, minutes=args.minutes_per_slider, looks=trained_with_looks(args.model))
+            spec = default_spec(name, seed=args.seed, minutes=args.minutes_per_slider, looks=looks_of(args.model))
             training["sliders"][name] = train_slider(args.model, spec, args.out / name, args.work / name)
     training["train_seconds"] = round(sum(r["seconds"] for r in training["sliders"].values()), 1)
     names = [n for n in NAMES if (args.out / n).is_dir()]
