@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -53,6 +53,13 @@ class PeakRss:
             stop.set()
             thread.join()
             self.peak_bytes = max(peak[0], self._rss()) - start
+
+
+def ratios(top: Sequence[float], bottom: Sequence[float]) -> dict[str, Any]:
+    """``top[r] / bottom[r]`` per repeat r (the two ran side by side in it): the runs, their
+    median and their spread (min, max)."""
+    runs = [a / b for a, b in zip(top, bottom)]
+    return {"median": statistics.median(runs), "spread": [min(runs), max(runs)], "runs": runs}
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
@@ -158,6 +165,26 @@ def entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: in
             # every row skips its entry step's unconditional half, but one per call is computed
             # (ONNX Runtime's MatMul cannot broadcast over an empty batch): (n - 1) / (2 n k)
             "expected_saving": skipped / (2 * n * k), "measured_saving": 1 - with_reuse / without}  # fmt: skip
+
+
+def slider_move(rt: EditPipeline, state, prompt: str, k: int, repeats: int) -> dict[str, Any]:
+    """A slider move on the page: one row, its edit prompt already encoded, a new strength. Each
+    move's seconds (K/V mix, the k-step tail, the decode) against its UNet calls' own (the step
+    loop's clock), and the first edit's (which encodes the prompt) for comparison; per repeat."""
+    base, T = state.base, state.base.steps
+    stats = rt.batcher(state.latents.shape[1:]).scheduler.stats
+    rt.resolver.encoded.pop((prompt, base.clip_skip, False, ()), None)
+    first = _timed(lambda: rt.decode(rt.run_tail(state, [TailRow(prompt, 1.0, T - k, base.guidance)])))[0]
+    moves, unet = [], []
+    for r in range(repeats + 1):  # the first move warms the one-row shapes
+        row = TailRow(prompt, 0.5 + 0.25 * r, T - k, base.guidance)
+        before = stats.step_seconds
+        moves.append(_timed(lambda: rt.decode(rt.run_tail(state, [row])))[0])
+        unet.append(stats.step_seconds - before)
+    over = ratios(moves[1:], unet[1:])
+    return {"tail_steps": k, "seconds_first_edit": first, "seconds_move": statistics.median(moves[1:]),
+            "seconds_move_unet": statistics.median(unet[1:]), "move_over_unet": over["median"],
+            "move_over_unet_spread": over["spread"]}  # fmt: skip
 
 
 def bucket_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import torch
 from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.model.edit import TailRow
+from .bench_side import ratios
 
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
@@ -57,14 +58,16 @@ def random_lora(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
     return out / "pytorch_lora_weights.safetensors"
 
 
-def _interleaved(modes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+def _interleaved(modes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Each mode's seconds per repeat, the modes run in turn within each (a first, warm-up round
+    dropped): ratios are taken per repeat (bench_side.ratios)."""
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats + 1):
         for mode, fn in modes.items():
             start = time.perf_counter()
             fn()
             seconds[mode].append(time.perf_counter() - start)
-    return {mode: statistics.median(runs[1:]) for mode, runs in seconds.items()}
+    return {mode: runs[1:] for mode, runs in seconds.items()}
 
 
 def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: int, say: Callable[[str], None],
@@ -109,8 +112,10 @@ def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: 
     one = {"l0": (1.0, 1.0)}
     every = {f"l{j}": (0.5, 0.5) for j in range(slots)}
     say(f"bench: {n}-row {k}-step tails: plain graph, slots idle, 1 adapter, {slots} adapters")
-    cost = _interleaved({"plain": tail(rt_plain, state, None), "slots_idle": tail(rt, rstate, {}),
-                         "one_adapter": tail(rt, rstate, one), "all_adapters": tail(rt, rstate, every)}, repeats)  # fmt: skip
+    runs = _interleaved({"plain": tail(rt_plain, state, None), "slots_idle": tail(rt, rstate, {}),
+                         "one_adapter": tail(rt, rstate, one), "all_adapters": tail(rt, rstate, every)}, max(3, repeats))  # fmt: skip
+    cost = {mode: statistics.median(r) for mode, r in runs.items()}
+    over_plain = {mode: ratios(runs[mode], runs["plain"]) for mode in ("slots_idle", "one_adapter", "all_adapters")}
 
     scales = list(np.linspace(-2.0, 2.0, points))
     sweep_rows = [TailRow(base.prompt, 1.0, T - k, base.guidance, adapters={"l0": (float(s), float(s))}) for s in scales]
@@ -124,16 +129,19 @@ def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: 
                  height=base.height, width=base.width, latents=noise, output_type="latent")  # fmt: skip
 
     say(f"bench: a {points}-point slider sweep as one {k}-step tail against {points} diffusers generations")
-    sweep = _interleaved({"edit_rt_sweep": lambda: rt.decode(rt.run_tail(rstate, sweep_rows)),
-                          "diffusers_regenerate": diffusers_sweep}, max(1, repeats - 1))  # fmt: skip
+    sweep = {mode: statistics.median(r) for mode, r in _interleaved({
+        "edit_rt_sweep": lambda: rt.decode(rt.run_tail(rstate, sweep_rows)), "diffusers_regenerate": diffusers_sweep},
+        max(1, repeats - 1)).items()}  # fmt: skip
     pipe.delete_adapters(["l0"])
     rt.deactivate()
     return {
         "slots": slots, "rank": rank, "n": n, "tail_steps": k, "steps": T,
         "seconds": cost,
-        "ratio_slots_idle_over_plain": cost["slots_idle"] / cost["plain"],
-        "ratio_one_adapter_over_plain": cost["one_adapter"] / cost["plain"],
-        "ratio_all_adapters_over_plain": cost["all_adapters"] / cost["plain"],
+        # per repeat (the four interleaved in each): the median, and its spread (min, max)
+        "ratio_slots_idle_over_plain": over_plain["slots_idle"]["median"],
+        "ratio_one_adapter_over_plain": over_plain["one_adapter"]["median"],
+        "ratio_all_adapters_over_plain": over_plain["all_adapters"]["median"],
+        "ratio_spread": {mode: r["spread"] for mode, r in over_plain.items()},
         "sweep": {"points": points, "seconds_edit_rt": sweep["edit_rt_sweep"],
                   "seconds_diffusers": sweep["diffusers_regenerate"],
                   "speedup": sweep["diffusers_regenerate"] / sweep["edit_rt_sweep"],

@@ -189,7 +189,8 @@ class UNetStepGraph(nn.Module):
     Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]`` (float: Karras sigmas fall
     between training timesteps), ``alpha_t [N]`` (the latent's alpha-bar), ``coefs [N,7]`` (the
     row's update, columns ``samplers.COEFS``), ``guidance [N]``, ``uncond_index [N]`` (int64:
-    the row's negative-prompt set), ``uncond_given [E,c,h,w]``, ``self_ref [N]`` (below),
+    the row's negative-prompt set), ``uncond_given [E,c,h,w]``, ``uncond_slope [E]`` (below),
+    ``self_ref [N]`` (below),
     ``history [N,2,c,h,w]`` (the x_0 predicted one and two steps before), ``noise [N,c,h,w]``
     (an ancestral sampler's fresh noise; zeros or anything finite for the others), the family's
     conds, then per layer ``cond_k_i [N,heads,d,77]``, ``cond_v_i [N,heads,77,d]``,
@@ -204,7 +205,11 @@ class UNetStepGraph(nn.Module):
 
     ``uncond_given`` holds the unconditional prediction of the *last* E rows, known already (a
     row at its entry step re-enters the base's chain at a latent whose unconditional prediction
-    the base computed): the UNet runs N - E unconditional rows and N conditional ones.
+    the base computed): the UNet runs N - E unconditional rows and N conditional ones. A row
+    whose tail takes the base's prediction at every step (``tail.uncond: base-corrected``)
+    re-enters at a latent x_e near the base's x_b, and takes ``u_b + k (x_e - x_b)``: the host
+    gives ``uncond_given = u_b - k x_b`` and ``uncond_slope = k`` and the graph adds ``k x_e``
+    (0: the prediction as given; runtime/loop/uncond_reuse.py derives k).
     Outputs: ``next_latents [N,c,h,w]``, ``uncond_out [N,c,h,w]`` (each row's unconditional
     prediction, which a base generation keeps for its edits' entry steps) and ``history_out
     [N,2,c,h,w]``.
@@ -245,7 +250,7 @@ class UNetStepGraph(nn.Module):
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
 
-    def forward(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, *rest):
+    def forward(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope, *rest):
         self.context.maps = []
         self.context.want_maps = self.map_layers is not None
         n = latents.shape[0]
@@ -278,7 +283,7 @@ class UNetStepGraph(nn.Module):
         # The processors read the context; encoder_hidden_states only has to exist.
         dummy_text = latents.new_zeros(x.shape[0], 1, self.cross_attention_dim)
         out = self.unet(x, t, encoder_hidden_states=dummy_text, added_cond_kwargs=added or None, return_dict=False)[0]
-        out_uncond = torch.cat([out[:nu], uncond_given])
+        out_uncond = torch.cat([out[:nu], uncond_given + uncond_slope.view(-1, 1, 1, 1) * latents[nu:]])
         out_cond = out[nu:]
         # 2. classifier-free guidance (Ho & Salimans 2022, eq. 6), per-row scale
         g = guidance.view(n, 1, 1, 1)

@@ -176,6 +176,8 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
         ("guidance", "row_scalar:guidance", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),
         ("uncond_given", "entry_uncond", torch.randn(e, c, h, w), {0: "E", 2: "H", 3: "W"}),
+        # a given row's slope on its own latent (tail.uncond: base-corrected; 0: u as given)
+        ("uncond_slope", "entry_slope", torch.rand(e), {0: "E"}),
     ]
     # the row whose self-attention pattern each row takes (structure keeping; itself otherwise)
     inputs.append(("self_ref", "row_ref", torch.tensor([0, 0, 2], dtype=torch.int64), {0: "N"}))

@@ -13,7 +13,8 @@ base prompt with that one word replaced. Scores, per edit:
   edits; a shape edit changes the silhouette on purpose).
 
 Side by side on the same bases: edit-rt at several tail fractions K/T and strengths with
-``preserve: none``; edit-rt with ``preserve: auto`` at the default tail and strength, for each
+``preserve: none``; the same rows on the base's unconditional prediction (``tail.uncond:
+base`` and ``base-corrected``, methods "uncond base", "uncond base-corrected"); edit-rt with ``preserve: auto`` at the default tail and strength, for each
 setting of its knobs; diffusers' img2img at strength K/T (same model and steps, fresh noise);
 prompt-to-prompt from the same base tail (export/p2p.py). A "real image" mode does the same
 on shapes-world renders that no model drew: inverted into bases (pipeline.invert), then edited,
@@ -45,6 +46,8 @@ from .shapes import prompt, render
 AUTO_KNOBS = tuple((t, d, r) for t in (0.3, 0.5) for d in (0, 1) for r in ("contrast", "words"))
 # Longer tails than the default, where keeping the base's layout may let an edit go further
 STRUCTURE_TAILS = (0.5, 0.6)
+# tail.uncond modes measured beside the exact tail (compute) at every setting of it
+UNCOND_REUSE = ("base", "base-corrected")
 
 
 @dataclass
@@ -159,12 +162,15 @@ def run_quality(
         base_reads += judge.follow(base_image, intended)["all"]
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
-        # edit-rt, preserve: none, every setting of every kind in one batched tail
-        rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance) for _, text in edits.values() for f, s in settings]
-        images = iter(r.image for r in pipe.edit(state, rows))
-        for kind, (target, _) in edits.items():
-            for f, s in settings:
-                tallies["edit-rt", kind, f, s].add(judge.score(next(images), base_image, seen, target, kind))
+        # edit-rt, preserve: none, every setting of every kind in one batched tail; then the same
+        # rows on the base's unconditional prediction (tail.uncond), beside the exact tail
+        for method, mode in (("edit-rt", "compute"), *((f"uncond {m}", m) for m in UNCOND_REUSE)):
+            rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance, uncond=mode)
+                    for _, text in edits.values() for f, s in settings]  # fmt: skip
+            images = iter(r.image for r in pipe.edit(state, rows))
+            for kind, (target, _) in edits.items():
+                for f, s in settings:
+                    tallies[method, kind, f, s].add(judge.score(next(images), base_image, seen, target, kind))
         # edit-rt, preserve: auto, each setting of its knobs, at the default tail and strength
         for knobs in auto_knobs:
             t, d, region = knobs

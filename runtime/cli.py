@@ -256,7 +256,7 @@ def _print_bench(report: dict, output_dir: Path) -> None:
     )
     table = Table(title=title, title_justify="left")
     for column in ("N", "K/T", "(a) diffusers edits/s", "(b) img2img edits/s", "(d) edit-rt edits/s",
-                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)"):  # fmt: skip
+                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)", "(e)/(d) uncond base"):  # fmt: skip
         table.add_column(column, justify="right")
     points = {(p["method"], p["n"], p["tail_fraction"]): p for p in report["points"]}
     for c in report["comparisons"]:
@@ -265,7 +265,7 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             str(n), f"{f:g}", f"{points[('diffusers', n, None)]['edits_per_s']:.2f}",
             f"{points[('img2img', n, f)]['edits_per_s']:.2f}", f"{points[('edit-rt tail', n, f)]['edits_per_s']:.2f}",
             f"{c['speedup_vs_diffusers']:.1f}x", f"{c['ideal_speedup_vs_diffusers']:.1f}x", f"{c['efficiency']:.2f}",
-            f"{c['speedup_vs_img2img']:.2f}x",
+            f"{c['speedup_vs_img2img']:.2f}x", f"{c['uncond_reuse_speedup']:.2f}x",
         )  # fmt: skip
     out = Console()
     out.print(table)
@@ -284,6 +284,9 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"entry-step reuse, {d['n']} rows x {d['tail_steps']} steps: {d['half_rows_skipped']} of "
             f"{d['half_rows']} half-rows skipped ({d['expected_saving']:.1%}), tail "
             f"{d['seconds_without']:.2f} s -> {d['seconds_with']:.2f} s ({d['measured_saving']:.1%} faster)"),
+        "slider_move": lambda d: (
+            f"a slider move (1 row x {d['tail_steps']} steps, prompt encoded): {d['seconds_move']:.3f} s, its UNet calls "
+            f"{d['seconds_move_unet']:.3f} s ({d['move_over_unet']:.2f}x); the first edit, encoding: {d['seconds_first_edit']:.3f} s"),
         "inversion": lambda d: (
             f"a base from an image: {d['seconds_invert']:.2f} s ({d['rows_backwards']} rows back, one at a time, + "
             f"{d['rows_forward']} one-step rows forward, batched) vs {d['seconds_generate']:.2f} s to generate one "

@@ -130,6 +130,7 @@ class EditResult(Result):
     strength: float
     tail_steps: int
     preserve: str  # what its preserve mode came to ("auto", "none", or why none)
+    uncond: str = "compute"  # where its unconditional prediction came from (tail.uncond, as it ran)
 
 
 _EDIT = TypeAdapter(Edit)
@@ -264,11 +265,11 @@ class Editor:
 
         An edit is an :class:`~edit_rt.runtime.model.edit.Edit`, a mapping of its fields (as a
         config's ``edits:`` entry: prompt, strength, directions, start_step or tail_steps or
-        tail_fraction, guidance, mask, seed, preserve, structure, label; and, in a mapping only,
+        tail_fraction, guidance, mask, seed, preserve, structure, uncond, label; and, in a mapping only,
         ``pixel_mask``: an [H, W] array in [0, 1] at the base's size, 1 where the image may
         change, 0 where it keeps the base's pixel exactly), or a prompt; what it leaves out is
         the config's default (``cache.default_strength``, ``default_tail_fraction``,
-        ``preserve.mode``, ``preserve.structure``).
+        ``preserve.mode``, ``preserve.structure``, ``tail.uncond``).
 
         ``on_progress(index, step, of)`` is called as each edit's tail advances, and
         ``on_preview(index, step, of, image)`` ``previews`` times per edit over its tail (both
@@ -321,7 +322,8 @@ class Editor:
         steps = int(_fields(png)["Steps"])  # what ran: the base's steps, from the PNG's own parameters
         directions = [Direction(**d) for d in info.get("directions", ())]
         label = edit_label(specs[i], info["strength"], steps - info["tail_steps"], steps, info["preserve"], directions)
-        return EditResult(png, bid, info["seconds"], i, label, info["strength"], info["tail_steps"], info["preserve"])
+        return EditResult(png, bid, info["seconds"], i, label, info["strength"], info["tail_steps"], info["preserve"],
+                          info.get("uncond", "compute"))  # fmt: skip
 
     def _run(self, operation: Coroutine[Any, Any, T]) -> T:
         """Run one of the service's operations on the Editor's loop and wait for it; its API

@@ -59,7 +59,8 @@ def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str,
     }
 
 
-def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str, preserve: Optional[str] = None) -> dict:
+def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str, preserve: Optional[str] = None,
+                uncond: str = "compute") -> dict:  # fmt: skip
     fields = base_fields(base, model, fingerprint, bid)
     fields["CFG scale"] = f"{row.guidance:g}"
     fields.update({"Edit strength": f"{row.strength:g}", "Tail steps": base.steps - row.start_step,
@@ -79,6 +80,8 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
         fields["Preserve"] = preserve
     if row.structure:
         fields["Structure"] = f"{row.structure:g}"
+    if uncond != "compute":  # the tail took its base's unconditional prediction (tail.uncond)
+        fields["Tail uncond"] = uncond
     return fields
 
 

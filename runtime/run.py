@@ -191,7 +191,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
                 name = f"edit_{k:02d}.png"
                 with stage(f"decoding {name}"):
                     images.append(next(decoded))
-                    fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve)
+                    fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve, results[k].uncond)
                     save_png(cfg.output_dir / name, images[-1], parameters_text(row.prompt, base.negative_prompt, fields))
                 label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
                 files.append(name)
@@ -200,7 +200,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
                 edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
                                      "start_step": row.start_step, "tail_steps": T - row.start_step,
                                      "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
-                                     "preserve": results[k].preserve, **directions})  # fmt: skip
+                                     "preserve": results[k].preserve, "uncond": results[k].uncond, **directions})  # fmt: skip
     finally:
         pipe.deactivate()
 

@@ -76,6 +76,17 @@ def base_state(pipeline):
     return pipeline.generate_base(TEST_BASE)
 
 
+@pytest.fixture(scope="module")
+def diffusers_pipe(model_dir):
+    """diffusers' own StableDiffusionPipeline on the tiny model, with DDIMScheduler (eta 0)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 @pytest.fixture
 def torch_components(model_dir):
     """Fresh (unet, text_encoder, vae, tokenizer, scheduler_config) from diffusers/transformers.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from edit_rt.export.bench import run_bench
+from edit_rt.export.bench import UNCOND_METHOD, run_bench
 from edit_rt.runtime.model.config import config_from_dict
 
 
@@ -35,7 +35,8 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     methods = {(p["method"], p["n"], p["tail_fraction"]) for p in report["points"]}
     assert methods == {("edit-rt full", 1, None), ("diffusers", 1, None), ("diffusers", 2, None),
-                       ("img2img", 1, 0.5), ("img2img", 2, 0.5), ("edit-rt tail", 1, 0.5), ("edit-rt tail", 2, 0.5)}  # fmt: skip
+                       ("img2img", 1, 0.5), ("img2img", 2, 0.5), ("edit-rt tail", 1, 0.5), ("edit-rt tail", 2, 0.5),
+                       (UNCOND_METHOD, 1, 0.5), (UNCOND_METHOD, 2, 0.5)}  # fmt: skip
     for p in report["points"]:
         assert p["seconds"] > 0 and p["edits_per_s"] > 0 and p["peak_rss_mb"] >= 0
     rows = {(p["method"], p["n"]): p["unet_rows"] for p in report["points"]}
@@ -43,11 +44,16 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     (c1, c2) = report["comparisons"]
     for c in (c1, c2):
         assert c["tail_steps"] == 2 and c["ideal_speedup_vs_diffusers"] > 0 and 0 < c["efficiency"]
+        assert c["uncond_reuse_speedup"] > 0 and c["efficiency_probe"] > 0
+        for key in ("speedup_vs_diffusers", "efficiency", "uncond_reuse_speedup"):  # one repeat: no spread
+            assert c[f"{key}_spread"] == [c[key], c[key]]
     assert report["base_state_bytes"] > 0 and report["machine"]["threads"] >= 1
     serve = report["server_vs_run"]  # 2 concurrent requests to the in-process server vs one tail
     assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
     entry = report["entry_reuse"]  # 2 rows joined at once: one takes u from the base
     assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
+    move = report["slider_move"]  # one row, its prompt encoded: the move against its UNet calls
+    assert move["tail_steps"] == 2 and move["move_over_unet"] >= 1.0 and move["seconds_move_unet"] > 0
     inv = report["inversion"]
     assert inv["rows_backwards"] == inv["rows_forward"] == 4 and inv["seconds_invert"] > 0
     kept = report["structure_cost"]  # 1 row x 2 steps, the first kept with one reference row
@@ -55,11 +61,13 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     sliders = report["sliders"]  # LoRA slots against the graph without, and a sweep as one tail
     assert sliders["slots"] == 2 and sliders["rank"] == 4 and sliders["sweep"]["points"] == 3
     assert sliders["ratio_one_adapter_over_plain"] > 0 and sliders["load"]["engine_builds"] == 0
+    low, high = sliders["ratio_spread"]["one_adapter"]  # at least 3 interleaved repeats, whatever --repeats
+    assert low <= sliders["ratio_one_adapter_over_plain"] <= high and len(sliders["seconds"]) == 4
     assert _finite(report)
     from edit_rt.runtime.cli import _print_bench  # the CLI's summary reads every measurement
 
     _print_bench(report, tmp_path)
     printed = " ".join(capsys.readouterr().out.split())
-    for line in ("server, 2 concurrent", "entry-step reuse", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
+    for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
                  "LoRA slots (2 x rank 4)"):
         assert line in printed, line

@@ -308,7 +308,7 @@ def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
     x = state.latent(4)
     feeds = {"latents": x, "timestep": np.array([600.0], np.float32), "alpha_t": np.array([0.3], np.float32),
              **ddim_feeds(0.4, 1, x.shape[1:]), "guidance": np.array([G], np.float32),
-             "uncond_index": np.zeros(1, np.int64), "uncond_given": np.zeros((0, *x.shape[1:]), np.float32),
+             "uncond_index": np.zeros(1, np.int64), "uncond_given": np.zeros((0, *x.shape[1:]), np.float32), "uncond_slope": np.zeros(0, np.float32),
              "self_ref": np.zeros(1, np.int64)}  # fmt: skip
     for i in range(len(kv) // 2):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv[2 * i], kv[2 * i + 1]

@@ -223,7 +223,7 @@ def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]}
     f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     assert types["cond_k_0"] == f16 and types["cond_v_3"] == f16
-    assert all(types[n] == f32 for n in ("latents", "alpha_t", "coefs", "history", "guidance", "uncond_given", "next_latents",
+    assert all(types[n] == f32 for n in ("latents", "alpha_t", "coefs", "history", "guidance", "uncond_given", "uncond_slope", "next_latents",
                                          "uncond_out", "history_out"))
     ddim = [n for n in model.graph.node if not n.name.startswith("/unet/") and n.op_type in ("Mul", "Add", "Sub", "Div")]
     assert ddim and not any(types.get(o) == f16 for n in ddim for o in n.output)  # (shape arithmetic is int64)

@@ -55,13 +55,13 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     unet = torch_components[0]
     assert [l["name"] for l in manifest.layers] == [l.name for l, _ in cross_attention_layers(unet)]
     step_inputs = [t.name for t in manifest.graphs["unet_step"].inputs]
-    assert step_inputs[:10] == ["latents", "timestep", "alpha_t", "coefs", "guidance", "uncond_index", "uncond_given",
-                                "self_ref", "history", "noise"]  # fmt: skip
-    assert len(step_inputs) == 10 + 4 * len(manifest.layers)
+    assert step_inputs[:11] == ["latents", "timestep", "alpha_t", "coefs", "guidance", "uncond_index", "uncond_given",
+                                "uncond_slope", "self_ref", "history", "noise"]  # fmt: skip
+    assert len(step_inputs) == 11 + 4 * len(manifest.layers)
     # every input and output has its role, in graph order (what the runtime's slots read)
     roles = manifest.step_roles
     assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out", "attn_maps"]
-    assert [roles[n] for n in step_inputs[:11]] == [
+    assert [roles[n] for n in step_inputs[:12]] == [
         "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_coefs", "row_scalar:guidance",
-        "set_index", "entry_uncond", "row_ref", "history", "step_noise", "row_kv"]
+        "set_index", "entry_uncond", "entry_slope", "row_ref", "history", "step_noise", "row_kv"]
     assert manifest.data["opset"] == 17 and manifest.data["tools"]["torch"] == torch.__version__

@@ -105,7 +105,7 @@ def test_runtime_imports_no_torch_world_and_no_cli():
 # the step graph's fixed inputs (not per layer); "latents" and "next_latents" are left out: the
 # VAE and latent_blend graphs have inputs of those names too
 # ("history" and "history_out" too: latent_blend's)
-STEP_NAMES = {"timestep", "alpha_t", "coefs", "noise", "guidance", "uncond_index", "uncond_given", "self_ref",
+STEP_NAMES = {"timestep", "alpha_t", "coefs", "noise", "guidance", "uncond_index", "uncond_given", "uncond_slope", "self_ref",
               "uncond_out", "attn_maps"}  # fmt: skip
 LOOP_FILES = ["runtime/loop/slots.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
               "runtime/loop/solver_slots.py", "runtime/loop/uncond_sets.py", "runtime/loop/bindings.py",
@@ -125,7 +125,7 @@ def test_the_loop_never_spells_a_step_input_name():
 def test_the_signature_covers_every_step_input_by_one_role(onnx_dir):
     manifest = load_manifest(onnx_dir)
     sig = StepSignature.from_manifest(manifest)
-    groups = [[sig.latents], [sig.entry_uncond], [sig.set_index], [sig.row_ref], [sig.step_coefs], [sig.history],
+    groups = [[sig.latents], [sig.entry_uncond], [sig.entry_slope], [sig.set_index], [sig.row_ref], [sig.step_coefs], [sig.history],
               [sig.step_noise], list(sig.step_scalars),
               list(sig.row_scalars), list(sig.row_kv), list(sig.set_kv), list(sig.row_cond), list(sig.set_cond)]  # fmt: skip
     named = [n for group in groups for n in group]

@@ -13,7 +13,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 from edit_rt.runtime.model.edit import Mask
 from edit_rt.runtime.pipeline import TailRow
@@ -23,14 +22,6 @@ from .conftest import TEST_BASE
 # Batched rows go through the same kernels as single rows, but ONNX Runtime may split a batch
 # differently across threads, so sums can be reordered: allow fp32 noise, not more.
 BATCH_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def diffusers_pipe(model_dir):
-    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _diffusers_image(pipe, base, latents: np.ndarray) -> np.ndarray:

@@ -104,7 +104,7 @@ def test_attention_maps_equal_diffusers_attention(pipeline, onnx_dir, torch_comp
     uncond = pipeline.kv_from_prompts([negative])
     feeds = {"latents": latents, "timestep": timestep, "alpha_t": np.full(n, 0.3, np.float32),
              **ddim_feeds(0.4, n, (c, hw, hw)), "guidance": np.full(n, 7.5, np.float32),
-             "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, c, hw, hw), np.float32),
+             "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, c, hw, hw), np.float32), "uncond_slope": np.zeros(0, np.float32),
              "self_ref": np.arange(n)}  # fmt: skip
     for i in range(len(manifest.layers)):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]
@@ -262,7 +262,8 @@ def test_structure_keeping_is_plug_and_play_self_attention_injection(pipeline, o
     kv, uncond = pipeline.kv_from_prompts(prompts), pipeline.kv_from_prompts([negative])
     feeds = {"latents": latents, "timestep": np.full(n, t, np.float32), "alpha_t": np.full(n, float(a_t), np.float32),
              **ddim_feeds(float(a_prev), n, (4, 16, 16)), "guidance": np.full(n, g, np.float32),
-             "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, 4, 16, 16), np.float32)}  # fmt: skip
+             "uncond_index": np.zeros(n, np.int64), "uncond_given": np.zeros((0, 4, 16, 16), np.float32),
+             "uncond_slope": np.zeros(0, np.float32)}  # fmt: skip
     for i in range(len(manifest.layers)):
         feeds[f"cond_k_{i}"], feeds[f"cond_v_{i}"] = kv.tensors[2 * i], kv.tensors[2 * i + 1]
         feeds[f"uncond_k_{i}"], feeds[f"uncond_v_{i}"] = uncond.tensors[2 * i][0], uncond.tensors[2 * i + 1][0]

@@ -49,9 +49,11 @@ def _generate(url: str, prompt: str = "a red circle", seed: int = 1, **extra) ->
 
 
 def _expected_edit(pipeline, base: Base, row: TailRow) -> np.ndarray:
-    """The same edit through the pipeline (a masked one composited with the base's pixels)."""
+    """The same edit through the pipeline (a masked one composited with the base's pixels). A
+    row on its base's u runs beside one that computes (a call's only row always computes it)."""
     state = pipeline.generate_base(base)
-    return to_uint8(pipeline.edit(state, [row])[0].image).astype(np.int16)
+    rows = [row] if row.uncond == "compute" else [TailRow("a cat", 1.0, row.start_step, row.guidance), row]
+    return to_uint8(pipeline.edit(state, rows)[-1].image).astype(np.int16)
 
 
 def _base(prompt="a red circle", seed=1) -> Base:
@@ -73,23 +75,27 @@ def test_generate_then_edit_matches_the_pipeline(server, pipeline):
         {"prompt": "a yellow circle", "tail_steps": 4, "mask": {"x": 0, "y": 0, "width": 16, "height": 16}},
         {"prompt": "a red circle", "tail_steps": 2, "seed": 3},
         {"prompt": "a blue circle", "tail_steps": 4, "structure": 0.5},
+        {"prompt": "a red square", "tail_steps": 4, "uncond": "base-corrected"},  # the base's u (tail.uncond)
     ]
     r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["base_id"] == gen["id"] and [d["index"] for d in body["data"]] == [0, 1, 2, 3, 4]
+    assert body["base_id"] == gen["id"] and [d["index"] for d in body["data"]] == [0, 1, 2, 3, 4, 5]
     rows = [
         TailRow("a blue square", 1.0, STEPS - 3, 7.5),
         TailRow("a green circle", 0.5, STEPS - 5, 4.0),
         TailRow("a yellow circle", 1.0, STEPS - 4, 7.5, mask=Mask(0, 0, 16, 16)),
         TailRow("a red circle", 1.0, STEPS - 2, 7.5, seed=3),
         TailRow("a blue circle", 1.0, STEPS - 4, 7.5, structure=0.5),
+        TailRow("a red square", 1.0, STEPS - 4, 7.5, uncond="base-corrected"),
     ]
+    assert [d["info"]["uncond"] for d in body["data"]] == ["compute"] * 5 + ["base-corrected"]
     for d, row in zip(body["data"], rows):
         got, text = _png(d["b64_json"])
         assert np.abs(got - _expected_edit(pipeline, base, row)).max() <= 1
         assert f"Tail steps: {STEPS - row.start_step}" in text["parameters"]
         assert ("Structure: 0.5" in text["parameters"]) == (row.structure == 0.5)
+        assert ("Tail uncond: base-corrected" in text["parameters"]) == (row.uncond == "base-corrected")
 
 
 def test_stream_sends_queue_progress_images_then_done(server):
@@ -128,6 +134,7 @@ def test_base_metadata_and_delete(server):
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "colour": 1}]}, 400, "edits[0].colour"),
         ("/v1/images/edits", {"base_id": "b", "edits": []}, 400, "edits"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "structure": 1.5}]}, 400, "edits[0].structure"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "uncond": "reuse"}]}, 400, "edits[0].uncond"),
         ("/v1/images/edits", {"edits": [{"prompt": "x"}]}, 400, "base_id"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}] * 9}, 413, "edits"),
         ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),

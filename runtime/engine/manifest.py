@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ..errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 9  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step)
+MANIFEST_VERSION = 10  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step); 10: uncond_slope (the base's u over a tail)
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder

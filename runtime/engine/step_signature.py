@@ -6,7 +6,8 @@ role; the manifest records them; :class:`StepSignature` reads them back. The slo
 parity and the bench take names from it, so a new per-row input is a change in the export
 adapter (a name and a role) and nowhere in the step loop. Roles:
 
-- ``latents``, ``entry_uncond`` (rows at their entry step: their unconditional prediction),
+- ``latents``, ``entry_uncond`` (the call's last E rows: their unconditional prediction, given),
+  ``entry_slope`` (those rows' slope on their own latent: ``tail.uncond: base-corrected``),
   ``set_index`` (the row's negative-prompt set), ``row_ref`` (the row whose self-attention
   pattern it takes);
 - ``step_scalar:<attr>``: a per-row value that changes every step, the schedule's ``attr``
@@ -39,6 +40,7 @@ class StepSignature:
     shapes: dict[str, list]  # each input's shape, with symbolic dims (N, E, S, M, H, W)
     latents: str
     entry_uncond: str
+    entry_slope: str
     set_index: str
     row_ref: str
     step_scalars: dict[str, str]  # input -> the schedule's attribute
@@ -74,7 +76,7 @@ class StepSignature:
         attn = [n for n, r in roles.items() if r == "attn_maps"]
         return cls(
             roles=roles, shapes={t.name: list(t.shape) for t in manifest.graphs["unet_step"].inputs},
-            latents=one("latents"), entry_uncond=one("entry_uncond"), set_index=one("set_index"), row_ref=one("row_ref"),
+            latents=one("latents"), entry_uncond=one("entry_uncond"), entry_slope=one("entry_slope"), set_index=one("set_index"), row_ref=one("row_ref"),
             step_scalars=tagged("step_scalar"), row_scalars=tagged("row_scalar"),
             row_kv=tuple(n for n, r in roles.items() if r == "row_kv"),
             set_kv=tuple(n for n, r in roles.items() if r == "set_kv"),

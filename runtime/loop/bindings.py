@@ -56,6 +56,7 @@ def bind_step(s: Any, n: int, e: int, m: int) -> Binding:
     views: dict[str, TensorView] = {
         sig.latents: s.dev[sig.latents].view(latent(n)),
         sig.entry_uncond: s.dev[sig.entry_uncond].view(latent(e)),
+        sig.entry_slope: s.dev[sig.entry_slope].view((e,)),
         sig.set_index: s.dev[sig.set_index].view((n,)),
         sig.row_ref: s.dev[sig.row_ref].view((n,)),
         sig.step_coefs: s.dev[sig.step_coefs].view((n, *s.specs[sig.step_coefs][1:])),

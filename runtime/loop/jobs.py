@@ -50,6 +50,7 @@ class RowResult:
     preserve: str = "none"  # what the row's preserve mode came to ("auto", or why none)
     keep: Optional[np.ndarray] = None  # [1, h, w] bool: where the row kept the base's latent
     record: Optional[Recording] = None  # what a recording row kept (inversion, its corrections)
+    uncond: str = "compute"  # where its unconditional prediction came from (tail.uncond, as it ran)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Job:
     started: float = 0.0
     scheduled: Optional[Row] = None
     preserve: str = "none"
+    uncond: str = "compute"  # tail.uncond as the row runs it (compute where the base's u is not its own)
     # "": an edit (state) or a generation (noise); "invert": DDIM inversion of the image latent
     # ``noise`` over steps row.start_step..T-1; "correct": one forward step of ``state`` from
     # step row.start_step (pipeline.invert's two phases); "related": a related generation of

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..model.state import KV, BaseState
 from .adapter_rows import NONE, RowAdapters, row_adapters, text_scales
 from .jobs import Job, RowError, RowResult
 from .rows import Recording, Row
+from .uncond_reuse import BaseUncond
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,17 @@ class Model(Protocol):
     def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray: ...
 
 
+# The K/V of recently encoded prompts (no text adapters), least recently used first out past this
+# many bytes: a slider move (a new strength, an adapter's UNet scale) re-mixes them with no text
+# encoding. SD 1.5: 7.5 MB a prompt, ~17 kept; the shapes model: thousands.
+ENCODED_BYTES = 128 * 2**20
+
+
 class RowResolver:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, encoded_bytes: int = ENCODED_BYTES):
         self.model = model
+        self.encoded: OrderedDict[tuple, KV] = OrderedDict()
+        self.encoded_bytes, self.encoded_limit = 0, encoded_bytes
 
     # --- jobs -> rows ---------------------------------------------------------------------------
 
@@ -98,6 +108,11 @@ class RowResolver:
         kind (each prompt with its own adapter scales); a prompt that fails is retried alone,
         so only its own rows fail."""
         out: dict[tuple, KV | Exception] = {}
+        for key in keys:
+            if key in self.encoded:
+                self.encoded.move_to_end(key)
+                out[key] = self.encoded[key]
+        keys = [key for key in keys if key not in out]
         for kind in sorted({(skip, negative) for _, skip, negative, _ in keys}):
             group = [(p, text) for p, skip, negative, text in keys if (skip, negative) == kind]
             prompts = [p for p, _ in group]
@@ -110,7 +125,20 @@ class RowResolver:
                         out[(p, *kind, t)] = self.model.kv_from_prompts([p], *kind, scales=text_scales(bank, [t]))
                     except Exception as err:  # the tokenizer or text encoder refused this text
                         out[(p, *kind, t)] = err
+        for key in keys:
+            self._keep_encoded(key, out[key])
         return out
+
+    def _keep_encoded(self, key: tuple, kv: KV | Exception) -> None:
+        """Keep a fresh encoding (none under text adapters: their scales make every key new)."""
+        if isinstance(kv, Exception) or key[3] or kv.nbytes > self.encoded_limit:
+            return
+        # its own arrays: a row of a batched encoding is a view that would keep the whole batch
+        self.encoded[key] = kv = KV([t.copy() for t in kv.tensors], {k: v.copy() for k, v in kv.extras.items()})
+        self.encoded_bytes += kv.nbytes
+        while self.encoded_bytes > self.encoded_limit:
+            _, dropped = self.encoded.popitem(last=False)
+            self.encoded_bytes -= dropped.nbytes
 
     @staticmethod
     def _needs(job: Job, ad: RowAdapters = NONE) -> list[tuple[Optional[str], int, bool, tuple]]:
@@ -183,6 +211,11 @@ class RowResolver:
         with model.metrics.stage("kv_mix"):
             mixed = self._mixed(job, kv, cond_base, ad.text)
         structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
+        # the base's u over the whole tail (tail.uncond): only where it is the u this row's own
+        # chain would start from (same weights, guidance, negative prompt, no re-noising)
+        reuse = tail.uncond != "compute" and tail.seed is None and ad.same_as_base and own \
+            and tail.guidance == state.base.guidance and state.uncond_out is not None  # fmt: skip
+        job.uncond = tail.uncond if reuse else "compute"
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             [t[0] for t in mixed.tensors], uncond,
@@ -192,6 +225,7 @@ class RowResolver:
             corrections=state if state.corrections is not None else None,
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
             history=state.history(tail.start_step) if schedule.history else None, noise_seed=state.base.seed,
+            given=BaseUncond(state, tail.uncond, model.ddim_config.prediction_type) if reuse else None,
         )  # fmt: skip
 
     def _mixed(self, job: Job, kv: dict, cond_base: KV, text: tuple) -> KV:
@@ -249,7 +283,7 @@ class RowResolver:
             if row.record is not None and job.kind in ("", "related"):
                 state = self._recorded_state(job, row)
             out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
-                                 job.preserve, row.keep, row.record))  # fmt: skip
+                                 job.preserve, row.keep, row.record, job.uncond))  # fmt: skip
         return out
 
     def _recorded_state(self, job: Job, row: Row) -> BaseState:

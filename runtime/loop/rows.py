@@ -13,6 +13,7 @@ import numpy as np
 from ..model.automask import AutoMask
 from ..model.samplers import Schedule
 from ..model.state import KV, BaseState
+from .uncond_reuse import BaseUncond
 
 @dataclass
 class Recording:
@@ -35,6 +36,8 @@ class Row:
     kv: Sequence[np.ndarray]  # the row's K/V, one per step-graph K/V input, batch axis dropped
     uncond: KV  # its negative prompt's K/V (B = 1)
     entry_uncond: Optional[np.ndarray] = None  # [c, h, w]: u at the entry step, when the base kept it
+    # tail.uncond base / base-corrected: u from the base at every step (uncond_reuse.py)
+    given: Optional[BaseUncond] = None
     keep: Optional[np.ndarray] = None  # [1, h, w] bool: True where the base's latent is kept
     base: Optional[BaseState] = None  # what ``keep`` blends in
     record: Optional[Recording] = None  # a generation: keep every latent and u
@@ -99,11 +102,16 @@ class SchedulerStats:
     # object every step, and the loop keeps no new object per step (tests/test_slots.py). Integer
     # nanoseconds, not float seconds: a float temporary lands on CPython's float free list, which
     # tracemalloc counts as kept memory (a flaky 24 B in that test).
-    nanoseconds: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64), repr=False)
+    # [1]: every call's, summed (what a tail's UNet calls took: the bench's slider move)
+    nanoseconds: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64), repr=False)
 
     @property
     def last_seconds(self) -> float:
         return int(self.nanoseconds[0]) * 1e-9
+
+    @property
+    def step_seconds(self) -> float:
+        return int(self.nanoseconds[1]) * 1e-9
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

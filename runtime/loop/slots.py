@@ -20,9 +20,14 @@ Where things live (docs/engines.md, "The step loop", says why):
   count on the CPU), the padding bound but ignored; bindings per bucket live in an LRU
   (bindings.py);
 - a row at its entry step takes its base's unconditional prediction as given (``entry_uncond``);
+  a row whose tail takes it at every step (``tail.uncond``: uncond_reuse.py) is given it at every
+  step: such rows are kept as the active rows' suffix (a joining row that computes takes the
+  first one's slot, which moves to the end; a leaving row's hole is filled from its own part),
+  and while any is placed, a row at its entry step computes its prediction;
 - ``preserve: auto`` rows collecting maps read the step's ``attn_maps`` output back (every step computes it).
 
-Rows leave by swap-with-last (one slot copy per leave), so the active rows are the prefix ``[:n]``.
+Rows leave by swap-with-last (one slot copy per leave; two when always-given rows follow the
+leaving one's part), so the active rows are the prefix ``[:n]``.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class RowScheduler:
         self.active: list[Row] = []
         self.pending: list[Row] = []
         self.entry_rows = 0  # trailing active rows whose u is given at this step
+        self.persistent = 0  # trailing active rows given u at every step (row.given)
         # The rows the current step placed (a failed step's suspects, batcher.py), and whether
         # its graph ran: before that a failed step has changed no row's latent or step.
         self.joined: list[Row] = []
@@ -126,10 +132,12 @@ class RowScheduler:
         # graph's own inputs (keep, base, add) beside the step's.
         alloc = lambda name, elems: graph.allocate(elems, self._dtype(name))  # noqa: E731
         latent_buffers = (sig.latents, sig.entry_uncond, sig.next_latents, sig.uncond_out, "base", "add")
+        self.slopes = np.zeros(max_rows, dtype=self._dtype(sig.entry_slope))  # the given rows' (uncond_slope)
         self.dev: dict[str, DeviceTensor] = {
             **{name: alloc(name, max_rows * latent_elems) for name in latent_buffers},
             "keep": alloc("keep", max_rows * hw),
             sig.set_index: alloc(sig.set_index, max_rows),
+            sig.entry_slope: alloc(sig.entry_slope, max_rows),
             **{name: alloc(name, max_rows) for name in [*sig.step_scalars, *sig.row_scalars]},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_kv},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
@@ -146,6 +154,7 @@ class RowScheduler:
         self.uncond = UncondSets(sig, text_len, max_sets, alloc, self.dev, self.stats)  # the negative prompts' K/V
         self.row_elems[sig.history] = self.solver.history_elems
         self.dev[sig.row_ref].write(self.self_ref)  # every row its own reference until one keeps structure
+        self.dev[sig.entry_slope].write(self.slopes)
         self.refs_written = False
 
     # --- shapes ------------------------------------------------------------------------------
@@ -203,9 +212,11 @@ class RowScheduler:
     def _place_pending(self) -> None:
         self._write_adapters()
         self.stats.last_joined = len(self.pending)
-        # Rows whose u is given go last: the graph takes them as the call's last E rows.
-        given = lambda row: self.reuse_entry and row.entry_uncond is not None  # noqa: E731
-        self.pending.sort(key=given)
+        # Rows whose u is given go last: the graph takes them as the call's last E rows. Rows
+        # given it at every step stay last; while any is placed, entry rows compute theirs.
+        always = self.persistent > 0 or any(row.given is not None for row in self.pending)
+        given = lambda row: self.reuse_entry and row.entry_uncond is not None and not always  # noqa: E731
+        self.pending.sort(key=lambda row: (row.given is not None, given(row)))
         self.joined.clear()  # in place: a step allocates nothing
         self.joined.extend(self.pending)
         if self.uncond.place(self.pending):
@@ -218,8 +229,15 @@ class RowScheduler:
             row = self.pending.pop(0)
             self.references += row.reference
             self.uncond.join(row)
-            r = row.slot = len(self.active)
+            r = len(self.active)
             self.active.append(row)
+            if row.given is not None:
+                self.persistent += 1
+            elif self.persistent:  # the first always-given row moves to the end, this row takes its slot
+                self._move(r - self.persistent, r)
+                r -= self.persistent
+                self.active[r] = row
+            row.slot = r
             for name, kv in zip(self.row_kv, row.kv):
                 self.dev[name].write(kv, offset=r * self.row_elems[name])
             for name, cond in self.row_cond.items():
@@ -259,19 +277,31 @@ class RowScheduler:
         r, last = row.slot, len(self.active) - 1
         if r < 0:
             return
-        if r != last:
-            moved = self.active[last]
-            for name, elems in self.row_elems.items():
-                self.dev[name].move(r * elems, last * elems, elems)
-            self.uncond_index[r] = self.uncond_index[last]
-            self.active[r] = moved
-            moved.slot = r
+        if row.given is not None:  # from the always-given suffix
+            if r != last:
+                self._move(last, r)
+            self.persistent -= 1
+        else:  # the last computing row fills the hole, the last row fills its slot
+            end = last - self.persistent
+            if r != end:
+                self._move(end, r)
+            if self.persistent and end != last:
+                self._move(last, end)
         self.active.pop()
         self.references -= row.reference
         row.slot = -1
         self.uncond.leave(row)
         if not self.active and not self.pending:
             self.uncond.clear()
+
+    def _move(self, src: int, dst: int) -> None:
+        """The row in slot ``src`` moves to slot ``dst`` (everything its slot holds)."""
+        moved = self.active[src]
+        for name, elems in self.row_elems.items():
+            self.dev[name].move(dst * elems, src * elems, elems)
+        self.uncond_index[dst] = self.uncond_index[src]
+        self.active[dst] = moved
+        moved.slot = dst
 
     def suspend(self, rows: Sequence[Row]) -> None:
         """Take ``rows`` out so that they can be admitted again where they are: each placed
@@ -352,7 +382,7 @@ class RowScheduler:
         # entry step (placed last) and the bucket's padding. At least one row computes it
         # (ONNX Runtime's MatMul cannot broadcast the sets over an empty batch); with buckets
         # E is a power of two too, so a bucket has few variants.
-        e = min(self.entry_rows, n - 1)
+        e = min(self.persistent or self.entry_rows, n - 1)
         if self.buckets is None:
             given = e
         else:
@@ -360,8 +390,14 @@ class RowScheduler:
         first_given = b - given
         self._prepare_rows(n, b, m)
         sig = self.sig
-        for r in range(max(first_given, n - e), n):
-            self.dev[sig.entry_uncond].write(self.active[r].entry_uncond, offset=(r - first_given) * self.latent_elems)
+        if given:
+            self.slopes[:given] = 0  # padding rows: any finite prediction, no slope
+            for r in range(max(first_given, n - e), n):
+                row = self.active[r]
+                u, self.slopes[r - first_given] = (row.entry_uncond, 0.0) if row.given is None else \
+                    row.given.at(row.step, row.schedule.alpha_t[row.step])
+                self.dev[sig.entry_uncond].write(u, offset=(r - first_given) * self.latent_elems)
+            self.dev[sig.entry_slope].write(self.slopes[:given])
         # reused lists: a step allocates no object it keeps (Python's list free list would
         # otherwise hand one step's list to whatever asks next)
         wants_maps, due = self._wants_maps, self._due
@@ -410,6 +446,7 @@ class RowScheduler:
         for row in due:
             row.previewed = row.step
         self.stats.nanoseconds[0] = time.perf_counter_ns() - start
+        self.stats.nanoseconds[1] += self.stats.nanoseconds[0]
         for row in self.active:
             row.step += 1
         for row in self.joined:

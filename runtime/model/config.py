@@ -25,7 +25,7 @@ from .weighting import PromptSyntaxError, prompt_spans
 from .lora_tags import config_with_tags
 from .sweep import expand_all, rows_of
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
-from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, between, refusal
+from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, UncondMode, between, refusal
 from .serve_config import Serve
 from .single_file import checkpoint_family, is_single_file, require_converted
 
@@ -50,6 +50,19 @@ class Cache:
     # The strength of an edit that gives none. 1.0 is the edit prompt's own K/V; the shapes
     # model's measurements (docs/quality.md) are how a model's default is chosen.
     default_strength: Strength = 1.0
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Tail:
+    """How an edit's tail runs, for edits that do not say."""
+
+    # The unconditional prediction at each tail step: computed by the row (compute: diffusers'
+    # numbers), its base's (base: the row's unconditional half skipped), or its base's plus a
+    # first-order correction in the row's own latent (base-corrected). runtime/loop/uncond_reuse.py
+    # says how; docs/performance.md what each costs and keeps. A row that differs from its base
+    # in negative prompt, guidance, adapters or seed computes whatever this says.
+    uncond: UncondMode = "compute"
+
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -159,6 +172,7 @@ class RunConfig:
     # ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.
     threads: between(Int, 0, 1024) = 0
     cache: Cache = field(default_factory=Cache)
+    tail: Tail = field(default_factory=Tail)
     preserve: Preserve = field(default_factory=Preserve)
     export: Export = field(default_factory=Export)
     engines: Engines = field(default_factory=Engines)
@@ -273,7 +287,7 @@ class RunConfig:
     def edit_defaults(self) -> EditDefaults:
         """What an edit that leaves a field out gets: ``cache:`` and ``preserve:``'s defaults."""
         c, p = self.cache, self.preserve
-        return EditDefaults(c.default_strength, c.default_tail_fraction, p.mode, p.structure)
+        return EditDefaults(c.default_strength, c.default_tail_fraction, p.mode, p.structure, self.tail.uncond)
 
     def tail_row(self, edit: Edit, where: str = "edit") -> TailRow:
         """``edit`` of this config's base as the row it runs (edit.resolve_edit), or a

@@ -29,6 +29,7 @@ from .schema import (
     Guidance,
     Int,
     PreserveMode,
+    UncondMode,
     Seed,
     SizeCond,
     Steps,
@@ -143,6 +144,9 @@ class Edit:
     # The first fraction of the tail that takes its layout from the base (structure keeping).
     # None: `preserve.structure`.
     structure: Optional[Fraction] = None
+    # The unconditional prediction over the tail: compute, base or base-corrected (config
+    # ``tail.uncond``, loop/uncond_reuse.py). None: ``tail.uncond``.
+    uncond: Optional[UncondMode] = None
     # LoRA adapters for this row, {name: scale} (the config's adapters:), over the base's: a
     # name given replaces the base's scale (0 takes it off), the others stay the base's.
     adapters: Optional[Adapters] = None
@@ -272,6 +276,7 @@ class EditDefaults:
     tail_fraction: float = 0.4
     preserve: str = "none"
     structure: float = 0.0
+    uncond: str = "compute"
 
 
 @dataclass
@@ -302,6 +307,7 @@ class TailRow:
     adapters: Optional[dict] = None
     # More prompts mixed in, their strengths resolved (model/directions.py); see ``terms``.
     directions: tuple[Direction, ...] = ()
+    uncond: str = "compute"  # tail.uncond: where its unconditional prediction comes from
 
     @property
     def terms(self) -> list[tuple[str, float]]:
@@ -354,4 +360,5 @@ def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaul
         defaults.structure if edit.structure is None else edit.structure,
         adapters=None if edit.adapters is None else merged(normalize(base.adapters), normalize(edit.adapters)),
         directions=directions,
+        uncond=defaults.uncond if edit.uncond is None else edit.uncond,
     )

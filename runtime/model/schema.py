@@ -40,6 +40,9 @@ Seed = between(Int, 0, 2**63 - 1)
 ClipSkip = between(Int, 0, 8)
 SizeCond = between(Int, 0, 16384)  # SDXL's size and crop conditioning, in pixels
 PreserveMode = Literal["auto", "none"]
+# Where a tail row's unconditional prediction comes from at each step (loop/uncond_reuse.py):
+# its own UNet half (compute), its base's (base), or its base's with a first-order correction.
+UncondMode = Literal["compute", "base", "base-corrected"]
 # Prompts one edit mixes in `directions` (besides its own): each is one more text encoding per
 # request and one more K/V copy per row (model/directions.py).
 MAX_DIRECTIONS = 8

@@ -32,10 +32,17 @@ class Edited:
     directions: tuple[dict, ...] = ()
     # The sampler it ran, its base's (service.sampler_label: "euler_a (Euler a)")
     sampler: Optional[str] = None
+    uncond: str = "compute"  # tail.uncond as the row ran it
+
+    @classmethod
+    def from_info(cls, index: int, png: bytes, info: dict) -> "Edited":
+        """An edit from its event's ``info`` (what ``info()`` wrote)."""
+        return cls(index, png, info["seconds"], info["preserve"], info["tail_steps"], info["strength"],
+                   tuple(info.get("directions", ())), info.get("sampler"), info.get("uncond", "compute"))  # fmt: skip
 
     def info(self) -> dict:
         out = {"seconds": round(self.seconds, 4), "tail_steps": self.tail_steps, "strength": self.strength,
-               "preserve": self.preserve}  # fmt: skip
+               "preserve": self.preserve, "uncond": self.uncond}  # fmt: skip
         if self.directions:
             out["directions"] = list(self.directions)
         if self.sampler is not None:

@@ -312,11 +312,12 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
                 pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.store.unpin(bid))
                 raise
 
-    def edit_png(self, state: BaseState, row: TailRow, image, preserve: str, extra: Optional[dict] = None) -> bytes:
+    def edit_png(self, state: BaseState, row: TailRow, image, preserve: str, extra: Optional[dict] = None,
+                 uncond: str = "compute") -> bytes:  # fmt: skip
         """An edit's PNG with its parameters; ``extra``: a door's own fields, added after them
         (AUTOMATIC1111's ``Mask blur``, say)."""
         bid = base_id(state.fingerprint, state.base)
-        fields = self.shown_fields(edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve))
+        fields = self.shown_fields(edit_fields(state.base, row, self.model_name, state.fingerprint, bid, preserve, uncond))
         if row.pixel_mask is not None:
             fields["Pixel mask"] = f"{int(np.count_nonzero(row.pixel_mask))} of {row.pixel_mask.size} px may change"
         fields.update(extra or {})
@@ -379,10 +380,10 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
                     yield "error", {"index": job.index, "error": row_error(job.future.exception())}
                     continue
                 r, row = job.future.result(), job.row
-                png = self.edit_png(state, row, r.image, r.preserve, per(png_fields, job.index))
+                png = self.edit_png(state, row, r.image, r.preserve, per(png_fields, job.index), r.uncond)
                 edited = Edited(job.index, png, r.seconds, r.preserve, state.base.steps - row.start_step, row.strength,
                                 tuple({"prompt": d.prompt, "strength": d.strength} for d in row.directions),
-                                sampler_label(state.base.sampler or self.default_sampler))  # fmt: skip
+                                sampler_label(state.base.sampler or self.default_sampler), r.uncond)  # fmt: skip
                 yield "image_edit.completed", {"index": job.index, "png": edited.png, "info": edited.info()}
             yield "edit_rt.done", {"base_id": bid}
         finally:
@@ -401,8 +402,7 @@ class Service(Generation, RelatedGenerations, SamplerFields, Uploads, JobControl
                 raise data["error"]
             if kind == "image_edit.completed":
                 info = data["info"]
-                out.append(Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
-                                  info["strength"], tuple(info.get("directions", ())), info.get("sampler")))  # fmt: skip
+                out.append(Edited.from_info(data["index"], data["png"], info))
         return sorted(out, key=lambda e: e.index)
 
     async def has_base(self, bid: str) -> bool:

@@ -309,9 +309,7 @@ async def edits_or_errors(service: Service, bid: str, specs: list[Edit], http: O
         if kind == "error":
             out[data["index"]] = data["error"]
         elif kind == "image_edit.completed":
-            info = data["info"]
-            out[data["index"]] = Edited(data["index"], data["png"], info["seconds"], info["preserve"], info["tail_steps"],
-                                        info["strength"], sampler=info.get("sampler"))  # fmt: skip
+            out[data["index"]] = Edited.from_info(data["index"], data["png"], data["info"])
     return out
 
 
