@@ -394,8 +394,11 @@ class RowScheduler:
             self.slopes[:given] = 0  # padding rows: any finite prediction, no slope
             for r in range(max(first_given, n - e), n):
                 row = self.active[r]
-                u, self.slopes[r - first_given] = (row.entry_uncond, 0.0) if row.given is None else \
-                    row.given.at(row.step, row.schedule.alpha_t[row.step])
+                if row.given is None:  # at its entry step
+                    u, slope = row.entry_uncond, 0.0
+                else:
+                    u, slope = row.given.at(row.step, row.schedule.alpha_t[row.step])
+                self.slopes[r - first_given] = slope
                 self.dev[sig.entry_uncond].write(u, offset=(r - first_given) * self.latent_elems)
             self.dev[sig.entry_slope].write(self.slopes[:given])
         # reused lists: a step allocates no object it keeps (Python's list free list would
