@@ -139,7 +139,6 @@ def run_bench(
             "edits_per_s": n / seconds, "latency_per_edit_s": seconds / n,
             "unet_rows": rows_of[method](n, f), "peak_rss_mb": max(m for _, m in runs) / 2**20,
         })  # fmt: skip
-    by = {(p["method"], p["n"], p["tail_fraction"]): p for p in points}
     per_step = {kind: {n: statistics.median(v[n]) / n for n in ns} for kind, v in step_samples.items()}
     comparisons = []
     for n in ns:
@@ -155,18 +154,18 @@ def run_bench(
             speedup = ratios(a, d)
             ideal = [(T / k) * (sa / (n * T)) / (st / n) for sa, st in zip(a, steps)]
             probe = [(T / k) * st_torch / st for st_torch, st in zip(step_samples["torch"][n], steps)]
+            efficiency = ratios(speedup["runs"], ideal)
+            uncond = ratios(d, [s for s, _ in samples[(UNCOND_METHOD, n, f)]])
             comparisons.append({
                 "n": n, "tail_fraction": f, "tail_steps": k,
                 "speedup_vs_diffusers": speedup["median"], "speedup_vs_diffusers_spread": speedup["spread"],
                 "speedup_vs_img2img": ratios([s for s, _ in samples[("img2img", n, f)]], d)["median"],
                 "ideal_speedup_vs_diffusers": statistics.median(ideal),
-                "efficiency": ratios(speedup["runs"], ideal)["median"],
-                "efficiency_spread": ratios(speedup["runs"], ideal)["spread"],
+                "efficiency": efficiency["median"], "efficiency_spread": efficiency["spread"],
                 "efficiency_probe": ratios(speedup["runs"], probe)["median"],
                 "step_cost_ratio_torch_over_runtime": per_step["torch"][n] / per_step["runtime"][n],
                 # tail.uncond: the exact tail's seconds over the same tail's on the base's u
-                "uncond_reuse_speedup": ratios(d, [s for s, _ in samples[(UNCOND_METHOD, n, f)]])["median"],
-                "uncond_reuse_speedup_spread": ratios(d, [s for s, _ in samples[(UNCOND_METHOD, n, f)]])["spread"],
+                "uncond_reuse_speedup": uncond["median"], "uncond_reuse_speedup_spread": uncond["spread"],
             })  # fmt: skip
     tail_rows = [p for p in points if p["method"] == "edit-rt tail"]
     per_row = {(p["n"], p["tail_fraction"]): p["seconds"] / p["unet_rows"] for p in tail_rows}

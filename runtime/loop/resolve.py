@@ -211,16 +211,16 @@ class RowResolver:
         with model.metrics.stage("kv_mix"):
             mixed = self._mixed(job, kv, cond_base, ad.text)
         structure = math.ceil(tail.structure * (base.steps - tail.start_step))  # steps that keep it
-        # the base's u over the whole tail (tail.uncond): only where it is the u this row's own
-        # chain would start from (same weights, guidance, negative prompt, no re-noising)
-        reuse = tail.uncond != "compute" and tail.seed is None and ad.same_as_base and own \
-            and tail.guidance == state.base.guidance and state.uncond_out is not None  # fmt: skip
+        # the base's u holds for its own chain only: the same weights (so the same negative
+        # prompt's K/V), no re-noising; over the whole tail (tail.uncond) also the same guidance
+        same_chain = tail.seed is None and ad.same_as_base
+        reuse = tail.uncond != "compute" and same_chain and tail.guidance == state.base.guidance \
+            and state.uncond_out is not None  # fmt: skip
         job.uncond = tail.uncond if reuse else "compute"
         return Row(
             schedule, tail.start_step, entry_latent(state, tail, schedule), tail.guidance,
             [t[0] for t in mixed.tensors], uncond,
-            # the base's u at the entry step holds for the same weights only
-            entry_uncond=state.entry_uncond(tail.start_step) if tail.seed is None and ad.same_as_base else None,
+            entry_uncond=state.entry_uncond(tail.start_step) if same_chain else None,
             keep=self._keep(tail, shape), base=state, auto=auto,
             corrections=state if state.corrections is not None else None,
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
