@@ -171,10 +171,14 @@ def wrap(graph: str, module: nn.Module, inputs: int, contexts: dict[str, SlotCon
 
 def example_inputs(layers: list[AdapterLayer], graph: str, rows: int, slots: int, rank: int) -> list[tuple[str, torch.Tensor, dict]]:
     """(name, example, dynamic axes) of ``graph``'s adapter inputs, for tracing: the scale
-    ``[rows, slots]`` (rows dynamic) and each layer's stacked A and B (static)."""
-    batch = "N" if graph == "unet_step" else "B"
-    out = [("adapter_scale", torch.randn(rows, slots), {0: batch})]
+    ``[rows, slots]`` (rows dynamic) and each layer's stacked A and B. The step graph's slot axis
+    is dynamic too (``P`` slots, ``R`` = P x rank columns): a call whose rows use no adapter
+    binds none (zero-width matrices: the branch costs nothing), one that does binds them all;
+    the text graphs' are static (they run once per prompt, not per step)."""
+    step = graph == "unet_step"
+    batch = "N" if step else "B"
+    out = [("adapter_scale", torch.randn(rows, slots), {0: batch, 1: "P"} if step else {0: batch})]
     for layer in (l for l in layers if l.graph == graph):
-        out.append((layer.down, torch.randn(slots * rank, layer.in_features) * 0.1, {}))
-        out.append((layer.up, torch.randn(layer.out_features, slots * rank) * 0.1, {}))
+        out.append((layer.down, torch.randn(slots * rank, layer.in_features) * 0.1, {0: "R"} if step else {}))
+        out.append((layer.up, torch.randn(layer.out_features, slots * rank) * 0.1, {1: "R"} if step else {}))
     return out

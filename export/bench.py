@@ -10,7 +10,10 @@ machine drift hits every method alike), for N edits and tail fractions K/T:
 - (c) ``edit-rt full``: one full generation through the runtime (what a base costs);
 - (d) ``edit-rt tail``: the N edits as one batched tail of K steps from the cached base;
 - (e) ``edit-rt tail, uncond base-corrected``: the same tail on the base's unconditional
-  prediction (``tail.uncond``: the rows' unconditional halves skipped; ``base`` costs the same).
+  prediction (``tail.uncond``: the rows' unconditional halves skipped; ``base`` costs the same);
+- (f) ``edit-rt tail, deepcache k`` (k in ``DEEPCACHE``): the same tail with every k-th step
+  full and the others on the UNet's outer blocks (``tail.deepcache``); and ``edit-rt full,
+  deepcache 3``: a generation so (``base.deepcache``).
 
 The ideal speedup of (d) over (a) is T/K times the per-row step cost ratio of diffusers' own
 pipeline (its run (a) over its n x T row-steps) to the runtime's CFG step at the same batch;
@@ -21,6 +24,7 @@ Runtime get the same thread count.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -41,12 +45,14 @@ from edit_rt.runtime.assemble import pipeline_of
 from edit_rt.runtime.model.edit import TailRow
 
 from .bench_sliders import slider_cost
-from .bench_side import (bucket_cost, entry_reuse, inversion_cost, preserve_cost, ratios, server_vs_run, slider_move,
+from .bench_side import (bucket_cost, catalogue_cost, entry_reuse, inversion_cost, preserve_cost, ratios, server_vs_run, slider_move,
                          structure_cost, _timed)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 UNCOND_METHOD = "edit-rt tail, uncond base-corrected"
+DEEPCACHE = {2: "edit-rt tail, deepcache 2", 3: "edit-rt tail, deepcache 3"}
+DEEPCACHE_FULL = "edit-rt full, deepcache 3"
 EDIT_WORDS = ["red", "blue", "green", "yellow", "at night", "in snow", "watercolor", "pixel art"]
 
 
@@ -58,12 +64,14 @@ def run_bench(
     say: Callable[[str], None] = print,
     progress: Optional[Callable[[int, str], Callable[[int], None]]] = None,
     sliders: Optional[dict] | bool = None,
+    catalogue_sizes: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report.
 
     ``progress(total, description)`` gives an ``advance(n)`` for the measured points;
     ``sliders``: the LoRA slots' section's options (bench_sliders.py: slots, rank, points;
-    None: its defaults; False: no section)."""
+    None: its defaults; False: no section); ``catalogue_sizes``: the catalogues' rows (default:
+    N, 4N and 16N for the largest N: 16, 64, 256)."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
 
@@ -98,22 +106,23 @@ def run_bench(
                 num_inference_steps=T, guidance_scale=base.guidance, output_type="np",
                 generator=torch.Generator().manual_seed(0))  # fmt: skip
 
-    def rt_full() -> None:
-        rt.decode(rt.generate_base(base).final_latent)
+    def rt_full(deepcache: int = 1) -> None:
+        rt.decode(rt.generate_base(dataclasses.replace(base, deepcache=deepcache)).final_latent)
 
-    def rt_tail(n: int, f: float, uncond: str = "compute") -> None:
-        rows = [TailRow(p, 1.0, T - ks[f], base.guidance, uncond=uncond) for p in prompts[:n]]
+    def rt_tail(n: int, f: float, uncond: str = "compute", deepcache: int = 1) -> None:
+        rows = [TailRow(p, 1.0, T - ks[f], base.guidance, uncond=uncond, deepcache=deepcache) for p in prompts[:n]]
         rt.decode(rt.run_tail(state, rows))
 
     probes = _step_cost_probes(pipe, rt, state, base, ns)
     step_samples: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in ns} for kind in probes}
     samples: dict[tuple, list[tuple[float, int]]] = {}
-    points_per_repeat = 1 + len(ns) * (1 + 3 * len(fractions)) + len(ns)
+    points_per_repeat = 2 + len(ns) * (1 + (3 + len(DEEPCACHE)) * len(fractions)) + len(ns)
     advance = progress(repeats * points_per_repeat + 4, "bench points") if progress else (lambda n: None)
     for r in range(repeats):
         say(f"bench: repeat {r + 1}/{repeats}")
         samples.setdefault(("edit-rt full", 1, None), []).append(_timed(rt_full))
-        advance(1)
+        samples.setdefault((DEEPCACHE_FULL, 1, None), []).append(_timed(lambda: rt_full(3)))
+        advance(2)
         for n in ns:
             samples.setdefault(("diffusers", n, None), []).append(_timed(lambda: diffusers_full(n)))
             advance(1)
@@ -121,7 +130,9 @@ def run_bench(
                 samples.setdefault(("img2img", n, f), []).append(_timed(lambda: diffusers_img2img(n, f)))
                 samples.setdefault(("edit-rt tail", n, f), []).append(_timed(lambda: rt_tail(n, f)))
                 samples.setdefault((UNCOND_METHOD, n, f), []).append(_timed(lambda: rt_tail(n, f, "base-corrected")))
-                advance(3)
+                for k, method in DEEPCACHE.items():
+                    samples.setdefault((method, n, f), []).append(_timed(lambda: rt_tail(n, f, deepcache=k)))
+                advance(3 + len(DEEPCACHE))
         for n in ns:
             for kind, probe in probes.items():
                 step_samples[kind][n].append(probe(n))
@@ -129,7 +140,8 @@ def run_bench(
 
     rows_of = {"diffusers": lambda n, f: n * T, "img2img": lambda n, f: n * ks[f],
                "edit-rt full": lambda n, f: T, "edit-rt tail": lambda n, f: n * ks[f],
-               UNCOND_METHOD: lambda n, f: n * ks[f]}  # fmt: skip
+               UNCOND_METHOD: lambda n, f: n * ks[f], DEEPCACHE_FULL: lambda n, f: T,
+               **{method: lambda n, f: n * ks[f] for method in DEEPCACHE.values()}}  # fmt: skip
     points = []
     for (method, n, f), runs in samples.items():
         seconds = statistics.median(s for s, _ in runs)
@@ -166,6 +178,9 @@ def run_bench(
                 "step_cost_ratio_torch_over_runtime": per_step["torch"][n] / per_step["runtime"][n],
                 # tail.uncond: the exact tail's seconds over the same tail's on the base's u
                 "uncond_reuse_speedup": uncond["median"], "uncond_reuse_speedup_spread": uncond["spread"],
+                # tail.deepcache k: the exact tail's seconds over the same tail's with DeepCache
+                **{f"deepcache_{k}_speedup{key}": ratios(d, [s for s, _ in samples[(method, n, f)]])[stat]
+                   for k, method in DEEPCACHE.items() for key, stat in (("", "median"), ("_spread", "spread"))},
             })  # fmt: skip
     tail_rows = [p for p in points if p["method"] == "edit-rt tail"]
     per_row = {(p["n"], p["tail_fraction"]): p["seconds"] / p["unet_rows"] for p in tail_rows}
@@ -185,16 +200,24 @@ def run_bench(
         "tail_seconds_per_row": {f"n={n},f={f}": v for (n, f), v in per_row.items()},
         "points": points,
         "comparisons": comparisons,
+        # base.deepcache 3: a generation's seconds without over with it
+        "deepcache_generation_speedup": ratios([s for s, _ in samples[("edit-rt full", 1, None)]],
+                                               [s for s, _ in samples[(DEEPCACHE_FULL, 1, None)]]),  # fmt: skip
     }
     k_serve = ks[sorted(fractions)[len(fractions) // 2]]
     say(f"bench: the server against one run tail ({max(ns)} edits, {k_serve}-step tails)")
-    report["server_vs_run"] = server_vs_run(cfg, rt, state, prompts[: max(ns)], k_serve, repeats)
+    report["server_vs_run"] = server_vs_run(cfg, rt, state, prompts[: max(ns)], k_serve, repeats, min(ks.values()))
     advance(1)
     say("bench: entry-step reuse on and off")
     report["entry_reuse"] = entry_reuse(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
     advance(1)
     say("bench: a slider move (one row, its prompt encoded, a new strength) against its UNet calls")
     report["slider_move"] = slider_move(rt, state, prompts[0], min(ks.values()), max(3, repeats))
+    # the page's drag -> exact image, through the server's HTTP and PNG (server_vs_run), against
+    # the same move's UNet calls in the pipeline (the same tail, the same row)
+    move = report["slider_move"]
+    move.update({"page_drag_seconds": report["server_vs_run"]["page_drag_seconds"],
+                 "page_drag_over_unet": report["server_vs_run"]["page_drag_seconds"] / move["seconds_move_unet"]})  # fmt: skip
     say("bench: inverting an image into a base, against generating one")
     report["inversion"] = inversion_cost(rt, base, repeats)
     advance(1)
@@ -204,6 +227,9 @@ def run_bench(
     say("bench: padded row buckets (the GPU backends' pow2) against exact row counts")
     report["bucket_cost"] = bucket_cost(rt, state, prompts, min(ks.values()), repeats)
     advance(1)
+    say("bench: catalogues of 16, 64 and 256 rows, each image written as it is decoded")
+    report["catalogue"] = catalogue_cost(cfg, rt, state, prompts[: max(ns)], min(ks.values()),
+                                         catalogue_sizes or (max(ns), 4 * max(ns), 16 * max(ns)))  # fmt: skip
     if sliders is not False:
         report["sliders"] = slider_cost(cfg, rt, state, pipe, max(ns), max(ks.values()), repeats, say, **(sliders or {}))
     rt.deactivate()

@@ -103,9 +103,11 @@ def server_in_process(cfg: RunConfig) -> Iterator[str]:
         thread.join(timeout=60)
 
 
-def server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
+def server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k: int, repeats: int,
+                  drag_steps: int = 0) -> dict[str, Any]:  # fmt: skip
     """The same edits of one base: N concurrent single-edit requests to the server against one
-    ``edit-rt run`` tail (run_tail + decode), interleaved, median of ``repeats``."""
+    ``edit-rt run`` tail (run_tail + decode), interleaved, median of ``repeats``; and the page's
+    slider drag (one edit of ``drag_steps`` steps, 0: k, a new strength, the PNG back) timed."""
     import httpx
 
     base, T = state.base, state.base.steps
@@ -130,16 +132,23 @@ def server_vs_run(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k
             for t in threads:
                 t.join()
 
+        def drag(strength: float) -> None:  # the page's slider move: one edit, a new strength, its PNG back
+            edit = {"prompt": prompts[0], "strength": strength, "tail_steps": drag_steps or k}
+            client.post("/v1/images/edits", json={"base_id": bid, "edits": [edit]}).raise_for_status()
+
         concurrent()  # warm up: the server's first calls at each row count allocate
         one_tail()
-        served, ran = [], []
-        for _ in range(repeats):
+        drag(0.5)
+        served, ran, dragged = [], [], []
+        for r in range(repeats):
             served.append(_timed(concurrent)[0])
             ran.append(_timed(one_tail)[0])
+            dragged.append(_timed(lambda: drag(0.75 + 0.25 * r))[0])
     n = len(prompts)
     server_eps, run_eps = n / statistics.median(served), n / statistics.median(ran)
     return {"n": n, "tail_steps": k, "server_edits_per_s": server_eps, "run_edits_per_s": run_eps,
-            "ratio": server_eps / run_eps, "server_runs": served, "run_runs": ran}  # fmt: skip
+            "ratio": server_eps / run_eps, "server_runs": served, "run_runs": ran,
+            "page_drag_seconds": statistics.median(dragged), "page_drag_runs": dragged}  # fmt: skip
 
 
 def entry_reuse(rt: EditPipeline, state, prompts: list[str], k: int, repeats: int) -> dict[str, Any]:
@@ -263,3 +272,30 @@ def preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: 
     auto, none = seconds["auto"], seconds["none"]
     return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preserve.steps, "seconds_auto": auto,
             "seconds_none": none, "ratio": auto / none}  # fmt: skip
+
+
+def catalogue_cost(cfg: RunConfig, rt: EditPipeline, state, prompts: list[str], k: int,
+                   sizes: Sequence[int] = (16, 64, 256)) -> dict[str, Any]:  # fmt: skip
+    """Catalogues of ``sizes`` rows (the prompts, each at ``size / len(prompts)`` strengths) run
+    as `edit-rt run` runs them, each image decoded and written as a PNG: edits/s and the
+    process's peak memory per size (a catalogue holds one chunk of rows at a time)."""
+    import tempfile
+    from pathlib import Path
+
+    from edit_rt.runtime.catalogue import run_catalogue
+    from edit_rt.runtime.model.catalogue import Catalogue
+    from edit_rt.runtime.storage.store import base_id
+
+    out: dict[str, Any] = {"tail_steps": k, "sizes": {}}
+    bid = base_id(state.fingerprint, state.base)
+    for n in sizes:
+        per = max(1, n // len(prompts))
+        edits = [{"prompt": p, "tail_steps": k} for p in prompts[: min(n, len(prompts))]]
+        spec = Catalogue(edits=edits, sliders=[{"from": 0.5, "to": 1.5, "n": per}] if per > 1 else [], max_rows=max(n, 1))
+        with tempfile.TemporaryDirectory() as folder:
+            run = dataclasses.replace(cfg, output_dir=Path(folder), catalogue=spec)
+            seconds, peak = _timed(lambda: run_catalogue(run, rt, state, state.base, bid, lambda total, what: lambda m: None))
+        out["sizes"][str(spec.size())] = {"seconds": seconds, "edits_per_s": spec.size() / seconds, "peak_rss_mb": peak / 2**20}
+    first = out["sizes"][str(min(int(s) for s in out["sizes"]))]["edits_per_s"]
+    out["edits_per_s_over_smallest"] = {s: v["edits_per_s"] / first for s, v in out["sizes"].items()}
+    return out

@@ -70,6 +70,16 @@ def _interleaved(modes: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
     return {mode: runs[1:] for mode, runs in seconds.items()}
 
 
+def _current(onnx: Path, fingerprint: str) -> bool:
+    """Whether ``onnx`` holds an export of this model this version of edit-rt reads."""
+    from edit_rt.runtime.errors import ArtifactError
+
+    try:
+        return load_manifest(onnx).fingerprint == fingerprint
+    except ArtifactError:  # none yet, or an older version's
+        return False
+
+
 def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: int, say: Callable[[str], None],
                 slots: int = 4, rank: int = 16, points: int = 9) -> dict[str, Any]:  # fmt: skip
     """The section's report; ``rt_plain`` is the bench's pipeline (no slots), ``state`` its
@@ -82,7 +92,7 @@ def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: 
     base, T = state.base, state.base.steps
     root = Path(cfg.build_dir) / cfg.model_name
     onnx = root / f"onnx-adapters-{slots}x{rank}"
-    if not (onnx / "manifest.json").is_file() or load_manifest(onnx).fingerprint != rt_plain.manifest.fingerprint:
+    if not _current(onnx, rt_plain.manifest.fingerprint):
         say(f"bench: exporting the model with {slots} LoRA slots of rank {rank}")
         export_onnx(cfg.model_dir, onnx, adapter_slots_n=slots, adapter_rank=rank)
     manifest = load_manifest(onnx)

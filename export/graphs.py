@@ -9,6 +9,10 @@
   update, linear with per-row coefficients (runtime/model/samplers.py). Every row has its own
   timestep, coefficients, solver history and guidance, so rows of different samplers, steps and
   edits share one call.
+- :class:`UNetShallowStepGraph`: the same step with the UNet's deep blocks skipped, their
+  output taken from an input (DeepCache, Ma et al. 2023): ``unet_step`` also returns the
+  features entering the UNet's last up block (``deep_out``), and a shallow step runs only the
+  outer blocks around them (conv_in, the first down block, the last up block, conv_out).
 - :class:`LatentBlendGraph`: after each step, on the device, the rows' next latents with their
   base's latents where a mask keeps the base, plus an inverted base's correction, and the
   solver history carried to the next step: the loop's latents never leave the device between
@@ -19,6 +23,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +65,7 @@ class _StepContext:
         self.maps: list[torch.Tensor] = []  # per map layer: [N, 77, image tokens]
         # structure keeping: per UNet row, the row whose self-attention queries and keys it uses
         self.self_index: torch.Tensor | None = None
+        self.deep: torch.Tensor | None = None  # the features entering the skip branch's up block
 
 
 # Added to the scores of another set's tokens: exp() of it underflows to exactly 0 in fp32
@@ -183,6 +189,60 @@ class KVProjGraph(nn.Module):
         return tuple(out)
 
 
+# The skip branch a shallow step keeps (DeepCache's SD setting, ``cache_layer_id`` 0): the outer
+# blocks run, the deep features entering the last up block are a step's own from its last full
+# step. A deeper branch keeps more blocks and saves less.
+DEEP_BRANCH = 0
+
+
+class _DeepSkipped(nn.Module):
+    """Stands in for the UNet's deep blocks in a shallow step: as the down blocks it passes the
+    sample on with one placeholder skip connection, as the up blocks it takes that placeholder
+    back (``resnets``: how many diffusers' loop hands it) and returns the cached features."""
+
+    def __init__(self, feature: torch.Tensor, up: bool):
+        super().__init__()
+        self.feature = feature
+        self.up = up
+        self.resnets = [None]
+
+    def forward(self, hidden_states, temb=None, **kwargs):
+        if self.up:
+            return self.feature
+        return hidden_states, (hidden_states,)
+
+
+def deep_feature_block(unet: nn.Module, branch: int = DEEP_BRANCH) -> nn.Module:
+    """The up block whose output a full step returns as ``deep_out``: the features entering
+    up block ``len - 1 - branch``."""
+    blocks = len(unet.up_blocks)
+    if not 0 <= branch < blocks - 1:
+        raise ValueError(f"deep branch {branch}: a UNet of {blocks} up blocks has branches 0..{blocks - 2}")
+    return unet.up_blocks[blocks - 2 - branch]
+
+
+@contextmanager
+def shallow_unet(unet: nn.Module, feature: torch.Tensor, branch: int = DEEP_BRANCH):
+    """``unet`` with its deep blocks skipped while the block is open: down blocks ``0..branch``
+    (the last without its downsampler, whose output only deeper blocks read), no mid block, the
+    up blocks from ``len - 1 - branch`` fed ``feature``. diffusers' own forward runs around
+    them (time and added embeddings, the skip connections, conv_out)."""
+    down, mid, up = unet.down_blocks, unet.mid_block, unet.up_blocks
+    keep = down[branch]
+    downsamplers = getattr(keep, "downsamplers", None)
+    try:
+        if downsamplers is not None:
+            keep.downsamplers = None
+        unet.down_blocks = nn.ModuleList([*down[: branch + 1], _DeepSkipped(feature, up=False)])
+        unet.mid_block = None
+        unet.up_blocks = nn.ModuleList([_DeepSkipped(feature, up=True), *up[len(up) - 1 - branch :]])
+        yield unet
+    finally:
+        unet.down_blocks, unet.mid_block, unet.up_blocks = down, mid, up
+        if downsamplers is not None:
+            keep.downsamplers = downsamplers
+
+
 class UNetStepGraph(nn.Module):
     """One sampler step with classifier-free guidance, K/V explicit.
 
@@ -211,8 +271,10 @@ class UNetStepGraph(nn.Module):
     gives ``uncond_given = u_b - k x_b`` and ``uncond_slope = k`` and the graph adds ``k x_e``
     (0: the prediction as given; runtime/loop/uncond_reuse.py derives k).
     Outputs: ``next_latents [N,c,h,w]``, ``uncond_out [N,c,h,w]`` (each row's unconditional
-    prediction, which a base generation keeps for its edits' entry steps) and ``history_out
-    [N,2,c,h,w]``.
+    prediction, which a base generation keeps for its edits' entry steps), ``history_out
+    [N,2,c,h,w]`` and ``deep_out [U,C,h',w']``: the features entering the UNet's skip branch
+    (:func:`deep_feature_block`) for each UNet row, ``[uncond rows; cond rows]`` (U = 2N - E),
+    which :class:`UNetShallowStepGraph` takes at a row's next steps.
 
     With ``map_layers`` (edit-rt's export always gives them: one step graph, manifest v9) it
     also returns ``attn_maps [N, 77, h/f, w/f]``: per row and text position, the conditional
@@ -249,10 +311,19 @@ class UNetStepGraph(nn.Module):
             module.set_processor(SharedLayoutProcessor(self.context, slice_heads))
         self.num_layers = len(layers)
         self.cross_attention_dim = unet.config.cross_attention_dim
+        self.deep_branch = DEEP_BRANCH
+        context = self.context
+        deep_feature_block(unet, self.deep_branch).register_forward_hook(lambda m, i, out: setattr(context, "deep", out))
 
     def forward(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope, *rest):
+        outputs = self.step(latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope, rest,
+                            maps=self.map_layers is not None)  # fmt: skip
+        return (*outputs, self.context.deep)
+
+    def step(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope, rest, maps: bool):
+        """The step's outputs but ``deep_out`` (``maps``: with ``attn_maps``)."""
         self.context.maps = []
-        self.context.want_maps = self.map_layers is not None
+        self.context.want_maps = maps
         n = latents.shape[0]
         nu = n - uncond_given.shape[0]
         # rows [uncond 0..nu-1; cond 0..n-1], each with its reference's self-attention pattern
@@ -308,11 +379,30 @@ class UNetStepGraph(nn.Module):
         h0, h1 = history[:, 0], history[:, 1]
         next_latents = c_x * latents + c_x0 * x0 + c_eps * eps + c_h0 * h0 + c_h1 * h1 + c_noise * noise
         history_out = torch.stack([x0, h0], dim=1)
-        if self.map_layers is None:
+        if not maps:
             return next_latents, out_uncond, history_out
         maps = torch.stack(self.context.maps).mean(dim=0)
         f = self.map_factor
         return next_latents, out_uncond, history_out, maps.reshape(n, self.text_len, latents.shape[2] // f, latents.shape[3] // f)
+
+
+class UNetShallowStepGraph(nn.Module):
+    """A DeepCache step (Ma et al. 2023): :class:`UNetStepGraph`'s step with the UNet's deep
+    blocks skipped (:func:`shallow_unet`), the features they would give read from
+    ``deep_features [U,C,h',w']`` (the ``deep_out`` of the rows' last full step, the same rows
+    in the same order) after ``noise``; the other inputs and the first three outputs are
+    ``unet_step``'s. Cross-attention layers inside the skipped blocks are not run, so their K/V
+    (and adapter matrices) are not inputs; no ``attn_maps`` (rows collecting maps run full)."""
+
+    def __init__(self, step: UNetStepGraph):
+        super().__init__()
+        self.full = step
+
+    def forward(self, latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope,
+                self_ref, history, noise, deep_features, *rest):  # fmt: skip
+        with shallow_unet(self.full.unet, deep_features, self.full.deep_branch):
+            return self.full.step(latents, timestep, alpha_t, coefs, guidance, uncond_index, uncond_given, uncond_slope,
+                                  (self_ref, history, noise, *rest), maps=False)  # fmt: skip
 
 
 def layer_factor(name: str, levels: int) -> int:

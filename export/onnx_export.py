@@ -37,8 +37,10 @@ from . import adapter_slots, family_sd
 from .families import family_module
 from .family import family_of
 from .graphs import (
+    DEEP_BRANCH,
     KVProjGraph,
     LatentBlendGraph,
+    UNetShallowStepGraph,
     UNetStepGraph,
     VaeDecoderGraph,
     VaeEncoderGraph,
@@ -49,7 +51,7 @@ from .graphs import (
 log = logging.getLogger(__name__)
 
 TEXT_LEN = 77  # CLIP's context length: every SD prompt is padded to it
-EXPORT_STAGES = 6  # text_encoder, kv_proj, unet_step, latent_blend, vae_decoder, vae_encoder
+EXPORT_STAGES = 7  # text_encoder, kv_proj, unet_step, unet_step_shallow, latent_blend, vae_decoder, vae_encoder
 # attention_slicing "auto": one head at a time where a UNet row's self-attention scores at the
 # model's own size pass this (SD 1.5 at 512x512: 8 heads x 4096^2 floats = 512 MiB a row, and a
 # call holds them for every row and both halves of guidance; the shapes models: a few MiB).
@@ -152,7 +154,7 @@ class StepIO:
 
 
 def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None,
-            adapters: Optional[tuple[list, int, int]] = None) -> StepIO:  # fmt: skip
+            adapters: Optional[tuple[list, int, int]] = None, deep: int = 0, shallow: bool = False) -> StepIO:  # fmt: skip
     """The step graph's inputs with their roles (runtime/step_signature.py reads them back):
     ``latents``, ``step_scalar:<schedule attribute>`` (changes every step),
     ``row_scalar:<row attribute>`` (fixed per row), ``set_index`` (the row's negative-prompt
@@ -162,7 +164,10 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
     ``row_adapters`` (the row's scale per adapter slot) and ``adapter_weight`` (the slots' LoRA
     matrices, resident), ``step_coefs`` (the sampler's update, samplers.COEFS), ``history``
     (the row's last two x_0), ``step_noise`` (an ancestral sampler's); outputs
-    ``next_latents``, ``uncond_out``, ``history_out`` and (the maps variant) ``attn_maps``."""
+    ``next_latents``, ``uncond_out``, ``history_out``, (the maps variant) ``attn_maps`` and
+    ``deep_out`` (the ``deep`` channels entering the skip branch, at the latent's size).
+    ``shallow``: ``unet_step_shallow``'s (graphs.UNetShallowStepGraph): ``deep_features`` (role
+    ``deep_in``) after ``noise``, outputs the first three."""
     # Traced with N=3 rows, E=1 of them at entry and 2 negative-prompt sets, so that no batch
     # or set count of 1 gets frozen into the graph as a broadcast.
     n, e, sets = 3, 1, 2
@@ -184,6 +189,8 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
     # a multistep solver's last two x_0 (resident per row), an ancestral sampler's step noise
     inputs.append(("history", "history", torch.randn(n, 2, c, h, w), {0: "N", 3: "H", 4: "W"}))
     inputs.append(("noise", "step_noise", torch.randn(n, c, h, w), latent_axes))
+    if shallow:  # each UNet row's deep features from its last full step, [uncond rows; cond rows]
+        inputs.append(("deep_features", "deep_in", torch.randn(2 * n - e, deep, h, w), {0: "U", 2: "H", 3: "W"}))
     for cond in conds or []:  # the family's per-row conditioning (SDXL: text_embeds, time_ids)
         name, dim = cond["name"], cond["dim"]
         if cond["uncond"] == "set":
@@ -207,9 +214,12 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
     outputs = [("next_latents", "next_latents"), ("uncond_out", "uncond_out"), ("history_out", "history_out")]
     axes = {name: latent_axes for name, _ in outputs}
     axes["history_out"] = {0: "N", 3: "H", 4: "W"}
-    if maps:
+    if maps and not shallow:
         outputs.append(("attn_maps", "attn_maps"))
         axes["attn_maps"] = {0: "N", 2: "HM", 3: "WM"}
+    if not shallow:
+        outputs.append(("deep_out", "deep_out"))
+        axes["deep_out"] = {0: "U", 2: "H", 3: "W"}
     return StepIO(inputs, outputs, axes)
 
 
@@ -300,6 +310,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         "text_encoder": _parameters(*components.text_encoders),
         "kv_proj": _parameters(*(m for _, a in attention for m in (a.to_k, a.to_v))),
         "unet_step": _parameters(unet),
+        "unet_step_shallow": _parameters(unet.conv_in, unet.down_blocks[DEEP_BRANCH], unet.up_blocks[-1 - DEEP_BRANCH], unet.conv_out),
         "latent_blend": 1,
         # the VAE's time goes to its convolutions at full image size, not its weights (SD 1.5:
         # the decoder's 49.5 M parameters took 68 s, the UNet's 860 M 119 s): weighted by both
@@ -343,17 +354,24 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     map_layers, map_factor = attention_map_layers(unet)
     log.info("exporting unet_step (prediction_type=%s, self-attention %s)", prediction_type,
              f"{slice_heads} head(s) at a time" if slice_heads else "all heads at once")  # fmt: skip
-    step = UNetStepGraph(unet, prediction_type, TEXT_LEN, map_layers, map_factor, conds, slice_heads).eval()
-    io = step_io(layers, c, h, w, True, conds, (adapter_layers, slots, rank) if slots else None)
-    fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
-    if slots:
-        step = adapter_slots.wrap("unet_step", step, fixed, contexts)
-    export_stage("unet_step", lambda: _export_graph(
-        step, tuple(a for _, _, a, _ in io.inputs), staging / "unet_step.onnx",
-        [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
-        {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
-    ))  # fmt: skip
-    graphs["unet_step"]["roles"] = io.roles
+    step_graph = UNetStepGraph(unet, prediction_type, TEXT_LEN, map_layers, map_factor, conds, slice_heads).eval()
+    deep = int(unet.config.block_out_channels[DEEP_BRANCH + 1])  # what the skip branch's up block takes
+    for graph, module in (("unet_step", step_graph), ("unet_step_shallow", UNetShallowStepGraph(step_graph).eval())):
+        io = step_io(layers, c, h, w, True, conds, (adapter_layers, slots, rank) if slots else None, deep,
+                     shallow=graph == "unet_step_shallow")  # fmt: skip
+        fixed = len(io.inputs) - len([1 for _, role, _, _ in io.inputs if role in ("row_adapters", "adapter_weight")])
+        if slots:
+            module = adapter_slots.wrap(graph, module, fixed, contexts)
+        export_stage(graph, lambda: _export_graph(
+            module, tuple(a for _, _, a, _ in io.inputs), staging / f"{graph}.onnx",
+            [name for name, _, _, _ in io.inputs], [name for name, _ in io.outputs],
+            {**{name: axes for name, _, _, axes in io.inputs}, **io.output_axes}, opset, threshold,
+        ))  # fmt: skip
+        # the exporter drops inputs no output reads (a shallow step's skipped layers' K/V)
+        kept = {t["name"] for t in graphs[graph]["inputs"] + graphs[graph]["outputs"]}
+        graphs[graph]["roles"] = {name: role for name, role in io.roles.items() if name in kept}
+        graphs[graph]["traced_inputs"] = [name for name, _, _, _ in io.inputs]
+    graphs["unet_step_shallow"]["deep_branch"] = DEEP_BRANCH
     graphs["unet_step"]["map_factor"] = map_factor
     graphs["unet_step"]["map_layers"] = [layers[i].name for i in sorted(map_layers)]
     graphs["unet_step"]["slice_heads"] = slice_heads

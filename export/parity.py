@@ -34,7 +34,7 @@ from edit_rt.runtime.model.samplers import schedule_for
 from . import adapter_slots
 from .families import family_module
 from .family import family_of
-from .graphs import KVProjGraph, LatentBlendGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
+from .graphs import KVProjGraph, LatentBlendGraph, UNetShallowStepGraph, UNetStepGraph, VaeDecoderGraph, VaeEncoderGraph, attention_map_layers
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
 # layer; through the ~30 layers of a UNet that stays below 1e-4 on outputs of order 1.
@@ -88,7 +88,8 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     roles = manifest.roles(graph) if graph.startswith("unet_step") else {}
     for spec in manifest.graphs[graph].inputs:
         scale = manifest.vae_scale_factor
-        dims = {"N": n, "B": n, "E": n // 2, "S": m * manifest.data["model"]["text_len"], "M": m, "H": hw, "W": hw,
+        slots = manifest.adapters["slots"]
+        dims = {"N": n, "B": n, "E": n // 2, "U": 2 * n - n // 2, "P": slots, "R": slots * manifest.adapters["rank"], "S": m * manifest.data["model"]["text_len"], "M": m, "H": hw, "W": hw,
                 "IH": hw * scale, "IW": hw * scale}  # fmt: skip
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
         role = roles.get(spec.name, "")
@@ -119,16 +120,50 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
     return feeds
 
 
+class KeptInputs(torch.nn.Module):
+    """A step graph's PyTorch source called with the inputs its ONNX graph kept (the exporter
+    drops those no output reads: a shallow step's skipped layers' K/V): the others are zeros
+    in ``unet_step``'s shape for the call's rows, read by nothing that reaches an output."""
+
+    def __init__(self, module: torch.nn.Module, manifest: Manifest, graph: str):
+        super().__init__()
+        self.module = module
+        self.traced = manifest.data["graphs"][graph]["traced_inputs"]  # the adapter inputs last
+        self.kept = [t.name for t in manifest.graphs[graph].inputs]
+        self.specs = {t.name: t for t in manifest.graphs["unet_step"].inputs}
+        self.text_len = manifest.data["model"]["text_len"]
+        roles = manifest.roles(graph)
+        self.latents, self.given = (next(n for n, r in roles.items() if r == role) for role in ("latents", "entry_uncond"))
+
+    def forward(self, *kept):
+        given = dict(zip(self.kept, kept))
+        n, _, h, w = given[self.latents].shape
+        dims = {"N": n, "E": given[self.given].shape[0], "S": self.text_len, "M": 1, "H": h, "W": w}
+        args = []
+        for name in self.traced:
+            if name in given:
+                args.append(given[name])
+            else:
+                spec = self.specs[name]
+                dtype = torch.int64 if np.dtype(spec.dtype) == np.int64 else torch.float32
+                args.append(torch.zeros([dims[d] if isinstance(d, str) else d for d in spec.shape], dtype=dtype))
+        return self.module(*args)
+
+
 def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Module:
     """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
     family = family_module(family_of(model_dir))
     components = family.load_components(model_dir, manifest.data["model"].get("variant"))
     spec = manifest.adapters
-    if spec["slots"] and graph in ("text_encoder", "kv_proj", "unet_step"):
+    if not spec["slots"] or graph not in ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow"):
+        module = _torch_module(graph, components, family)
+    else:
         _, contexts = adapter_slots.install_all(components, spec["rank"])
-        own = [t for t in manifest.graphs[graph].inputs if t.name != "adapter_scale" and "_lora_" not in t.name]
-        return adapter_slots.wrap(graph, _torch_module(graph, components, family), len(own), contexts)
-    return _torch_module(graph, components, family)
+        module = _torch_module(graph, components, family)  # on the adapted layers
+        names = manifest.data["graphs"][graph].get("traced_inputs") or [t.name for t in manifest.graphs[graph].inputs]
+        own = [name for name in names if name != "adapter_scale" and "_lora_" not in name]
+        module = adapter_slots.wrap(graph, module, len(own), contexts)
+    return KeptInputs(module, manifest, graph) if graph == "unet_step_shallow" else module
 
 
 def _torch_module(graph: str, components, family) -> torch.nn.Module:
@@ -137,10 +172,11 @@ def _torch_module(graph: str, components, family) -> torch.nn.Module:
         return family.TextGraph(components)
     if graph == "kv_proj":
         return KVProjGraph(unet)
-    if graph == "unet_step":  # unsliced: the slices' concatenation is the same attention
+    if graph.startswith("unet_step"):  # unsliced: the slices' concatenation is the same attention
         map_layers, factor = attention_map_layers(unet)
-        return UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), map_layers=map_layers,
+        step = UNetStepGraph(unet, scheduler.get("prediction_type", "epsilon"), map_layers=map_layers,
                              map_factor=factor, conds=family.conds(components))  # fmt: skip
+        return step if graph == "unet_step" else UNetShallowStepGraph(step)
     if graph == "vae_encoder":
         return VaeEncoderGraph(vae)
     if graph == "latent_blend":

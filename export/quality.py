@@ -14,7 +14,8 @@ base prompt with that one word replaced. Scores, per edit:
 
 Side by side on the same bases: edit-rt at several tail fractions K/T and strengths with
 ``preserve: none``; the same rows on the base's unconditional prediction (``tail.uncond:
-base`` and ``base-corrected``, methods "uncond base", "uncond base-corrected"); edit-rt with ``preserve: auto`` at the default tail and strength, for each
+base`` and ``base-corrected``, methods "uncond base", "uncond base-corrected") and with
+DeepCache (``tail.deepcache`` 2 and 3, methods "deepcache 2", "deepcache 3"); edit-rt with ``preserve: auto`` at the default tail and strength, for each
 setting of its knobs; diffusers' img2img at strength K/T (same model and steps, fresh noise);
 prompt-to-prompt from the same base tail (export/p2p.py). A "real image" mode does the same
 on shapes-world renders that no model drew: inverted into bases (pipeline.invert), then edited,
@@ -48,6 +49,8 @@ AUTO_KNOBS = tuple((t, d, r) for t in (0.3, 0.5) for d in (0, 1) for r in ("cont
 STRUCTURE_TAILS = (0.5, 0.6)
 # tail.uncond modes measured beside the exact tail (compute) at every setting of it
 UNCOND_REUSE = ("base", "base-corrected")
+# tail.deepcache intervals measured beside it likewise (methods "deepcache 2", "deepcache 3")
+DEEPCACHE = (2, 3)
 
 
 @dataclass
@@ -164,8 +167,10 @@ def run_quality(
             continue  # an unreadable base has no attributes to preserve
         # edit-rt, preserve: none, every setting of every kind in one batched tail; then the same
         # rows on the base's unconditional prediction (tail.uncond), beside the exact tail
-        for method, mode in (("edit-rt", "compute"), *((f"uncond {m}", m) for m in UNCOND_REUSE)):
-            rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance, uncond=mode)
+        # and with DeepCache (tail.deepcache k: every k-th tail step full)
+        for method, mode, k in (("edit-rt", "compute", 1), *((f"uncond {m}", m, 1) for m in UNCOND_REUSE),
+                                *((f"deepcache {k}", "compute", k) for k in DEEPCACHE)):  # fmt: skip
+            rows = [TailRow(text, s, T - max(1, round(f * T)), base.guidance, uncond=mode, deepcache=k)
                     for _, text in edits.values() for f, s in settings]  # fmt: skip
             images = iter(r.image for r in pipe.edit(state, rows))
             for kind, (target, _) in edits.items():

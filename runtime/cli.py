@@ -180,11 +180,13 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     cfg = load_config(config)
     cfg.require_model_dir()  # a single file not yet converted is said so, before its missing graphs
     builder = _export_module("engines")
-    scale = load_manifest(cfg.onnx_dir).vae_scale_factor
+    manifest = load_manifest(cfg.onnx_dir)
+    scale = manifest.vae_scale_factor
     e = cfg.engines
     profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
                                e.max_uncond_sets, scale, e.vae_max_batch,
-                               tuple((h // scale, w // scale) for w, h in cfg.served_sizes()[1:]))  # fmt: skip
+                               tuple((h // scale, w // scale) for w, h in cfg.served_sizes()[1:]),
+                               manifest.adapters["slots"], manifest.adapters["rank"])  # fmt: skip
     from .engine.backend_trt import trt_unavailable_reason
     from .engine.engines import GRAPHS
 
@@ -256,7 +258,8 @@ def _print_bench(report: dict, output_dir: Path) -> None:
     )
     table = Table(title=title, title_justify="left")
     for column in ("N", "K/T", "(a) diffusers edits/s", "(b) img2img edits/s", "(d) edit-rt edits/s",
-                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)", "(e)/(d) uncond base"):  # fmt: skip
+                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)", "(e)/(d) uncond base",
+                   "(f)/(d) deepcache 3"):  # fmt: skip
         table.add_column(column, justify="right")
     points = {(p["method"], p["n"], p["tail_fraction"]): p for p in report["points"]}
     for c in report["comparisons"]:
@@ -265,10 +268,13 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             str(n), f"{f:g}", f"{points[('diffusers', n, None)]['edits_per_s']:.2f}",
             f"{points[('img2img', n, f)]['edits_per_s']:.2f}", f"{points[('edit-rt tail', n, f)]['edits_per_s']:.2f}",
             f"{c['speedup_vs_diffusers']:.1f}x", f"{c['ideal_speedup_vs_diffusers']:.1f}x", f"{c['efficiency']:.2f}",
-            f"{c['speedup_vs_img2img']:.2f}x", f"{c['uncond_reuse_speedup']:.2f}x",
+            f"{c['speedup_vs_img2img']:.2f}x", f"{c['uncond_reuse_speedup']:.2f}x", f"{c['deepcache_3_speedup']:.2f}x",
         )  # fmt: skip
     out = Console()
     out.print(table)
+    if "deepcache_generation_speedup" in report:
+        g = report["deepcache_generation_speedup"]
+        out.print(f"base.deepcache 3: a generation {g['median']:.2f}x as fast (spread {g['spread'][0]:.2f}-{g['spread'][1]:.2f})")
     steps = report["per_step_row_seconds"]
     out.print(
         "per-row CFG step (ms): torch " + ", ".join(f"N={n} {v * 1e3:.1f}" for n, v in steps["torch"].items())
@@ -286,7 +292,12 @@ def _print_bench(report: dict, output_dir: Path) -> None:
             f"{d['seconds_without']:.2f} s -> {d['seconds_with']:.2f} s ({d['measured_saving']:.1%} faster)"),
         "slider_move": lambda d: (
             f"a slider move (1 row x {d['tail_steps']} steps, prompt encoded): {d['seconds_move']:.3f} s, its UNet calls "
-            f"{d['seconds_move_unet']:.3f} s ({d['move_over_unet']:.2f}x); the first edit, encoding: {d['seconds_first_edit']:.3f} s"),
+            f"{d['seconds_move_unet']:.3f} s ({d['move_over_unet']:.2f}x); the first edit, encoding: {d['seconds_first_edit']:.3f} s; "
+            f"the page's drag through the server: {d['page_drag_seconds']:.3f} s ({d['page_drag_over_unet']:.2f}x its UNet calls)"),
+        "catalogue": lambda d: (
+            f"catalogues ({d['tail_steps']}-step tails, PNGs written): " + ", ".join(
+                f"{n} rows {v['edits_per_s']:.2f} edits/s ({d['edits_per_s_over_smallest'][n]:.2f}x, peak {v['peak_rss_mb']:.0f} MB)"
+                for n, v in d["sizes"].items())),
         "inversion": lambda d: (
             f"a base from an image: {d['seconds_invert']:.2f} s ({d['rows_backwards']} rows back, one at a time, + "
             f"{d['rows_forward']} one-step rows forward, batched) vs {d['seconds_generate']:.2f} s to generate one "

@@ -265,11 +265,11 @@ class Editor:
 
         An edit is an :class:`~edit_rt.runtime.model.edit.Edit`, a mapping of its fields (as a
         config's ``edits:`` entry: prompt, strength, directions, start_step or tail_steps or
-        tail_fraction, guidance, mask, seed, preserve, structure, uncond, label; and, in a mapping only,
+        tail_fraction, guidance, mask, seed, preserve, structure, uncond, deepcache, label; and, in a mapping only,
         ``pixel_mask``: an [H, W] array in [0, 1] at the base's size, 1 where the image may
         change, 0 where it keeps the base's pixel exactly), or a prompt; what it leaves out is
         the config's default (``cache.default_strength``, ``default_tail_fraction``,
-        ``preserve.mode``, ``preserve.structure``, ``tail.uncond``).
+        ``preserve.mode``, ``preserve.structure``, ``tail.uncond``, ``tail.deepcache``).
 
         ``on_progress(index, step, of)`` is called as each edit's tail advances, and
         ``on_preview(index, step, of, image)`` ``previews`` times per edit over its tail (both

@@ -91,6 +91,7 @@ class EditPipeline(PromptEncoding):
             self.manifest.check_model(model_dir)
         self.family = self.manifest.family
         self.signature = StepSignature.from_manifest(self.manifest)  # the step graph's inputs by role
+        self.shallow_signature = StepSignature.from_manifest(self.manifest, "unet_step_shallow")  # DeepCache's
         self.tokenizers = []
         for name in self.family["tokenizers"]:  # SDXL has two
             try:
@@ -112,7 +113,8 @@ class EditPipeline(PromptEncoding):
         sample = self.manifest.data["model"]["sample_size"]
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
         extra = tuple((eh // self.scale, ew // self.scale) for eh, ew in extra_image_sizes)  # (height, width) each
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra)
+        spec = self.manifest.adapters
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra, spec["slots"], spec["rank"])
         self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
                                                          cuda_graphs, precision)  # fmt: skip
         self.graphs = self.graph_set.graphs
@@ -265,9 +267,11 @@ class EditPipeline(PromptEncoding):
                 held |= row.adapter_slots
         return held
 
-    def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None) -> RowScheduler:
+    def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None,
+                      shallow_graph=None) -> RowScheduler:  # fmt: skip
         """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
-        latents on ``graph`` (this pipeline's step graph)."""
+        latents on ``graph`` (this pipeline's step graph) and ``shallow_graph`` (its DeepCache
+        variant)."""
         f = self.map_factor
         return RowScheduler(
             graph or self.graphs["unet_step"], self.signature,
@@ -275,6 +279,7 @@ class EditPipeline(PromptEncoding):
             map_hw=(latent_shape[1] // f, latent_shape[2] // f),
             blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
             adapters=self.adapter_bank,
+            shallow=(shallow_graph or self.graphs["unet_step_shallow"], self.shallow_signature),
         )  # fmt: skip
 
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Optional[AutoMask], str]:

@@ -51,6 +51,7 @@ def base_fields(base: Base, model: str, fingerprint: str, bid: str) -> dict[str,
            if base.original_width or base.original_height else {}),
         **({"Crop": f"{base.crop_left}x{base.crop_top}"} if base.crop_top or base.crop_left else {}),
         **({"Adapters": adapters_text(base.adapters)} if base.adapters else {}),
+        **({"DeepCache": base.deepcache} if base.deepcache > 1 else {}),  # every k-th step full
         "Model": model,
         "Model hash": fingerprint[:10],
         "Base id": bid,
@@ -82,6 +83,8 @@ def edit_fields(base: Base, row: TailRow, model: str, fingerprint: str, bid: str
         fields["Structure"] = f"{row.structure:g}"
     if uncond != "compute":  # the tail took its base's unconditional prediction (tail.uncond)
         fields["Tail uncond"] = uncond
+    if row.deepcache > 1:  # every k-th tail step full, the others shallow (tail.deepcache)
+        fields["Tail deepcache"] = row.deepcache
     return fields
 
 

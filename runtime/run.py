@@ -24,6 +24,7 @@ import onnxruntime
 
 from . import __version__
 from .assemble import pipeline_of, store_of
+from .catalogue import run_catalogue
 from .errors import ConfigError
 from .images import contact_sheet, save_png
 from .model.config import RunConfig
@@ -133,6 +134,13 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     timer = Timer()
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
+    if cfg.catalogue is not None:  # its edits and sliders before minutes of work: its rows are made as they run
+        for i, edit in enumerate(cfg.catalogue.edits):
+            cfg.tail_row(edit, f"catalogue.edits[{i}]")
+        for j, slider in enumerate(cfg.catalogue.sliders):
+            if slider.adapter is not None and slider.adapter not in cfg.adapters:
+                raise ConfigError(f"catalogue.sliders[{j}].adapter: {slider.adapter!r} is not in adapters: "
+                                  f"({', '.join(cfg.adapters) or 'none'}); add it there or name one of those")  # fmt: skip
     writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
     upload = None
     if base.image is not None:  # a base from an image: its key holds the pixels' hash
@@ -200,7 +208,12 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
                 edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
                                      "start_step": row.start_step, "tail_steps": T - row.start_step,
                                      "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
-                                     "preserve": results[k].preserve, "uncond": results[k].uncond, **directions})  # fmt: skip
+                                     "preserve": results[k].preserve, "uncond": results[k].uncond,
+                                     "deepcache": row.deepcache, **directions})  # fmt: skip
+        if cfg.catalogue is not None:  # after the edits, image by image (catalogue.py)
+            with timer.stage("catalogue"), output_errors(cfg.output_dir):
+                catalogue = run_catalogue(cfg, pipe, state, base, bid, progress)
+            counted.append(dataclasses.replace(stats))
     finally:
         pipe.deactivate()
 
@@ -210,7 +223,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
     # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,
     # and entry-step reuse skips the unconditional half of a row at its entry step.
-    before, based, done = counted
+    before, based, done = counted[:3]
     base_rows = based.row_steps - before.row_steps
     tail_rows_run = done.row_steps - based.row_steps
     total = base_rows + tail_rows_run
@@ -248,6 +261,8 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         "base_source": base_source,
         "store": store.stats(),
     }
+    if cfg.catalogue is not None:
+        report["catalogue"] = {**catalogue, "unet_rows": counted[3].row_steps - done.row_steps}
     with output_errors(cfg.output_dir):
         (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report

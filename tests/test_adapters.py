@@ -165,10 +165,39 @@ def test_tail_with_an_adapter_equals_diffusers_from_the_cached_latent(lora_pipe,
     np.testing.assert_allclose(ours, expected, atol=ATOL)
 
 
-def test_adapter_at_scale_zero_is_no_adapter_exactly(lora_pipe):
+def test_a_deepcache_tail_with_an_adapter_equals_diffusers_blocks(lora_pipe, reference):
+    """``deepcache: 2`` with a LoRA: the shallow steps' outer blocks carry the adapter too
+    (test_deepcache.py's reference: diffusers' blocks called directly, the LoRA loaded in them)."""
+    from .test_deepcache import _unet
+
     state = lora_pipe.generate_base(TEST_BASE)
+    prompt = "a green circle on a blue background"
+    row = TailRow(prompt, 1.0, 4, TEST_BASE.guidance, adapters={"kohya": (-1.3, -1.3)}, deepcache=2)
+    ours = lora_pipe.decode(lora_pipe.run_tail(state, [row]))
+    reference.set_adapters(["kohya"], adapter_weights=[-1.3])
+    with torch.no_grad():
+        cond, uncond = reference.encode_prompt(prompt, "cpu", 1, True, TEST_BASE.negative_prompt)
+        reference.scheduler.set_timesteps(TEST_BASE.steps)
+        x, feature = torch.from_numpy(state.latent(4)), None
+        for j, t in enumerate(reference.scheduler.timesteps[4:]):
+            out, feature = _unet(reference.unet, torch.cat([x, x]), t, torch.cat([uncond, cond]), None if j % 2 == 0 else feature)
+            u, c = out.chunk(2)
+            x = reference.scheduler.step(u + TEST_BASE.guidance * (c - u), t, x, eta=0.0).prev_sample
+        image = reference.vae.decode(x / reference.vae.config.scaling_factor).sample
+    expected = (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(ours, expected, atol=ATOL)
+
+
+def test_adapter_at_scale_zero_is_no_adapter_exactly(lora_pipe):
+    """A call no row of which uses an adapter binds the slots zero wide (the slot-free binding:
+    no LoRA branch runs); a row with an adapter at scale 0 binds them all: the same latents."""
+    state = lora_pipe.generate_base(TEST_BASE)
+    scheduler = lora_pipe.batcher(state.latents.shape[1:]).scheduler
+    scheduler.bindings.free()
     none = lora_pipe.run_tail(state, [TailRow("a blue square", 1.0, 5, 7.5)])
+    assert {key[-1] for key in scheduler.bindings._items} == {False}  # slot-free
     zero = lora_pipe.run_tail(state, [TailRow("a blue square", 1.0, 5, 7.5, adapters={"peft": (0.0, 0.0)})])
+    assert {key[-1] for key in scheduler.bindings._items} == {False, True}
     np.testing.assert_array_equal(zero, none)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from edit_rt.export.bench import UNCOND_METHOD, run_bench
+from edit_rt.export.bench import DEEPCACHE, DEEPCACHE_FULL, UNCOND_METHOD, run_bench
 from edit_rt.runtime.model.config import config_from_dict
 
 
@@ -36,7 +36,8 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     methods = {(p["method"], p["n"], p["tail_fraction"]) for p in report["points"]}
     assert methods == {("edit-rt full", 1, None), ("diffusers", 1, None), ("diffusers", 2, None),
                        ("img2img", 1, 0.5), ("img2img", 2, 0.5), ("edit-rt tail", 1, 0.5), ("edit-rt tail", 2, 0.5),
-                       (UNCOND_METHOD, 1, 0.5), (UNCOND_METHOD, 2, 0.5)}  # fmt: skip
+                       (UNCOND_METHOD, 1, 0.5), (UNCOND_METHOD, 2, 0.5), (DEEPCACHE_FULL, 1, None),
+                       *((m, n, 0.5) for m in DEEPCACHE.values() for n in (1, 2))}  # fmt: skip
     for p in report["points"]:
         assert p["seconds"] > 0 and p["edits_per_s"] > 0 and p["peak_rss_mb"] >= 0
     rows = {(p["method"], p["n"]): p["unet_rows"] for p in report["points"]}
@@ -45,8 +46,11 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     for c in (c1, c2):
         assert c["tail_steps"] == 2 and c["ideal_speedup_vs_diffusers"] > 0 and 0 < c["efficiency"]
         assert c["uncond_reuse_speedup"] > 0 and c["efficiency_probe"] > 0
-        for key in ("speedup_vs_diffusers", "efficiency", "uncond_reuse_speedup"):  # one repeat: no spread
+        for key in ("speedup_vs_diffusers", "efficiency", "uncond_reuse_speedup", "deepcache_2_speedup", "deepcache_3_speedup"):  # one repeat: no spread
             assert c[f"{key}_spread"] == [c[key], c[key]]
+    assert report["deepcache_generation_speedup"]["median"] > 0
+    catalogue = report["catalogue"]  # N, 4N, 16N rows for the largest N = 2
+    assert set(catalogue["sizes"]) == {"2", "8", "32"} and catalogue["edits_per_s_over_smallest"]["2"] == 1.0
     assert report["base_state_bytes"] > 0 and report["machine"]["threads"] >= 1
     serve = report["server_vs_run"]  # 2 concurrent requests to the in-process server vs one tail
     assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
@@ -69,5 +73,5 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     _print_bench(report, tmp_path)
     printed = " ".join(capsys.readouterr().out.split())
     for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
-                 "LoRA slots (2 x rank 4)"):
+                 "LoRA slots (2 x rank 4)", "base.deepcache 3: a generation", "catalogues (2-step tails, PNGs written): 2 rows"):
         assert line in printed, line

@@ -47,7 +47,8 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
     manifest = load_manifest(onnx_dir)
     assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
     assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16,
-                               "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8, "extra_sizes": []}  # fmt: skip
+                               "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8, "extra_sizes": [],
+                               "adapter_slots": 0, "adapter_rank": 0}  # fmt: skip
     assert data["tools"] == engine_tools("ort-cpu")
     for graph, entry in data["graphs"].items():
         assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
@@ -185,7 +186,7 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((build / model_dir.name / "parity.json").read_text())
     assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}
-    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "latent_blend",
+    assert {r["graph"] for r in report} == {"text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "latent_blend",
                                             "vae_decoder", "vae_encoder"}  # fmt: skip
     assert all(r["pass"] for r in report)
     assert "| unet_step | ort-cpu-engine |" in (build / model_dir.name / "parity.md").read_text()
@@ -232,10 +233,13 @@ def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path
     fp32 = ort.InferenceSession(str(onnx_dir / "unet_step.onnx"), providers=["CPUExecutionProvider"])
     feeds = random_feeds(manifest, "unet_step", 4, 2, np.random.default_rng(0), hw=16)
     half = {i.name: feeds[i.name].astype(np.float16) if i.type == "tensor(float16)" else feeds[i.name] for i in fp16.get_inputs()}
-    for ours, reference in zip(fp16.run(None, half), fp32.run(None, feeds)):
+    names = [o.name for o in fp16.get_outputs()]
+    for name, ours, reference in zip(names, fp16.run(None, half), fp32.run(None, feeds)):
         assert ours.dtype == np.float32
         # fp16's resolution is 2^-10 of a value: the x_0 in history_out reaches ~20 on these
-        # random (implausible) latents at small alpha_t, the latents ~5
+        # random (implausible) latents at small alpha_t, the latents ~5; deep_out, the features
+        # inside the UNet (DeepCache's), has passed through more fp16 layers than the outputs
         error = np.abs(ours - reference).max()
-        assert 0 < error < 2e-3 * max(1.0, float(np.abs(reference).max())), error
+        bound = 4e-3 if name == "deep_out" else 2e-3
+        assert 0 < error < bound * max(1.0, float(np.abs(reference).max())), (name, error)
     assert typed_onnx(manifest, "vae_decoder", "fp32", tmp_path) == manifest.path("vae_decoder")

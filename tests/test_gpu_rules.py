@@ -325,7 +325,7 @@ def test_ort_tensorrt_takes_each_graphs_precision(monkeypatch, onnx_dir):
     monkeypatch.setitem(manifest.data["family"], "vae_force_upcast", True)
     graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp16").graphs
     fp16 = {g: graph.provider_options["trt_fp16_enable"] for g, graph in graphs.items()}
-    assert fp16 == {"text_encoder": "True", "kv_proj": "True", "unet_step": "True",
+    assert fp16 == {"text_encoder": "True", "kv_proj": "True", "unet_step": "True", "unet_step_shallow": "True",
                     "latent_blend": "False", "vae_decoder": "False", "vae_encoder": "False"}  # fmt: skip
     monkeypatch.setitem(manifest.data["family"], "upcast_attention", True)  # SD 2.x: no per-layer pinning in the EP
     graphs = graph_set.graphs_from_artifacts(manifest, None, "ort-tensorrt", 0, PROFILE, precision="fp32").graphs

@@ -32,7 +32,7 @@ def assert_graph_matches_torch(graph: str, onnx_dir, model_dir) -> None:
     assert bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=ATOL, rtol=RTOL)))
 
 
-@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "vae_decoder", "vae_encoder"])
+@pytest.mark.parametrize("graph", ["text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "vae_decoder", "vae_encoder"])
 def test_onnx_graph_matches_torch(graph, onnx_dir, model_dir):
     assert_graph_matches_torch(graph, onnx_dir, model_dir)
 
@@ -45,7 +45,7 @@ def test_graphs_pass_onnx_checker_and_shape_inference(onnx_dir):
         inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
         # The edit batch is symbolic on every input and output that has one.
         batch_dims = [v.type.tensor_type.shape.dim[0].dim_param for v in [*inferred.graph.input, *inferred.graph.output]]
-        assert all(d in ("N", "B", "E", "") for d in batch_dims), (name, batch_dims)
+        assert all(d in ("N", "B", "E", "U", "") for d in batch_dims), (name, batch_dims)
 
 
 def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
@@ -60,7 +60,7 @@ def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
     assert len(step_inputs) == 11 + 4 * len(manifest.layers)
     # every input and output has its role, in graph order (what the runtime's slots read)
     roles = manifest.step_roles
-    assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out", "attn_maps"]
+    assert list(roles) == step_inputs + ["next_latents", "uncond_out", "history_out", "attn_maps", "deep_out"]
     assert [roles[n] for n in step_inputs[:12]] == [
         "latents", "step_scalar:timesteps", "step_scalar:alpha_t", "step_coefs", "row_scalar:guidance",
         "set_index", "entry_uncond", "entry_slope", "row_ref", "history", "step_noise", "row_kv"]

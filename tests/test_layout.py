@@ -133,3 +133,17 @@ def test_the_signature_covers_every_step_input_by_one_role(onnx_dir):
     assert len(named) == len(set(named))
     assert set(sig.step_scalars.values()) == {"timesteps", "alpha_t"}
     assert sig.row_scalars == {"guidance": "guidance"} and sig.attn_maps is not None
+
+
+def test_the_shallow_signature_covers_its_inputs_and_drops_no_one_it_reads(onnx_dir):
+    """``unet_step_shallow`` (DeepCache) by its own roles: every input it kept by one role, its
+    deep features ``deep_in``, and the skipped layers' K/V left out (the exporter dropped them)."""
+    manifest = load_manifest(onnx_dir)
+    full, sig = StepSignature.from_manifest(manifest), StepSignature.from_manifest(manifest, "unet_step_shallow")
+    groups = [[sig.latents], [sig.entry_uncond], [sig.entry_slope], [sig.set_index], [sig.row_ref], [sig.step_coefs], [sig.history],
+              [sig.step_noise], [sig.deep_in], list(sig.step_scalars), list(sig.row_scalars), list(sig.row_kv), list(sig.set_kv),
+              list(sig.row_cond), list(sig.set_cond)]  # fmt: skip
+    named = [n for group in groups for n in group if n is not None]
+    assert sorted(named) == sorted(t.name for t in manifest.graphs["unet_step_shallow"].inputs)
+    assert sig.deep_in is not None and sig.deep_out is None and full.deep_out is not None and full.deep_in is None
+    assert 0 < len(sig.row_kv) < len(full.row_kv)  # the tiny model's outer blocks attend; its deep ones are skipped

@@ -94,8 +94,8 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
                         ("img2img", 0.5, 1.0), ("auto t0.5 d1 contrast", 0.5, 1.0), ("p2p", 0.5, 1.0),
                         ("structure 0.5", 0.5, 1.0), ("structure 0.5", 0.6, 1.0),
                         ("edit-rt (real)", 0.5, 1.0), ("img2img (real)", 0.5, 1.0),
-                        *((f"uncond {m}", f, s) for m in ("base", "base-corrected")  # tail.uncond, each edit-rt setting
-                          for f, s in ((0.25, 1.0), (0.5, 1.0), (0.5, 1.5)))}  # fmt: skip
+                        *((m, f, s) for m in ("uncond base", "uncond base-corrected", "deepcache 2", "deepcache 3")
+                          for f, s in ((0.25, 1.0), (0.5, 1.0), (0.5, 1.5)))}  # tail.uncond, tail.deepcache: each edit-rt setting  # fmt: skip
     generated = [r for r in report["rows"] if "(real)" not in r["method"]]
     assert len({r["n"] for r in generated}) == 1  # every setting scored once per edit
     assert {r["n"] for r in report["rows"] if "(real)" in r["method"]} == {1}

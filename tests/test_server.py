@@ -98,6 +98,21 @@ def test_generate_then_edit_matches_the_pipeline(server, pipeline):
         assert ("Tail uncond: base-corrected" in text["parameters"]) == (row.uncond == "base-corrected")
 
 
+def test_deepcache_edits_match_the_pipeline(server, pipeline):
+    """Two edits with ``deepcache: 2`` (every other tail step shallow) share the server's calls
+    as they share the pipeline's; their PNGs say so."""
+    gen = _generate(server.url, seed=5)
+    edits = [{"prompt": "a blue square", "tail_steps": 4, "deepcache": 2}, {"prompt": "a green circle", "tail_steps": 4, "deepcache": 2}]
+    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
+    assert r.status_code == 200, r.text
+    rows = [TailRow(e["prompt"], 1.0, STEPS - 4, 7.5, deepcache=2) for e in edits]
+    expected = pipeline.edit(pipeline.generate_base(_base(seed=5)), rows)
+    for d, want in zip(r.json()["data"], expected):
+        got, text = _png(d["b64_json"])
+        assert np.abs(got - to_uint8(want.image).astype(np.int16)).max() <= 1
+        assert "Tail deepcache: 2" in text["parameters"]
+
+
 def test_stream_sends_queue_progress_images_then_done(server):
     gen = _generate(server.url, seed=2)
     edits = [{"prompt": "a blue square", "tail_steps": 3}, {"prompt": "a green square", "tail_steps": 2}]
@@ -135,6 +150,7 @@ def test_base_metadata_and_delete(server):
         ("/v1/images/edits", {"base_id": "b", "edits": []}, 400, "edits"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "structure": 1.5}]}, 400, "edits[0].structure"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "uncond": "reuse"}]}, 400, "edits[0].uncond"),
+        ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x", "deepcache": 0}]}, 400, "edits[0].deepcache"),
         ("/v1/images/edits", {"edits": [{"prompt": "x"}]}, 400, "base_id"),
         ("/v1/images/edits", {"base_id": "b", "edits": [{"prompt": "x"}] * 9}, 413, "edits"),
         ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),

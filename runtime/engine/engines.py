@@ -20,7 +20,7 @@ from .manifest import Manifest
 from .profiles import EditBatchProfile
 
 ENGINES_VERSION = 1
-GRAPHS = ("text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder")
+GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "latent_blend", "vae_decoder", "vae_encoder")
 REBUILD = "re-run `make engines` (edit-rt engines CONFIG)"
 
 

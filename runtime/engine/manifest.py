@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ..errors import ArtifactError, ModelError
 
-MANIFEST_VERSION = 10  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step); 10: uncond_slope (the base's u over a tail)
+MANIFEST_VERSION = 11  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step); 10: uncond_slope (the base's u over a tail); 11: deep_out and unet_step_shallow (DeepCache)
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
 _EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
@@ -204,7 +204,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
 
 # What the runtime reads from a manifest, with its types: anything missing or of another type
 # is refused up front (pydantic), not as a KeyError or TypeError deep in a request.
-_GRAPHS = ("text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder")
+_GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "latent_blend", "vae_decoder", "vae_encoder")
 _OPEN = ConfigDict(extra="allow", strict=True)  # the runtime reads these keys; others are the export's
 
 

@@ -2,7 +2,7 @@
 
 A TensorRT engine (and the TensorRT execution provider) is built for a range of shapes per
 input: ``min``/``opt``/``max``. Here every dynamic axis is a count: ``N`` (rows of a step),
-``B`` (prompts being encoded), ``E`` (rows at their entry step, whose unconditional prediction
+``B`` (prompts being encoded), ``U`` (a step's UNet rows, 2N - E), ``E`` (rows at their entry step, whose unconditional prediction
 is given), ``S`` (tokens of the negative prompts' K/V sets, 77 per set), ``M`` (those sets, where a family
 has per-set values besides K/V: SDXL's pooled embedding); the latent size is
 fixed per engine. The runtime binds each shape it runs once and reuses the binding (and its
@@ -37,6 +37,10 @@ class EditBatchProfile:
     # one optimization profile per size, each fixed in its spatial dims; ONNX Runtime's graphs
     # take any size.
     extra_sizes: tuple = ()
+    # The step graph's LoRA slots and rank (manifest "adapters"): its slot axes P (slots) and R
+    # (slots x rank) run at 0 (a call no row of which uses an adapter) or at all of them.
+    adapter_slots: int = 0
+    adapter_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_sizes", tuple(tuple(int(d) for d in size) for size in self.extra_sizes))  # from JSON: lists
@@ -63,8 +67,13 @@ class EditBatchProfile:
             "B": rows,
             # At least one row computes its unconditional prediction, so E < N.
             "E": 0 if which != "max" else self.max_batch - 1,
+            # A step's UNet rows, 2N - E (deep_out, a shallow step's deep features): N + 1 at the
+            # fewest (all but one row given), 2N at opt and max
+            "U": {"min": rows + 1, "opt": 2 * rows, "max": 2 * rows}[which],
             "S": TEXT_LEN * (1 if which != "max" else self.max_sets),
             "M": 1 if which != "max" else self.max_sets,  # the sets' other per-prompt values (SDXL)
+            "P": 0 if which == "min" else self.adapter_slots,
+            "R": 0 if which == "min" else self.adapter_slots * self.adapter_rank,
             "H": self.latent_height,
             "W": self.latent_width,
             "IH": self.latent_height * self.vae_scale,

@@ -47,12 +47,16 @@ class BindingCache:
         self._items.clear()
 
 
-def bind_step(s: Any, n: int, e: int, m: int) -> Binding:
+def bind_step(s: Any, n: int, e: int, m: int, shallow: bool = False, adapters: bool = True) -> Binding:
     """The step graph bound to the slots' first ``n`` rows, the last ``e`` of them given their
-    unconditional prediction, ``m`` negative-prompt sets; its maps output too (every output is
-    bound: an unbound one would be allocated by the runtime on every call)."""
+    unconditional prediction, ``m`` negative-prompt sets; its maps and deep features outputs too
+    (every output is bound: an unbound one would be allocated by the runtime on every call).
+    ``shallow``: the DeepCache variant, which reads the deep features the full step wrote to the
+    same buffer for the same ``(n, e)`` (the UNet's rows ``[n - e uncond; n cond]``).
+    ``adapters`` False (no row of the call uses one): the adapter slots bound zero wide."""
     sig = s.sig
     latent = lambda rows: (rows, *s.latent_shape)  # noqa: E731
+    deep = s.dev["deep"].view((2 * n - e, *s.deep_shape))
     views: dict[str, TensorView] = {
         sig.latents: s.dev[sig.latents].view(latent(n)),
         sig.entry_uncond: s.dev[sig.entry_uncond].view(latent(e)),
@@ -67,18 +71,22 @@ def bind_step(s: Any, n: int, e: int, m: int) -> Binding:
         **{name: s.dev[name].view(s.uncond.shape(name, m)) for name in s.uncond.set_kv},
         **{name: s.dev[name].view((n, *s.specs[name][1:])) for name in s.row_cond},
         **{name: s.dev[name].view((m, *s.specs[name][1:])) for name in s.uncond.set_cond},
-        **{name: s.dev[name].view(tuple(s.specs[name])) for name in sig.adapter_weights},
+        **{name: s.dev[name].view(s.adapter_shape(name, adapters)) for name in sig.adapter_weights},
     }
-    if sig.row_adapters is not None:
-        views[sig.row_adapters] = s.dev[sig.row_adapters].view((n, *s.specs[sig.row_adapters][1:]))
-    missing = set(sig.inputs) - set(views)
+    if sig.row_adapters is not None:  # each row's scales, slots wide (its slot's stride in the buffer)
+        views[sig.row_adapters] = s.dev[sig.row_adapters].view((n, *s.adapter_shape(sig.row_adapters, adapters)[1:]))
+    graph, target = (s.shallow_graph, s.shallow_sig) if shallow else (s.graph, sig)
+    views[target.deep_in or sig.deep_out] = deep
+    missing = set(target.inputs) - set(views)
     if missing:  # a role this loop does not fill: the manifest is newer than the runtime
         raise RuntimeError(f"unet_step inputs {sorted(missing)} have roles the step loop does not know")
     outputs = {name: s.dev[name].view(latent(n)) for name in (sig.next_latents, sig.uncond_out)}
     outputs[sig.history_out] = s.dev[sig.history_out].view((n, 2, *s.latent_shape))
-    if s.has_maps:
-        outputs[sig.attn_maps] = s.dev[sig.attn_maps].view((n, s.text_len, *s.map_hw))
-    return s.graph.bind({name: views[name] for name in sig.inputs}, outputs)
+    if not shallow:
+        outputs[sig.deep_out] = deep
+        if s.has_maps:
+            outputs[sig.attn_maps] = s.dev[sig.attn_maps].view((n, s.text_len, *s.map_hw))
+    return graph.bind({name: views[name] for name in target.inputs}, outputs)
 
 
 def bind_blend(s: Any, n: int) -> Binding:

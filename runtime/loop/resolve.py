@@ -192,7 +192,7 @@ class RowResolver:
             # x_0: the noise at the sampler's initial sigma (VP latents: 1 but for Euler's)
             record.latents[0] = job.noise[0] * np.float32(schedule.init_sigma) if schedule.init_sigma != 1 else job.noise[0]
             return Row(schedule, 0, record.latents[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
-                       record=record, conds=conds, owner=job, noise_seed=base.seed)  # fmt: skip
+                       record=record, conds=conds, owner=job, noise_seed=base.seed, deepcache=base.deepcache)  # fmt: skip
         if job.kind == "related":  # a related generation (serving/related.py): its related base's
             # tail at strength 1, i.e. with its own prompt's K/V, recording from the entry step
             state, T, k = job.state, base.steps, job.row.start_step
@@ -201,7 +201,8 @@ class RowResolver:
             record.latents[k] = state.latent(k)[0]
             return Row(schedule, k, record.latents[k].copy(), job.row.guidance, [t[0] for t in edit.tensors], state.uncond_kv,
                        entry_uncond=state.entry_uncond(k), record=record, conds=conds, owner=job,
-                       history=state.history(k) if schedule.history else None, noise_seed=state.base.seed)  # fmt: skip
+                       history=state.history(k) if schedule.history else None, noise_seed=state.base.seed,
+                       deepcache=base.deepcache)  # fmt: skip
         state, tail = job.state, job.row
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
         # the base prompt's and the negative prompt's K/V under the row's text adapters
@@ -226,6 +227,7 @@ class RowResolver:
             conds=model.row_conds(base, mixed), structure_end=tail.start_step + structure, owner=job,
             history=state.history(tail.start_step) if schedule.history else None, noise_seed=state.base.seed,
             given=BaseUncond(state, tail.uncond, model.ddim_config.prediction_type) if reuse else None,
+            deepcache=tail.deepcache,
         )  # fmt: skip
 
     def _mixed(self, job: Job, kv: dict, cond_base: KV, text: tuple) -> KV:
@@ -254,7 +256,8 @@ class RowResolver:
                   [t[0] for t in state.cond_kv.tensors], state.uncond_kv, entry_uncond=state.entry_uncond(row.step),
                   keep=np.ones((1, *row.latent.shape[1:]), dtype=bool), base=state,
                   conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True,
-                  history=None if row.history is None else state.history(row.step), noise_seed=row.noise_seed)  # fmt: skip
+                  history=None if row.history is None else state.history(row.step), noise_seed=row.noise_seed,
+                  deepcache=row.deepcache)  # fmt: skip
         # the base's own adapters (resident: its edit's row placed them with its own)
         ref.adapter_scale, ref.adapter_slots = row.base_adapter_scale, row.adapter_slots
         return ref

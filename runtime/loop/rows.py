@@ -60,6 +60,9 @@ class Row:
     # and the seed of an ancestral sampler's per-step noise (its base's: solver_slots.py)
     history: Optional[np.ndarray] = None
     noise_seed: int = 0
+    # DeepCache: every ``deepcache``-th step full, the others shallow on its last full step's
+    # deep features (0 or 1: every step full; slots.py)
+    deepcache: int = 0
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
     keep_written: Any = field(default=None, init=False, repr=False)  # the ``keep`` its slot holds
@@ -87,6 +90,7 @@ class Row:
 @dataclass
 class SchedulerStats:
     calls: int = 0
+    shallow_calls: int = 0  # calls of unet_step_shallow (DeepCache)
     map_calls: int = 0  # calls whose maps were read (some row still collecting its auto mask)
     reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
     row_steps: int = 0  # rows advanced by one step, summed over calls

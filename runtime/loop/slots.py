@@ -24,7 +24,15 @@ Where things live (docs/engines.md, "The step loop", says why):
   step: such rows are kept as the active rows' suffix (a joining row that computes takes the
   first one's slot, which moves to the end; a leaving row's hole is filled from its own part),
   and while any is placed, a row at its entry step computes its prediction;
-- ``preserve: auto`` rows collecting maps read the step's ``attn_maps`` output back (every step computes it).
+- ``preserve: auto`` rows collecting maps read the step's ``attn_maps`` output back (every step computes it);
+- DeepCache (``tail.deepcache`` k > 1): every full call leaves each UNet row's deep features in
+  one resident buffer (``deep_out``); the next call runs ``unet_step_shallow`` on them while
+  the rows and their layout are those of that full call (no row joined, left or changed
+  between given and computed u: each of those makes the next call full) and fewer than every
+  row's k steps have passed since it; a row collecting maps makes its call full. So full and
+  shallow rows never share a call: a call is shallow when all of its rows may be. A DeepCache
+  row computes its unconditional half at its entry step (the next steps reuse its features),
+  so rows that enter together run full at tail steps 0, k, 2k, ...
 
 Rows leave by swap-with-last (one slot copy per leave; two when always-given rows follow the
 leaving one's part), so the active rows are the prefix ``[:n]``.
@@ -67,6 +75,7 @@ class RowScheduler:
         blend_graph: Graph = None,
         buckets: Optional[Sequence[int]] = None,
         adapters: Optional[AdapterBank] = None,
+        shallow: Optional[tuple[Graph, StepSignature]] = None,
     ):
         """``signature`` is the step graph's inputs by role (step_signature.py: read from the
         manifest), with their shapes' symbolic dims (N rows, E entry rows, S negative-prompt tokens).
@@ -75,7 +84,8 @@ class RowScheduler:
         ``blend_graph`` is ``latent_blend`` (next latents, masks and corrections -> latents);
         ``buckets`` the row counts calls run at (None: exactly the active rows); ``adapters``
         the resident LoRA slots (an export with adapter slots), whose matrices the step graph
-        reads from backend memory, rewritten when a slot is loaded."""
+        reads from backend memory, rewritten when a slot is loaded; ``shallow`` the DeepCache
+        step graph and its signature (None: every call full)."""
         self.graph = graph
         self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
@@ -141,7 +151,7 @@ class RowScheduler:
             **{name: alloc(name, max_rows) for name in [*sig.step_scalars, *sig.row_scalars]},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_kv},
             **{name: alloc(name, max_rows * self.row_elems[name]) for name in self.row_cond},
-            **{name: alloc(name, math.prod(self.specs[name])) for name in sig.adapter_weights},
+            **{name: alloc(name, math.prod(self.adapter_shape(name, True))) for name in sig.adapter_weights},
         }
         if sig.row_adapters is not None:
             self.dev[sig.row_adapters] = alloc(sig.row_adapters, max_rows * adapters.slots)
@@ -154,6 +164,13 @@ class RowScheduler:
         self.uncond = UncondSets(sig, text_len, max_sets, alloc, self.dev, self.stats)  # the negative prompts' K/V
         self.row_elems[sig.history] = self.solver.history_elems
         self.dev[sig.row_ref].write(self.self_ref)  # every row its own reference until one keeps structure
+        # DeepCache: the deep features of the last full call's UNet rows, and what makes them valid
+        self.shallow_graph, self.shallow_sig = shallow or (None, None)
+        deep_channels = self.shallow_sig.shapes[self.shallow_sig.deep_in][1] if shallow else 1
+        self.deep_shape = (deep_channels, *self.latent_shape[1:])
+        self.dev["deep"] = graph.allocate(2 * max_rows * math.prod(self.deep_shape), graph.dtype(sig.deep_out))
+        self.deep_key: Optional[tuple[int, int]] = None  # the last full call's (rows, given rows); None: invalid
+        self.deep_age = 0  # calls since it
         self.dev[sig.entry_slope].write(self.slopes)
         self.refs_written = False
 
@@ -164,6 +181,13 @@ class RowScheduler:
         if name in ("keep", "base", "add"):
             return self.blend_graph.dtype(name)
         return self.graph.dtype(name)
+
+    def adapter_shape(self, name: str, used: bool) -> tuple[int, ...]:
+        """An adapter matrix's shape as a call binds it: every slot's columns when a row of the
+        call uses an adapter, none when no row does (``P``: slots, ``R``: slots x rank)."""
+        slots = self.adapters.slots if used else 0
+        dims = {"P": slots, "R": slots * self.adapters.rank}
+        return tuple(dims.get(d, d) if isinstance(d, str) else int(d) for d in self.specs[name])  # (the scales' N stays)
 
     def bucket(self, n: int) -> int:
         """The rows a call of ``n`` active rows runs at."""
@@ -179,8 +203,17 @@ class RowScheduler:
     def max_bindings(self, limit: int) -> None:
         self.bindings.limit = limit
 
-    def _binding(self, n: int, e: int, m: int) -> Binding:
-        return self.bindings.get((n, e, m), lambda: bind_step(self, n, e, m))
+    def _binding(self, n: int, e: int, m: int, shallow: bool = False) -> Binding:
+        # adapter slots bound only where a row of the call uses one (none: the branch is free)
+        used = self.sig.row_adapters is not None and any(row.adapter_scale is not None for row in self.active)
+        return self.bindings.get((n, e, m, shallow, used), lambda: bind_step(self, n, e, m, shallow, used))
+
+    def _shallow(self, b: int, given: int, wants_maps: list) -> bool:
+        """Whether this call runs ``unet_step_shallow``: the features are the same rows' in the
+        same layout, and no row is due a full step (its ``deepcache`` calls have not passed)."""
+        if self.shallow_graph is None or self.deep_key != (b, given) or wants_maps:
+            return False
+        return all(row.deepcache > self.deep_age for row in self.active)
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -215,10 +248,13 @@ class RowScheduler:
         # Rows whose u is given go last: the graph takes them as the call's last E rows. Rows
         # given it at every step stay last; while any is placed, entry rows compute theirs.
         always = self.persistent > 0 or any(row.given is not None for row in self.pending)
-        given = lambda row: self.reuse_entry and row.entry_uncond is not None and not always  # noqa: E731
+        # (a DeepCache row computes it: its next steps reuse that half's deep features)
+        given = lambda row: self.reuse_entry and row.entry_uncond is not None and not always and row.deepcache <= 1  # noqa: E731
         self.pending.sort(key=lambda row: (row.given is not None, given(row)))
         self.joined.clear()  # in place: a step allocates nothing
         self.joined.extend(self.pending)
+        if self.pending:
+            self.deep_key = None  # the rows' layout changes: the next call computes the features
         if self.uncond.place(self.pending):
             self._reindex()
         positions = self.uncond.positions()
@@ -288,6 +324,7 @@ class RowScheduler:
             if self.persistent and end != last:
                 self._move(last, end)
         self.active.pop()
+        self.deep_key = None
         self.references -= row.reference
         row.slot = -1
         self.uncond.leave(row)
@@ -412,7 +449,8 @@ class RowScheduler:
             if row.preview_due():
                 due.append(row)
         maps = self.has_maps and bool(wants_maps)
-        binding = self._binding(b, given, m)
+        shallow = self._shallow(b, given, wants_maps)
+        binding = self._binding(b, given, m, shallow)
         for row in due:
             if row.preview is None:
                 row.preview = np.empty(self.latent_shape, dtype=np.float32)
@@ -456,7 +494,12 @@ class RowScheduler:
             row.entry_uncond = None  # its entry step is done: a row admitted again computes u
         self.joined.clear()
         self.entry_rows = 0
+        if shallow:
+            self.deep_age += 1
+        else:  # every row's features are this call's
+            self.deep_key, self.deep_age = (b, given), 1
         self.stats.calls += 1
+        self.stats.shallow_calls += shallow
         self.stats.map_calls += maps
         self.stats.row_steps += n
         self.stats.rows_computed += b

@@ -24,8 +24,9 @@ from ..errors import ConfigError, ModelError
 from .weighting import PromptSyntaxError, prompt_spans
 from .lora_tags import config_with_tags
 from .sweep import expand_all, rows_of
+from .catalogue import MAX_ROWS, Catalogue
 from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
-from .schema import Bool, Float, Int, StoragePrecision, Str, Strength, UncondMode, between, refusal
+from .schema import Bool, DeepCache, Float, Int, StoragePrecision, Str, Strength, UncondMode, between, refusal
 from .serve_config import Serve
 from .single_file import checkpoint_family, is_single_file, require_converted
 
@@ -62,6 +63,11 @@ class Tail:
     # says how; docs/performance.md what each costs and keeps. A row that differs from its base
     # in negative prompt, guidance, adapters or seed computes whatever this says.
     uncond: UncondMode = "compute"
+    # DeepCache over the tail (export/graphs.py's UNetShallowStepGraph, loop/slots.py): every
+    # k-th step of the tail, from its first, runs the whole UNet; the steps between run only its
+    # outer blocks on the deep features of the last full step. 1: every step full.
+    # docs/performance.md measures what each k costs and keeps.
+    deepcache: DeepCache = 1
 
 
 @with_config(STRICT)
@@ -81,8 +87,9 @@ class Export:
     external_data_threshold_mb: between(Float, 0.0) = 1900.0
     # LoRA slots: adapters resident in the graphs at once (rows of one call may use them all,
     # each row its own scales). None: 4 when `adapters:` names any, else 0 (graphs without
-    # adapter inputs). Each slot costs every call two matmuls of width adapter_rank per
-    # adapted layer (docs/adapters.md has the measured cost).
+    # adapter inputs). Each slot costs every step call whose rows use an adapter two matmuls of
+    # width adapter_rank per adapted layer; a call whose rows use none binds the slots zero wide
+    # and runs no LoRA branch (docs/performance.md has the measured cost).
     adapter_slots: Optional[between(Int, 0, 16)] = None
     # The highest LoRA rank a slot holds (lower ranks are zero-padded); common SD LoRAs are
     # rank 4 to 32, sliders 4 to 8.
@@ -182,6 +189,9 @@ class RunConfig:
     # to the config): `edit-rt adapters` (and make export) converts them for the model; rows
     # name them in `adapters: {name: scale}`.
     adapters: dict[Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Path] = field(default_factory=dict)
+    # Hundreds of variants of the base (model/catalogue.py): every catalogue edit at every
+    # position of every slider, written image by image to <output_dir>/catalogue/ after the edits.
+    catalogue: Optional[Catalogue] = None
     # Set at load, never from the file: the file's path, and the rows each of the file's edits
     # became (a sweep's n, else 1; ``edits`` holds them expanded): the grid shows a sweep as a row.
     source: Optional[Path] = None
@@ -287,7 +297,7 @@ class RunConfig:
     def edit_defaults(self) -> EditDefaults:
         """What an edit that leaves a field out gets: ``cache:`` and ``preserve:``'s defaults."""
         c, p = self.cache, self.preserve
-        return EditDefaults(c.default_strength, c.default_tail_fraction, p.mode, p.structure, self.tail.uncond)
+        return EditDefaults(c.default_strength, c.default_tail_fraction, p.mode, p.structure, self.tail.uncond, self.tail.deepcache)
 
     def tail_row(self, edit: Edit, where: str = "edit") -> TailRow:
         """``edit`` of this config's base as the row it runs (edit.resolve_edit), or a
@@ -372,6 +382,8 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
                 cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits), edit_rows=tuple(rows_of([e]) for e in cfg.edits))
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+        if cfg.catalogue is not None:
+            check_catalogue(cfg.catalogue)
         if cfg.store.disk_dir is not None:
             cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
         if cfg.base.image is not None:
@@ -382,6 +394,23 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
     except ConfigError as err:
         raise ConfigError(f"{label}{err}") from None
     return cfg
+
+
+def check_catalogue(spec: Catalogue) -> None:
+    """Its size against its limit, counted before any row is made, and what its rows could
+    only refuse one by one: a slider naming a direction an edit lacks, an edit's own sweep."""
+    rows = spec.size()
+    if rows > spec.max_rows:
+        sliders = sum(s.n for s in spec.sliders)
+        raise ConfigError(f"catalogue: {len(spec.edits)} edits x {max(1, sliders)} slider positions = {rows} rows, more than "
+                          f"catalogue.max_rows={spec.max_rows}; raise it (up to {MAX_ROWS}) or ask for fewer")  # fmt: skip
+    for i, edit in enumerate(spec.edits):
+        if edit.sweep is not None:
+            raise ConfigError(f"catalogue.edits[{i}].sweep: a catalogue sweeps its sliders; move it to catalogue.sliders")
+        for j, slider in enumerate(spec.sliders):
+            if slider.direction is not None and slider.direction >= len(edit.directions or ()):
+                raise ConfigError(f"catalogue.sliders[{j}].direction: {slider.direction} names no direction of "
+                                  f"catalogue.edits[{i}] (it has {len(edit.directions or ())})")  # fmt: skip
 
 
 def revalidated(section: Any, where: str) -> Any:

@@ -25,6 +25,7 @@ from .schema import (
     MAX_DIRECTIONS,
     Adapters,
     ClipSkip,
+    DeepCache,
     Fraction,
     Guidance,
     Int,
@@ -147,6 +148,9 @@ class Edit:
     # The unconditional prediction over the tail: compute, base or base-corrected (config
     # ``tail.uncond``, loop/uncond_reuse.py). None: ``tail.uncond``.
     uncond: Optional[UncondMode] = None
+    # DeepCache over the tail: every k-th step full, the others shallow (config
+    # ``tail.deepcache``, loop/slots.py); 1: every step full. None: ``tail.deepcache``.
+    deepcache: Optional[DeepCache] = None
     # LoRA adapters for this row, {name: scale} (the config's adapters:), over the base's: a
     # name given replaces the base's scale (0 takes it off), the others stay the base's.
     adapters: Optional[Adapters] = None
@@ -229,6 +233,9 @@ class Base:
     # stored base whose chain it re-entered at that step (serving/related.py). Its key then
     # differs from the exact generation's of the same prompt and seed.
     related: Optional[Str] = None
+    # DeepCache over the generation (loop/slots.py): every k-th step runs the whole UNet, the
+    # others its outer blocks; 1 (the default): every step, diffusers' numbers.
+    deepcache: DeepCache = 1
 
     def time_ids(self) -> list[float]:
         """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""
@@ -277,6 +284,7 @@ class EditDefaults:
     preserve: str = "none"
     structure: float = 0.0
     uncond: str = "compute"
+    deepcache: int = 1
 
 
 @dataclass
@@ -308,6 +316,7 @@ class TailRow:
     # More prompts mixed in, their strengths resolved (model/directions.py); see ``terms``.
     directions: tuple[Direction, ...] = ()
     uncond: str = "compute"  # tail.uncond: where its unconditional prediction comes from
+    deepcache: int = 1  # tail.deepcache: every k-th step full, the others shallow
 
     @property
     def terms(self) -> list[tuple[str, float]]:
@@ -361,4 +370,5 @@ def resolve_edit(edit: Edit, base: Base, window_start: int, defaults: EditDefaul
         adapters=None if edit.adapters is None else merged(normalize(base.adapters), normalize(edit.adapters)),
         directions=directions,
         uncond=defaults.uncond if edit.uncond is None else edit.uncond,
+        deepcache=defaults.deepcache if edit.deepcache is None else edit.deepcache,
     )

@@ -43,6 +43,9 @@ PreserveMode = Literal["auto", "none"]
 # Where a tail row's unconditional prediction comes from at each step (loop/uncond_reuse.py):
 # its own UNet half (compute), its base's (base), or its base's with a first-order correction.
 UncondMode = Literal["compute", "base", "base-corrected"]
+# DeepCache (loop/slots.py): every k-th step of a row runs the whole UNet, the others its outer
+# blocks on the deep features of the last full step; 1: every step full (diffusers' numbers).
+DeepCache = between(Int, 1, 16)
 # Prompts one edit mixes in `directions` (besides its own): each is one more text encoding per
 # request and one more K/V copy per row (model/directions.py).
 MAX_DIRECTIONS = 8

@@ -47,7 +47,10 @@ log = logging.getLogger(__name__)
 
 
 def base_id(fingerprint: str, base: Base) -> str:
-    key = json.dumps({"fingerprint": fingerprint, **asdict(base)}, sort_keys=True)
+    fields = asdict(base)
+    if fields.get("deepcache") == 1:  # every step full: the ids bases had before DeepCache
+        del fields["deepcache"]
+    key = json.dumps({"fingerprint": fingerprint, **fields}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
