@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Annotated, Any, Iterator
+from typing import Annotated, Iterator
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -60,8 +60,3 @@ class Catalogue:
         """What a resumed run must match: the base and the spec (not its chunk size)."""
         spec = dataclasses.asdict(dataclasses.replace(self, chunk=0))
         return hashlib.sha256(json.dumps({"base": base_id, "spec": spec}, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def describe(value: Any) -> str:
-    """A row's label in the catalogue's index: its own label, else its prompt."""
-    return value.label or value.prompt or "edit"
