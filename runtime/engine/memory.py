@@ -62,6 +62,12 @@ def step_row_bytes(layers: Sequence[dict], latent_hw: tuple[int, int], slice_hea
     return 2 * (scores + activations)
 
 
+def deep_feature_bytes(channels: int, latent_hw: tuple[int, int]) -> int:
+    """A step row's slot of DeepCache's resident deep features: two UNet rows of ``channels``
+    over the latent grid, fp32 (allocated with the slots, whether or not a row uses them)."""
+    return 2 * channels * latent_hw[0] * latent_hw[1] * 4
+
+
 def decode_row_bytes(latent_hw: tuple[int, int], vae_scale: int, vae_channels: int = 128) -> int:
     """About what decoding one image adds: the mid block's attention over every latent pixel
     (one head, scores and softmax) and the decoder's activations at full image size."""
@@ -131,6 +137,9 @@ def memory_plan(manifest: Any, latent_hw: tuple[int, int], budget: Optional[int]
     model = manifest.data["model"]
     blocks = model.get("block_out_channels")
     row = step_row_bytes(manifest.layers, latent_hw, int(step.get("slice_heads", 0)), blocks[0] if blocks else None)
+    shallow = graphs.get("unet_step_shallow", {})  # DeepCache's deep features, resident for both UNet rows (slots.py)
+    deep = [t["shape"][1] for t in shallow.get("inputs", []) if shallow.get("roles", {}).get(t["name"]) == "deep_in"]
+    row += deep_feature_bytes(int(deep[0]) if deep else 0, latent_hw)
     decode = decode_row_bytes(latent_hw, manifest.vae_scale_factor, int(model.get("vae_channels", 128)))
     if budget is not None:  # the process's own share counts against a budget, not against what the machine has free
         free: Optional[int] = budget - (process_rss() if held is None else held) - loading
@@ -164,7 +173,7 @@ def plan_from_model_dir(model_dir: Path, width: int, height: int, budget: Option
     for part in ("unet", "text_encoder", "text_encoder_2", "vae"):
         for f in (model_dir / part).glob("*.safetensors") if (model_dir / part).is_dir() else ():
             weights += f.stat().st_size * (2 if ".fp16." in f.name else 1)
-    row = step_row_bytes(layers, hw, sliced, blocks[0])
+    row = step_row_bytes(layers, hw, sliced, blocks[0]) + deep_feature_bytes(blocks[1] if len(blocks) > 1 else 0, hw)
     decode = decode_row_bytes(hw, scale, int(vae["block_out_channels"][0]))
     have = budget if budget is not None else available_host_bytes()
     return MemoryPlan(weights, row, decode, None if have is None else have - weights, hw, size * scale)
