@@ -265,6 +265,9 @@ def test_ort_cuda_graph_ids_are_per_bucket_and_recycled(tmp_path):
     # every node must run on the CUDA EP to be captured: no CPU fallback provider
     assert graph.session_providers() == [("CUDAExecutionProvider", {"enable_cuda_graph": "1"})]
     assert OrtGraph(tmp_path / "x.onnx", "ort-cuda").session_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    # ort-tensorrt: what TensorRT declines runs on the CUDA EP (issue 38), the CPU last
+    assert OrtGraph(tmp_path / "x.onnx", "ort-tensorrt").session_providers() == [
+        "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
     class FakeIO:
         def bind_input(self, *a):

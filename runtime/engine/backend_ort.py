@@ -236,6 +236,9 @@ class OrtGraph:
         if self.cuda_graphs:
             options["enable_cuda_graph"] = "1"
         providers: list = [(provider, options)] if options else [provider]
+        if provider == "TensorrtExecutionProvider":  # nodes TensorRT declines run on CUDA, on the same stream, not the CPU
+            device = self.device.provider_options()
+            providers.append(("CUDAExecutionProvider", device) if device else "CUDAExecutionProvider")
         if provider != "CPUExecutionProvider" and not self.cuda_graphs:
             providers.append("CPUExecutionProvider")  # ops a GPU provider lacks
         return providers
