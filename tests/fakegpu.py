@@ -24,6 +24,9 @@ computes wrong results or fails here as it would on an NVIDIA GPU:
   the shapes and addresses of its capture: replaying it after the context was given other shapes
   or addresses is undefined (NVIDIA: re-capture when they change); here it is refused. A context
   made with ``USER_MANAGED`` allocation runs only after ``set_device_memory`` with enough bytes.
+  A context is enqueued once outside a capture before one captures it, and again after its
+  input shapes change (TensorRT's developer guide, "CUDA Graphs": "call enqueueV3() once before
+  capturing the graph" so that it updates its internal state outside the capture).
   Tensor dtypes are the engine's (``get_tensor_dtype``), whatever the buffer was allocated as.
 - **ONNX Runtime CUDA EP**: a session computes on the stream given as ``user_compute_stream``,
   else on its own; ``Run`` synchronizes its stream at the end unless the run option
@@ -144,6 +147,12 @@ class FakeCudart:
 
     def _count(self, name: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
+
+    def _host_wait(self, why: str) -> None:
+        """The host blocks until device work is done: every kind is counted under "host_waits"
+        (a synchronization, a copy into pageable memory, an ONNX Runtime Run that syncs)."""
+        self._count("host_waits")
+        self._count(f"host_wait:{why}")
 
     def _new_stream(self, blocking: bool) -> _Stream:
         stream = _Stream(next(self.handles), blocking)
@@ -276,6 +285,7 @@ class FakeCudart:
                 op = _Op(lambda: ctypes.memmove(dst, src, nbytes), f"memcpy {src_kind}->{dst_kind}")
             self._enqueue(s, op)
             if dst_kind == "pageable":  # returns only once the copy has completed
+                self._host_wait("memcpy to pageable")
                 self.run_stream(s)
             return (OK,)
 
@@ -306,6 +316,7 @@ class FakeCudart:
             if err is not None:
                 return (err,)
             self._count("cudaStreamSynchronize")
+            self._host_wait("cudaStreamSynchronize")
             self.run_stream(s)
             return (OK,)
 
@@ -314,6 +325,7 @@ class FakeCudart:
             err = self._unsafe_call("cudaDeviceSynchronize")
             if err is not None:
                 return (err,)
+            self._host_wait("cudaDeviceSynchronize")
             for s in list(self.streams.values()):
                 self.run_stream(s)
             return (OK,)
@@ -543,6 +555,7 @@ class FakeContext:
         self.addresses: dict[str, int] = {}
         self.device_memory: Optional[tuple[int, int]] = None
         self.enqueues = 0
+        self.warm_shapes: Optional[dict] = None  # the shapes of its last enqueue outside a capture
         self.profile_index = 0  # a new context starts on profile 0 (TensorRT's default)
 
     def _owned(self, call: str) -> None:
@@ -626,6 +639,11 @@ class FakeContext:
 
         with cudart.lock:
             stream = cudart._stream(stream_handle)
+            if stream.capture is None:
+                self.warm_shapes = shapes
+            elif self.warm_shapes != shapes:
+                raise RuleViolation(f"{engine.name}: enqueueV3 captured before the context was enqueued once outside a "
+                                    "capture with these shapes (TensorRT: call enqueueV3 once before capturing)")  # fmt: skip
             cudart.kernel_threads.add(threading.current_thread().name)
             cudart._enqueue(stream, _Op(kernel, f"enqueueV3 {engine.name}", (self, shapes, addresses)))
         self.enqueues += 1
@@ -787,6 +805,7 @@ class FakeCudaSession:
             cudart.kernel_threads.add(threading.current_thread().name)
             cudart._enqueue(self.stream, _Op(kernel, "ort run"))
             if sync:
+                cudart._host_wait("ort Run")
                 cudart.run_stream(self.stream)  # Run synchronizes its stream before returning, unless told not to
         self.runs += 1
 

@@ -128,6 +128,23 @@ def test_a_failed_capture_reports_the_enqueue_error_not_the_capture_error(gpu):
     assert all(s.capture is None for s in gpu.cudart.streams.values())  # the capture was ended
 
 
+def test_a_capture_without_the_first_real_enqueue_is_refused(gpu, trt_dirs, onnx_dir, base_state, monkeypatch):
+    """TensorRT's rule (enqueue once outside the capture first) holds in the simulator: the
+    runtime's graphs (cuda.CudaGraph) keep it; a CudaGraph that skipped the first launch fails."""
+    rows = [TailRow("a blue square", 1.0, 5, TEST_BASE.guidance)]
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        pipe.run_tail(base_state, rows)  # the runtime as it is: no violation
+    original = cuda.CudaGraph.__init__
+
+    def without_warm_up(self, stream, enqueue):
+        calls = []
+        original(self, stream, lambda: calls.append(1) if not calls else enqueue())  # the first "launch" does nothing
+
+    monkeypatch.setattr(cuda.CudaGraph, "__init__", without_warm_up)
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe, pytest.raises(Exception, match="enqueueV3 once before capturing"):
+        pipe.run_tail(base_state, rows)
+
+
 def test_the_stream_is_non_blocking_and_host_copies_are_pinned(gpu):
     stream = cuda.CudaStream()
     assert gpu.cudart.streams[stream.handle].blocking is False
@@ -214,15 +231,55 @@ def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_
         batcher.work_once()  # admission and the entry step
         rt = gpu.cudart
         before = dict(rt.counts)
-        syncs = batcher.scheduler.stats.syncs
         batcher.work_once()  # a steady step: 4 rows in the 4 bucket
         after = rt.counts
         sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("memcpy")}
         assert sent.get("memcpy_pinned_to_device", 0) == 3  # timestep, alpha_t, coefs
-        assert sent.get("memcpy_device_to_pinned", 0) == 0 and batcher.scheduler.stats.syncs == syncs
+        assert sent.get("memcpy_device_to_pinned", 0) == 0
+        # and the host never waits on the device (the simulator's count: syncs, pageable reads, syncing Runs)
+        assert after.get("host_waits", 0) == before.get("host_waits", 0), {k: v for k, v in after.items() if k.startswith("host_wait")}
         while not all(j.future.done() for j in jobs):
             batcher.work_once()
         assert all(j.future.result().latent.shape == base_state.latents.shape[1:] for j in jobs)
+
+
+def _steady_waits(gpu, pipe, jobs) -> int:
+    """The host waits (simulator-counted) of one steady step of ``jobs``, after their entry step."""
+    from edit_rt.runtime.loop.jobs import Request
+
+    batcher = pipe.batcher(jobs[0].noise.shape[1:] if jobs[0].state is None else jobs[0].state.latents.shape[1:])
+    batcher.submit(jobs[0].request, jobs)
+    batcher.work_once()
+    batcher.work_once()
+    before = gpu.cudart.counts.get("host_waits", 0)
+    batcher.work_once()
+    waits = gpu.cudart.counts.get("host_waits", 0) - before
+    while not all(j.future.done() for j in jobs):
+        batcher.work_once()
+    return waits
+
+
+def test_a_steady_step_waits_on_the_device_at_most_once(gpu, trt_dirs, onnx_dir, base_state):
+    """Issue 38: per row kind, the host waits of one steady step, counted by the simulator (a
+    cudaStreamSynchronize after every replay would show here): a plain or masked tail none, a
+    generation (its latent and u read back for the store) one, ``preserve: auto`` collecting
+    maps one."""
+    from edit_rt.runtime.loop.jobs import Job, Request
+    from edit_rt.runtime.model.edit import Mask
+
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        def tail(row, name):
+            request = Request(name, decode=False)
+            return [Job(request, 0, base_state.base, row, state=base_state)]
+
+        g = TEST_BASE.guidance
+        assert _steady_waits(gpu, pipe, tail(TailRow("a blue square", 1.0, 2, g), "plain")) == 0
+        assert _steady_waits(gpu, pipe, tail(TailRow("a blue square", 1.0, 2, g, mask=Mask(0, 0, 16, 16)), "masked")) == 0
+        assert _steady_waits(gpu, pipe, tail(TailRow("a green circle on a blue background", 1.5, 2, g, preserve="auto"), "auto")) == 1
+        request = Request("generation", decode=False)
+        noise = pipe.initial_noise(TEST_BASE)
+        generation = [Job(request, 0, TEST_BASE, TailRow(TEST_BASE.prompt, 1.0, 0, g), noise=noise)]
+        assert _steady_waits(gpu, pipe, generation) == 1
 
 
 def test_vae_decodes_in_chunks_of_its_own_profile(gpu, trt_dirs, onnx_dir, pipeline, base_state):
