@@ -43,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import shutil
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -842,3 +843,86 @@ class FakeOrt(ModuleType):
             self.sessions.append(session)
             return session
         return real_ort.InferenceSession(path, sess_options, providers=providers)
+
+
+# --- TensorRT's builder, through the Polygraphy calls export/engines.py makes -----------------------
+
+
+class FakeTrtBuilder:
+    """``polygraphy.backend.trt``'s builder functions as ``export/engines.py`` calls them, holding a
+    build to what TensorRT's documents require, then writing simulated plans (:func:`write_plan`)
+    that the simulated runtime above loads:
+
+    - the network is parsed strongly typed (TensorRT 10: the precision comes from the ONNX
+      graph's own types; `make engines` builds fp16 that way);
+    - no precision builder flag with a strongly typed network (``fp16``, ``bf16``, ``int8``,
+      ``tf32``: deprecated for it, and refused by the builder);
+    - an optimization profile for every input with a dynamic dimension, of the input's rank,
+      static dimensions as the network's, and ``min <= opt <= max`` on every axis;
+    - (Polygraphy's ``Profile``) nothing else in a profile than the network's inputs.
+    """
+
+    PRECISION_FLAGS = ("fp16", "bf16", "int8", "tf32", "fp8")
+
+    def __init__(self, stash: Path):
+        self.stash = Path(stash)
+        self.stash.mkdir(parents=True, exist_ok=True)
+        self.built: list[str] = []
+
+    def install(self, monkeypatch) -> "FakeTrtBuilder":
+        import polygraphy.backend.trt as polygraphy_trt
+
+        builder = self
+
+        class Profile(dict):
+            def add(self, name: str, min, opt, max) -> "Profile":
+                lo, mid, hi = (tuple(int(d) for d in s) for s in (min, opt, max))
+                if not len(lo) == len(mid) == len(hi):
+                    raise RuleViolation(f"profile for {name}: min/opt/max of different ranks {lo} {mid} {hi}")
+                if any(d < 0 for d in lo) or not all(a <= b <= c for a, b, c in zip(lo, mid, hi)):
+                    raise RuleViolation(f"profile for {name}: needs 0 <= min <= opt <= max on every axis, got {lo} / {mid} / {hi}")
+                self[name] = (lo, mid, hi)
+                return self
+
+        def network_from_onnx_path(path, strongly_typed=False, **kwargs):
+            import onnx
+
+            if not strongly_typed:
+                raise RuleViolation(f"{path}: parsed weakly typed; edit-rt's plans are strongly typed (the ONNX carries the precision)")
+            model = onnx.load(str(path), load_external_data=False)
+            inputs = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+            return SimpleNamespace(path=Path(path), inputs=inputs)
+
+        def CreateConfig(profiles=None, load_timing_cache=None, **flags):
+            used = [f for f in builder.PRECISION_FLAGS if flags.get(f)]
+            if used:
+                raise RuleViolation(f"precision flags {used} with a strongly typed network (deprecated; the builder refuses them)")
+            return SimpleNamespace(profiles=list(profiles or []))
+
+        def engine_bytes_from_network(network, config, save_timing_cache=None):
+            dynamic = {n for n, dims in network.inputs.items() if any(isinstance(d, str) or d <= 0 for d in dims)}
+            if dynamic and not config.profiles:
+                raise RuleViolation(f"{network.path.name}: dynamic inputs {sorted(dynamic)} and no optimization profile")
+            for k, profile in enumerate(config.profiles):
+                if set(profile) - set(network.inputs):
+                    raise RuleViolation(f"{network.path.name}: profile {k} names no input {sorted(set(profile) - set(network.inputs))}")
+                for name in dynamic:
+                    if name not in profile:
+                        raise RuleViolation(f"{network.path.name}: profile {k} gives no shapes for dynamic input {name}")
+                for name, (lo, opt, hi) in profile.items():
+                    dims = network.inputs[name]
+                    if len(dims) != len(lo) or any(isinstance(d, int) and d > 0 and not lo[i] == opt[i] == hi[i] == d
+                                                   for i, d in enumerate(dims)):  # fmt: skip
+                        raise RuleViolation(f"{network.path.name}: profile {k} for {name} {lo}/{opt}/{hi} does not fit its dims {dims}")
+            source = builder.stash / network.path.name  # the plan holds its graph: a copy outlives the build's staging
+            shutil.copyfile(network.path, source)
+            builder.built.append(network.path.name.split(".")[0])
+            profiles = [{n: [list(s) for s in shapes] for n, shapes in p.items()} for p in config.profiles]
+            spec = {"onnx": str(source), "dtypes": {}, "profiles": profiles or [{}]}
+            return PLAN_MAGIC + json.dumps(spec).encode()
+
+        monkeypatch.setattr(polygraphy_trt, "Profile", Profile)
+        monkeypatch.setattr(polygraphy_trt, "network_from_onnx_path", network_from_onnx_path)
+        monkeypatch.setattr(polygraphy_trt, "CreateConfig", CreateConfig)
+        monkeypatch.setattr(polygraphy_trt, "engine_bytes_from_network", engine_bytes_from_network)
+        return self

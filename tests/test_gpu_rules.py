@@ -10,6 +10,7 @@ the exactness tests hold against diffusers).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import sys
 import threading
@@ -280,6 +281,27 @@ def test_a_steady_step_waits_on_the_device_at_most_once(gpu, trt_dirs, onnx_dir,
         noise = pipe.initial_noise(TEST_BASE)
         generation = [Job(request, 0, TEST_BASE, TailRow(TEST_BASE.prompt, 1.0, 0, g), noise=noise)]
         assert _steady_waits(gpu, pipe, generation) == 1
+
+
+def test_the_trt_build_meets_the_builders_rules_and_its_plans_run(gpu, onnx_dir, pipeline, base_state, tmp_path, monkeypatch):
+    """export/engines.py's TensorRT path (issue 38), run through a builder that holds it to
+    TensorRT's documented rules (fakegpu.FakeTrtBuilder: strongly typed, no precision flags, a
+    profile per dynamic input with min <= opt <= max), for fp16 and fp32; the fp32 plans then
+    run on the simulated GPU and equal ort-cpu. A profile with opt past max is refused."""
+    from edit_rt.export.engines import trt_engines
+    from edit_rt.runtime.engine.engines import GRAPHS
+
+    manifest = load_manifest(onnx_dir)
+    builder = fakegpu.FakeTrtBuilder(tmp_path / "plans-sources").install(monkeypatch)
+    trt_engines(manifest, tmp_path / "fp16" / "trt", PROFILE, "fp16")
+    assert sorted(builder.built) == sorted(GRAPHS)
+    trt_engines(manifest, tmp_path / "fp32" / "trt", PROFILE, "fp32")
+    rows = sample_rows()[:3]
+    with _trt(onnx_dir, tmp_path / "fp32") as pipe:
+        np.testing.assert_allclose(pipe.run_tail(base_state, rows), pipeline.run_tail(base_state, rows), atol=1e-5)
+    broken = dataclasses.replace(PROFILE, opt_batch=PROFILE.max_batch + 1)
+    with pytest.raises(fakegpu.RuleViolation, match="min <= opt <= max"):
+        trt_engines(manifest, tmp_path / "broken" / "trt", broken, "fp32")
 
 
 def test_vae_decodes_in_chunks_of_its_own_profile(gpu, trt_dirs, onnx_dir, pipeline, base_state):
