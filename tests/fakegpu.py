@@ -31,7 +31,11 @@ computes wrong results or fails here as it would on an NVIDIA GPU:
 - **ONNX Runtime CUDA EP**: a session computes on the stream given as ``user_compute_stream``,
   else on its own; ``Run`` synchronizes its stream at the end unless the run option
   ``disable_synchronize_execution_providers`` is 1. With ``enable_cuda_graph`` a
-  ``gpu_graph_id`` is captured on its first run and replayed with the addresses of that run.
+  ``gpu_graph_id`` is captured on its first run and replayed with the addresses of that run, as
+  ONNX Runtime's ``cuda_graph.cc`` does it: the capture is in global mode and the replay
+  synchronizes the stream after its launch, whatever the run options say (a host wait per
+  replayed step); a session whose nodes are not all on the CUDA EP refuses ``enable_cuda_graph``
+  at creation (``FakeOrt.cpu_ops``: the op types the simulated CUDA EP lacks).
 
 The "kernels" compute the real result: each engine is an ONNX graph run by ONNX Runtime's CPU
 provider on the bytes found in simulated device memory, so wrong ordering is a wrong image.
@@ -757,6 +761,13 @@ class FakeCudaSession:
         name, opts = providers[0] if isinstance(providers[0], tuple) else (providers[0], {})
         self.provider_options = dict(opts)
         self.cuda_graph = opts.get("enable_cuda_graph") == "1"
+        if self.cuda_graph and fake_ort.cpu_ops:
+            import onnx
+
+            ops = {n.op_type for n in onnx.load(path, load_external_data=False).graph.node} & fake_ort.cpu_ops
+            if ops:  # ONNX Runtime's words (inference_session.cc)
+                raise RuntimeError("This session cannot use the CUDA Graph feature as requested by the user as all compute "
+                                   f"graph nodes have not been partitioned to the CUDA EP ({sorted(ops)} on the CPU)")
         if "user_compute_stream" in opts:
             self.stream = self.cudart._stream(int(opts["user_compute_stream"]))
         else:
@@ -802,6 +813,8 @@ class FakeCudaSession:
                 cudart.device_bytes(ptr, value.nbytes)[...] = np.ascontiguousarray(value, dtype=dt).view(np.uint8).reshape(-1)
 
         sync = _run_entry(run_options, "disable_synchronize_execution_providers") != "1"
+        # cuda_graph.cc: Replay() launches and then synchronizes the stream, run options or not
+        sync = sync or (self.cuda_graph and graph_id not in ("", "-1"))
         with cudart.lock:
             cudart.kernel_threads.add(threading.current_thread().name)
             cudart._enqueue(self.stream, _Op(kernel, "ort run"))
@@ -818,6 +831,7 @@ class FakeOrt(ModuleType):
         super().__init__("onnxruntime")
         self.cudart = cudart
         self.sessions: list[FakeCudaSession] = []
+        self.cpu_ops: set[str] = set()  # op types the simulated CUDA EP lacks (they would run on the CPU)
         for name in ("SessionOptions", "RunOptions", "GraphOptimizationLevel", "__version__"):
             setattr(self, name, getattr(real_ort, name))
         fake = self

@@ -363,6 +363,32 @@ def test_ort_cuda_computes_on_the_runtime_stream(gpu, onnx_dir, pipeline, base_s
     np.testing.assert_allclose(images, pipeline.decode(ours), atol=1e-5)
 
 
+def test_ort_cuda_graphs_wait_on_the_host_every_replay(gpu, onnx_dir, pipeline, base_state):
+    """ONNX Runtime's CUDA graph Replay() synchronizes its stream (cuda_graph.cc), so on ort-cuda
+    every replayed step waits on the host, run options or not (docs/engines.md says so); trt's
+    plain tail waits on nothing (test_a_steady_step_waits_on_the_device_at_most_once)."""
+    rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]
+    with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        pipe.run_tail(base_state, rows)  # captures each bucket's graph
+        before = dict(gpu.cudart.counts)
+        ours = pipe.run_tail(base_state, rows)
+        after = gpu.cudart.counts
+    replays = TEST_BASE.steps - 4  # one step graph and one blend per step, both replayed
+    assert after["host_wait:ort Run"] - before.get("host_wait:ort Run", 0) >= replays
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, rows), atol=1e-5)
+
+
+def test_ort_cuda_without_graphs_where_a_node_would_run_on_the_cpu(gpu, onnx_dir, pipeline, base_state, caplog):
+    """ONNX Runtime refuses enable_cuda_graph when a node is not on the CUDA EP; the runtime then
+    runs that graph without CUDA graphs, says so, and computes the same."""
+    gpu.ort.cpu_ops = {"Softmax"}  # the step graph's attention: as if the CUDA EP lacked it
+    with caplog.at_level("WARNING"), EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        ours = pipe.run_tail(base_state, sample_rows())
+        assert not pipe.graphs["unet_step"].cuda_graphs and pipe.graphs["latent_blend"].cuda_graphs
+    assert "unet_step.onnx: no CUDA graphs (This session cannot use the CUDA Graph feature" in caplog.text
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, sample_rows()), atol=1e-5)
+
+
 def test_ort_cuda_runs_without_cuda_python(gpu, onnx_dir, pipeline, base_state):
     cuda.use_cudart(None)  # as with onnxruntime-gpu alone: cuda-python is not installed here
     assert not backend.cuda_python_available()
