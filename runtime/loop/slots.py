@@ -13,7 +13,7 @@ Where things live (docs/engines.md, "The step loop", says why):
   the solver history stay there: ``latent_blend`` puts each row's next latent (and history)
   back into the step's input on the device (solver_slots.py: the sampler's buffers); a row's latent comes
   back when it finishes (a generation's every step; the maps while ``preserve: auto`` collects
-  them), with one synchronization per step;
+  them), with at most one synchronization per step (a generation's per-step reads wait for the next one);
 - the negative prompts' K/V are resident once per distinct set (keyed by value), side by side
   (uncond_sets.py);
 - a call runs at a *bucket* of rows (``buckets``: pow2 on a GPU, one captured graph each; every
@@ -466,7 +466,9 @@ class RowScheduler:
                 row.auto.add(step_map)
                 row.keep = row.auto.keep
         self._blend(b)
-        # What comes back: each generation's latent and u of this step, each finishing row's latent.
+        # What comes back: each generation's latent and u of this step (queued: they land at the
+        # next synchronization, at the latest its own last step's, so a generation's steady step
+        # does not wait on the device), each finishing row's latent (the step waits for it).
         latent = self.latent_elems
         reads = 0
         for r, row in enumerate(self.active):
@@ -475,7 +477,6 @@ class RowScheduler:
                 self.dev[sig.latents].read_async(row.record.latents[row.step + 1], offset=r * latent)
                 if row.record.x0 is not None:
                     self.solver.read_x0(row, row.record.x0[row.step])
-                reads += 1
             if row.step + 1 == row.end:
                 self.dev[sig.latents].read_async(row.latent, offset=r * latent)
                 reads += 1
