@@ -132,13 +132,15 @@ class KeptInputs(torch.nn.Module):
         self.kept = [t.name for t in manifest.graphs[graph].inputs]
         self.specs = {t.name: t for t in manifest.graphs["unet_step"].inputs}
         self.text_len = manifest.data["model"]["text_len"]
+        self.slots, self.rank = manifest.adapters["slots"], manifest.adapters["rank"]
         roles = manifest.roles(graph)
         self.latents, self.given = (next(n for n, r in roles.items() if r == role) for role in ("latents", "entry_uncond"))
 
     def forward(self, *kept):
         given = dict(zip(self.kept, kept))
         n, _, h, w = given[self.latents].shape
-        dims = {"N": n, "E": given[self.given].shape[0], "S": self.text_len, "M": 1, "H": h, "W": w}
+        dims = {"N": n, "E": given[self.given].shape[0], "S": self.text_len, "M": 1, "H": h, "W": w,
+                "P": self.slots, "R": self.slots * self.rank}  # (a skipped layer's LoRA matrices: slots x rank wide)
         args = []
         for name in self.traced:
             if name in given:

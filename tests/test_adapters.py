@@ -188,6 +188,14 @@ def test_a_deepcache_tail_with_an_adapter_equals_diffusers_blocks(lora_pipe, ref
     np.testing.assert_allclose(ours, expected, atol=ATOL)
 
 
+def test_the_shallow_step_with_slots_matches_its_torch_source(adapter_onnx, model_dir):
+    """unet_step_shallow of an export with slots against its PyTorch source (the skipped
+    layers' LoRA inputs are dropped by the exporter: parity fills them in at their width)."""
+    from .test_graphs import assert_graph_matches_torch
+
+    assert_graph_matches_torch("unet_step_shallow", adapter_onnx, model_dir)
+
+
 def test_adapter_at_scale_zero_is_no_adapter_exactly(lora_pipe):
     """A call no row of which uses an adapter binds the slots zero wide (the slot-free binding:
     no LoRA branch runs); a row with an adapter at scale 0 binds them all: the same latents."""
