@@ -4,48 +4,36 @@ rows streamed through the step loop one chunk (a batched tail) at a time, each i
 
 Memory is bounded by a chunk: its rows, their latents and images (the spec's rows are made
 lazily). A run that is stopped resumes: its base comes back from the store (a disk store keeps
-it across restarts), every row whose PNG is there is skipped (a PNG is written to a temporary
-name and renamed, so one that exists is whole), and the index's key (the base and the spec)
+it across restarts), every row whose PNG is there is skipped (a PNG is written as the store
+writes its files, storage/store_files.py's ``write_atomic``: to a temporary name, fsynced and
+renamed, so one that exists is whole), and the index's key (the base and the spec)
 refuses a folder that holds another catalogue.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigError
-from .images import save_png
+from .images import png_bytes
 from .model.catalogue import Catalogue
 from .model.config import RunConfig
 from .model.edit import Base, Edit
 from .pnginfo import edit_fields, parameters_text
+from .storage.store_files import write_atomic
 
 
 def file_name(index: int) -> str:
     return f"{index:05d}.png"
 
 
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a temporary file beside ``path``, then rename it: ``path`` is whole or absent."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _index(folder: Path, key: str, total: int, entries: Sequence[dict]) -> None:
     text = json.dumps({"key": key, "rows": total, "written": sum(e["file"] is not None for e in entries), "entries": list(entries)},
                       indent=1)  # fmt: skip
-    _write_atomically(folder / "catalogue.json", lambda p: p.write_text(text))
+    write_atomic(folder / "catalogue.json", text.encode())
 
 
 def _done(folder: Path, key: str) -> set[int]:
@@ -86,7 +74,7 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
         for (i, _), row, result, image in zip(pending, rows, results, pipe.render_each(state, rows, results)):
             fields = edit_fields(base, row, cfg.model_name, state.fingerprint, bid, result.preserve, result.uncond)
             text = parameters_text(row.prompt, base.negative_prompt, fields)
-            _write_atomically(folder / file_name(i), lambda p, image=image, text=text: save_png(p, image, text))
+            write_atomic(folder / file_name(i), png_bytes(image, text))
             entries[i]["file"] = file_name(i)
             advance(1)
         rows_run += len(pending)
