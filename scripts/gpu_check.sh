@@ -5,7 +5,9 @@
 #      resident inputs, eager and one CUDA graph per N), scripts/gpu_bench.py;
 #   2. where cuda-python is installed, the capture/replay path of runtime/cuda.py
 #      (scripts/gpu_cuda_check.py), checked against numpy;
-#   3. where onnxruntime-gpu reaches the GPU, edit-rt's available_backends() report.
+#   3. where onnxruntime-gpu reaches the GPU, edit-rt's available_backends() report;
+#   4. where TensorRT is installed (pip install 'edit-rt[gpu]'), the real-engine tests: the
+#      tests marked gpu (engines built from the test model, their tails against ONNX Runtime).
 # Run from the repository root: bash scripts/gpu_check.sh   (PYTHON=... to pick the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,12 @@ else
   echo '{"skipped": "cuda-python is not installed"}' > "$OUT/cuda.json"
 fi
 timeout 60 "$PYTHON" -c "import json; from edit_rt.runtime.engine.backend import backend_report; print(json.dumps(backend_report()))" > "$OUT/backends.json" 2> "$OUT/backends.log" || echo '{}' > "$OUT/backends.json"
+if "$PYTHON" -c "import tensorrt" 2>/dev/null; then
+  timeout 300 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/trt.log" 2>&1
+  echo "{\"exit\": $?}" > "$OUT/trt.json"
+else
+  echo '{"skipped": "TensorRT is not installed"}' > "$OUT/trt.json"
+fi
 "$PYTHON" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -34,7 +42,7 @@ def load(name):
     except Exception as err:  # a step that did not run says so
         return {"error": f"{name}: {err}"}
 report = {"gpu": (out / "nvidia-smi.txt").read_text().strip(), "bench": load("bench.json"), "cuda": load("cuda.json"),
-          "backends": load("backends.json")}
+          "backends": load("backends.json"), "trt": load("trt.json")}
 (out / "gpu.json").write_text(json.dumps(report, indent=2))
 print(json.dumps({k: v for k, v in report.items() if k != "bench"}, indent=2))
 for mode, rows in report["bench"].get("results", {}).items():

@@ -31,11 +31,15 @@ computes wrong results or fails here as it would on an NVIDIA GPU:
 - **ONNX Runtime CUDA EP**: a session computes on the stream given as ``user_compute_stream``,
   else on its own; ``Run`` synchronizes its stream at the end unless the run option
   ``disable_synchronize_execution_providers`` is 1. With ``enable_cuda_graph`` a
-  ``gpu_graph_id`` is captured on its first run and replayed with the addresses of that run, as
-  ONNX Runtime's ``cuda_graph.cc`` does it: the capture is in global mode and the replay
-  synchronizes the stream after its launch, whatever the run options say (a host wait per
-  replayed step); a session whose nodes are not all on the CUDA EP refuses ``enable_cuda_graph``
-  at creation (``FakeOrt.cpu_ops``: the op types the simulated CUDA EP lacks).
+  ``gpu_graph_id`` runs once as a regular run (the CUDA EP's ``min_num_runs_before_cuda_graph_capture_``,
+  1: its allocations happen outside the capture), is captured on its second run and replayed
+  with the addresses of that run, as ONNX Runtime's ``cuda_graph.cc`` does it: the capture is in
+  *global* mode (a ``cudaMalloc``, ``cudaFree`` or sync by any thread while it lasts invalidates
+  it, and the Run fails; ``FakeOrt.during_capture`` runs inside that window, where a test puts
+  another thread's work) and the replay synchronizes the stream after its launch, whatever the
+  run options say (a host wait per replayed step); a session whose nodes are not all on the CUDA
+  EP refuses ``enable_cuda_graph`` at creation (``FakeOrt.cpu_ops``: the op types the simulated
+  CUDA EP lacks).
 
 The "kernels" compute the real result: each engine is an ONNX graph run by ONNX Runtime's CPU
 provider on the bytes found in simulated device memory, so wrong ordering is a wrong image.
@@ -87,6 +91,14 @@ class cudaError_t:
 
 
 OK = cudaError_t.cudaSuccess
+
+
+def _check(result, what: str):
+    """A cudart call's value, or a RuntimeError naming the call (ONNX Runtime's CUDA_CALL_THROW)."""
+    err, *value = result if isinstance(result, tuple) else (result,)
+    if err is not OK:
+        raise RuntimeError(f"CUDA failure {err}: {what}")
+    return value[0] if value else None
 
 
 @dataclass
@@ -144,6 +156,7 @@ class FakeCudart:
         self.events: dict[int, tuple[int, int]] = {}  # event -> (stream, seq) recorded
         self.counts: dict[str, int] = {}
         self.kernel_threads: set[str] = set()  # threads that launched work touching an engine
+        self.unsafe_threads: set[str] = set()  # threads that allocated, freed or synchronized
         self.legacy = self._new_stream(blocking=True)  # stream 0's stand-in
         self.peak_device_bytes = 0
         self.last_invalidation = ""  # why the last capture that failed was invalidated
@@ -191,6 +204,7 @@ class FakeCudart:
     def _unsafe_call(self, name: str) -> Optional[_Err]:
         """The capture rule for a potentially unsafe call made by this thread."""
         me = threading.get_ident()
+        self.unsafe_threads.add(threading.current_thread().name)
         for stream in self.streams.values():
             c = stream.capture
             if c is None or c.mode == "relaxed":
@@ -773,6 +787,8 @@ class FakeCudaSession:
         else:
             self.stream = self.cudart._new_stream(blocking=True)  # ONNX Runtime's own stream
         self.captured: dict[str, tuple] = {}  # gpu_graph_id -> (inputs, outputs) of its capture
+        self.graph_runs: dict[str, int] = {}  # gpu_graph_id -> its runs so far
+        self.execs: dict[str, Any] = {}  # gpu_graph_id -> its instantiated CUDA graph
         self.runs = 0
 
     def get_inputs(self):
@@ -813,8 +829,18 @@ class FakeCudaSession:
                 cudart.device_bytes(ptr, value.nbytes)[...] = np.ascontiguousarray(value, dtype=dt).view(np.uint8).reshape(-1)
 
         sync = _run_entry(run_options, "disable_synchronize_execution_providers") != "1"
-        # cuda_graph.cc: Replay() launches and then synchronizes the stream, run options or not
-        sync = sync or (self.cuda_graph and graph_id not in ("", "-1"))
+        graphed = self.cuda_graph and graph_id not in ("", "-1")
+        runs = self.graph_runs[graph_id] = self.graph_runs.get(graph_id, 0) + 1
+        if graphed and runs >= 2 and graph_id not in self.execs:  # cuda_graph.cc CaptureBegin: global mode
+            self._capture(graph_id, kernel)
+        if graphed and runs >= 2:
+            # cuda_graph.cc: Replay() launches and then synchronizes the stream, run options or not
+            with cudart.lock:
+                _check(cudart.cudaGraphLaunch(self.execs[graph_id], self.stream.handle), "cudaGraphLaunch")
+                cudart._host_wait("ort Run")
+                cudart.run_stream(self.stream)
+            self.runs += 1
+            return
         with cudart.lock:
             cudart.kernel_threads.add(threading.current_thread().name)
             cudart._enqueue(self.stream, _Op(kernel, "ort run"))
@@ -822,6 +848,22 @@ class FakeCudaSession:
                 cudart._host_wait("ort Run")
                 cudart.run_stream(self.stream)  # Run synchronizes its stream before returning, unless told not to
         self.runs += 1
+
+    def _capture(self, graph_id: str, kernel: Callable[[], None]) -> None:
+        """The Run that captures: CaptureBegin (global mode), the kernels, CaptureEnd; a capture
+        some thread invalidated fails the Run with CUDA's error, as ONNX Runtime's CUDA_CALL does."""
+        cudart = self.cudart
+        _check(cudart.cudaStreamBeginCapture(self.stream.handle, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal),
+               "cudaStreamBeginCapture")  # fmt: skip
+        self.fake_ort.during_capture()
+        with cudart.lock:
+            cudart.kernel_threads.add(threading.current_thread().name)
+            cudart._enqueue(self.stream, _Op(kernel, "ort run"))
+        err, graph = cudart.cudaStreamEndCapture(self.stream.handle)
+        if err is not OK:
+            raise RuntimeError(f"CUDA failure {err}: {cudart.last_invalidation} ; GPU=0 ; "
+                               "expr=cudaStreamEndCapture(stream_, &graph_)")  # fmt: skip
+        self.execs[graph_id] = _check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
 
 
 class FakeOrt(ModuleType):
@@ -832,6 +874,7 @@ class FakeOrt(ModuleType):
         self.cudart = cudart
         self.sessions: list[FakeCudaSession] = []
         self.cpu_ops: set[str] = set()  # op types the simulated CUDA EP lacks (they would run on the CPU)
+        self.during_capture: Callable[[], None] = lambda: None  # what happens while a session captures
         for name in ("SessionOptions", "RunOptions", "GraphOptimizationLevel", "__version__"):
             setattr(self, name, getattr(real_ort, name))
         fake = self

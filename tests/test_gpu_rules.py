@@ -244,6 +244,44 @@ def test_latents_stay_on_the_device_between_steps(gpu, trt_dirs, onnx_dir, base_
         assert all(j.future.result().latent.shape == base_state.latents.shape[1:] for j in jobs)
 
 
+def test_a_masked_rows_base_latents_stay_on_the_device(gpu, trt_dirs, onnx_dir, pipeline, base_state):
+    """Issue 38: masked rows' base latents go up once per base and steps (base_windows.py); a
+    steady step of four masked rows sends the backend what a plain step does (the three step
+    scalars) and copies each row's base latent device to device; the latents equal ort-cpu's."""
+    from edit_rt.runtime.loop.jobs import Job, Request
+    from edit_rt.runtime.model.edit import Mask
+
+    masks = [Mask(0, 0, 16, 16), Mask(8, 8, 32, 32), Mask(0, 16, 32, 32), Mask(4, 0, 20, 12)]
+    rows = [TailRow(f"a green circle {k}", 1.0, 2, TEST_BASE.guidance, mask=mask) for k, mask in enumerate(masks)]
+    with _trt(onnx_dir, trt_dirs["fp32"]) as pipe:
+        batcher = pipe.batcher(base_state.latents.shape[1:])
+        request = Request("masked", decode=False)
+        jobs = [Job(request, i, base_state.base, row, state=base_state) for i, row in enumerate(rows)]
+        batcher.submit(request, jobs)
+        batcher.work_once()  # admission, the entry step and the window's upload
+        windows = batcher.scheduler.windows
+        assert windows.uploads == 1 and len(windows.windows) == 1  # one base, one range: shared
+        rt = gpu.cudart
+        before = dict(rt.counts)
+        batcher.work_once()
+        sent = {k: rt.counts.get(k, 0) - before.get(k, 0) for k in rt.counts if k.startswith("memcpy")}
+        assert sent.get("memcpy_pinned_to_device", 0) == 3, sent  # timestep, alpha_t, coefs: no latent
+        assert sent.get("memcpy_device_to_device", 0) == len(rows), sent  # each row's base latent
+        assert rt.counts.get("host_waits", 0) == before.get("host_waits", 0)
+        while not all(j.future.done() for j in jobs):
+            batcher.work_once()
+        assert windows.windows == {} and windows.by_row == {} and len(windows.spare) == 1  # gone with its last row
+        ours = np.concatenate([j.future.result().latent[None] for j in jobs])
+        mallocs = rt.counts["cudaMalloc"]
+        again = [Job(Request("again", decode=False), 0, base_state.base, rows[0], state=base_state)]
+        batcher.submit(again[0].request, again)
+        while not again[0].future.done():
+            batcher.work_once()
+        assert rt.counts["cudaMalloc"] == mallocs and windows.uploads == 2  # the spare memory, written again
+        np.testing.assert_allclose(again[0].future.result().latent, ours[0], atol=1e-6)
+    np.testing.assert_allclose(ours, pipeline.run_tail(base_state, rows), atol=1e-5)
+
+
 def _steady_waits(gpu, pipe, jobs) -> int:
     """The host waits (simulator-counted) of one steady step of ``jobs``, after their entry step."""
     from edit_rt.runtime.loop.jobs import Request
@@ -380,6 +418,25 @@ def test_ort_cuda_graphs_wait_on_the_host_every_replay(gpu, onnx_dir, pipeline, 
     np.testing.assert_allclose(ours, pipeline.run_tail(base_state, rows), atol=1e-5)
 
 
+def test_ort_cuda_captures_in_global_mode(gpu, onnx_dir, base_state):
+    """ONNX Runtime's CUDA graph capture is in global mode (cuda_graph.cc CaptureBegin): a
+    cudaMalloc by any other thread while it lasts invalidates it and the Run fails, which is
+    why every CUDA call of a serving pipeline is on the engine thread (the server test above)."""
+    seen = []
+
+    def another_thread_allocates():
+        worker = threading.Thread(target=lambda: seen.append(gpu.cudart.cudaMalloc(256)[0]))
+        worker.start()
+        worker.join()
+
+    rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]
+    with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        gpu.ort.during_capture = another_thread_allocates
+        with pytest.raises(Exception, match="cudaMalloc during a global capture"):
+            pipe.run_tail(base_state, rows)
+    assert seen and seen[0] is not fakegpu.OK  # the allocation itself was refused too
+
+
 def test_ort_cuda_without_graphs_where_a_node_would_run_on_the_cpu(gpu, onnx_dir, pipeline, base_state, caplog):
     """ONNX Runtime refuses enable_cuda_graph when a node is not on the CUDA EP; the runtime then
     runs that graph without CUDA graphs, says so, and computes the same."""
@@ -448,20 +505,29 @@ def _png(array: np.ndarray) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, model_dir, tmp_path):
-    """A real server on loopback on the simulated trt backend, with concurrent generations,
-    uploads (inversion) and edits: every context is made and used on one thread (the simulator
-    refuses any other), and every kernel was launched from it."""
+@pytest.mark.parametrize("backend_name", ["trt", "ort-cuda"])
+def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, model_dir, tmp_path, backend_name):
+    """A real server on loopback on the simulated trt and ort-cuda backends, with concurrent
+    generations, uploads (inversion) and edits: every context is made and used on one thread
+    (the simulator refuses any other), and every kernel was launched from it. On ort-cuda each
+    bucket's CUDA graph is captured in global mode while the server runs (a capture lasting
+    20 ms here, so that a request thread's allocation, free or sync would land in it and fail
+    the Run): every request succeeds."""
+    import time
+
     from edit_rt.export.bench_side import server_in_process
     from edit_rt.runtime.model.config import load_config
 
+    if backend_name == "ort-cuda":
+        gpu.ort.during_capture = lambda: time.sleep(0.02)
     build = tmp_path / "build"
     (build / model_dir.name).mkdir(parents=True)
     (build / model_dir.name / "onnx").symlink_to(onnx_dir)
-    (build / model_dir.name / "engines").symlink_to(trt_dirs["fp32"])
+    if backend_name == "trt":
+        (build / model_dir.name / "engines").symlink_to(trt_dirs["fp32"])
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
-        "model": str(model_dir), "build_dir": str(build), "backend": "trt",
+        "model": str(model_dir), "build_dir": str(build), "backend": backend_name,
         "base": {"prompt": "x", "steps": 6, "guidance": 7.5, "width": 32, "height": 32},
         "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "vae_max_batch": 4},
     }))  # fmt: skip
@@ -488,8 +554,10 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(generate, k) for k in range(4)] + [pool.submit(upload, k) for k in range(2)]
             assert [f.result() for f in futures] == [2, 2, 2, 2, 1, 1]
-    assert {c.owner_name for c in gpu.trt.contexts} == {"edit-rt-engine"}
+    assert {c.owner_name for c in gpu.trt.contexts} == ({"edit-rt-engine"} if backend_name == "trt" else set())
     assert gpu.cudart.kernel_threads == {"edit-rt-engine"}
+    if backend_name == "ort-cuda":
+        assert gpu.cudart.counts["captured"] >= 2 and not gpu.cudart.last_invalidation
 
 
 def test_the_prepared_gpu_check_passes_on_the_simulator(gpu):

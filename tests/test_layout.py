@@ -147,3 +147,22 @@ def test_the_shallow_signature_covers_its_inputs_and_drops_no_one_it_reads(onnx_
     assert sorted(named) == sorted(t.name for t in manifest.graphs["unet_step_shallow"].inputs)
     assert sig.deep_in is not None and sig.deep_out is None and full.deep_out is not None and full.deep_in is None
     assert 0 < len(sig.row_kv) < len(full.row_kv)  # the tiny model's outer blocks attend; its deep ones are skipped
+
+
+def test_the_gpu_extra_stops_below_each_packages_next_major():
+    """Issue 38: TensorRT 11, onnxruntime-gpu 2 and cuda-python 14 are not what the GPU path was
+    written against; the extra admits none of them (read with `packaging`, as pip reads it)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    caps = {"tensorrt": "11", "onnxruntime-gpu": "2", "cuda-python": "14"}
+    found = {}
+    for line in extra:
+        req = Requirement(line)
+        found[req.name] = req.specifier
+    assert set(found) == set(caps)
+    for name, major in caps.items():
+        assert not found[name].contains(major) and not found[name].contains(f"{major}.0.1"), (name, str(found[name]))
+        assert found[name].contains(f"{int(major) - 1}.99"), (name, str(found[name]))  # the current major stays allowed

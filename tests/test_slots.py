@@ -56,6 +56,10 @@ class CountingTensor:
         self.log["moved"] += count * self.dtype.itemsize
         self.inner.move(dst, src, count)
 
+    def copy_from(self, src, dst, src_offset, count):
+        self.log["copied"] = self.log.get("copied", 0) + count * self.dtype.itemsize
+        self.inner.copy_from(getattr(src, "inner", src), dst, src_offset, count)
+
     def view(self, shape):
         return self.inner.view(shape)
 

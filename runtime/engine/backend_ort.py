@@ -81,6 +81,14 @@ class OrtCudaTensor:
         self.mirror[dst : dst + count] = self.mirror[src : src + count].copy()
         self.host_newer = True
 
+    def copy_from(self, src: "OrtCudaTensor", dst: int, src_offset: int, count: int) -> None:
+        _check_fits(self, dst, count)
+        _check_fits(src, src_offset, count)
+        self._pull()
+        src._pull()
+        self.mirror[dst : dst + count] = src.mirror[src_offset : src_offset + count]
+        self.host_newer = True
+
     def view(self, shape: tuple[int, ...]) -> TensorView:
         _check_fits(self, 0, math.prod(shape))
         return TensorView(self.ptr, tuple(shape), self.dtype, self.device)
@@ -149,8 +157,11 @@ class OrtDevice:
 class OrtBinding:
     """An ONNX Runtime IOBinding over views of backend memory; ``run()`` allocates nothing.
 
-    With ``graph_id`` (ONNX Runtime's CUDA EP with ``enable_cuda_graph``) the first run captures
-    a CUDA graph under that id and later runs replay it (run option ``gpu_graph_id``). The id is
+    With ``graph_id`` (ONNX Runtime's CUDA EP with ``enable_cuda_graph``) the first run is a
+    regular one (its allocations), the second captures a CUDA graph under that id in global
+    capture mode (no other thread may allocate, free or synchronize meanwhile: every CUDA call of
+    the pipeline is on the engine thread, engine_thread.py) and later runs replay it (run option
+    ``gpu_graph_id``); each replay synchronizes the stream (cuda_graph.cc). The id is
     the bucket's (same shapes, same addresses), so a binding made again for an evicted bucket
     replays the graph ONNX Runtime kept for it: ids are recycled, never exhausted.
     """

@@ -177,6 +177,14 @@ class CudaTensor:
         size = self.dtype.itemsize
         self.stream.copy(self.ptr + dst * size, self.ptr + src * size, count * size)
 
+    def copy_from(self, src: "CudaTensor", dst: int, src_offset: int, count: int) -> None:
+        _check_fits(self, dst, count)
+        _check_fits(src, src_offset, count)
+        if src.dtype != self.dtype:
+            raise TypeError(f"a device copy between {src.dtype} and {self.dtype}")
+        size = self.dtype.itemsize
+        self.stream.copy(self.ptr + dst * size, src.ptr + src_offset * size, count * size)
+
     def view(self, shape: tuple[int, ...]) -> TensorView:
         _check_fits(self, 0, math.prod(shape))
         return TensorView(self.ptr, tuple(shape), self.dtype, self.device)

@@ -58,6 +58,10 @@ class DeviceTensor(Protocol):
     def move(self, dst: int, src: int, count: int) -> None:
         """Copy ``count`` elements from ``src`` to ``dst`` inside this tensor (no host trip)."""
 
+    def copy_from(self, src: "DeviceTensor", dst: int, src_offset: int, count: int) -> None:
+        """Copy ``count`` elements of ``src`` (same backend and dtype) from ``src_offset`` to
+        ``dst`` in this tensor, in the backend's own memory (no host trip)."""
+
     def view(self, shape: tuple[int, ...]) -> TensorView: ...
 
     def free(self) -> None: ...
@@ -93,6 +97,11 @@ class HostTensor:
     def move(self, dst: int, src: int, count: int) -> None:
         _check_fits(self, max(dst, src), count)
         self.array[dst : dst + count] = self.array[src : src + count]
+
+    def copy_from(self, src: "HostTensor", dst: int, src_offset: int, count: int) -> None:
+        _check_fits(self, dst, count)
+        _check_fits(src, src_offset, count)
+        self.array[dst : dst + count] = src.array[src_offset : src_offset + count]
 
     def view(self, shape: tuple[int, ...]) -> TensorView:
         _check_fits(self, 0, math.prod(shape))

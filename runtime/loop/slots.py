@@ -8,10 +8,11 @@ request share a call; they join and leave at step boundaries.
 Where things live (docs/engines.md, "The step loop", says why):
 
 - an admitted row's K/V, guidance, set index, entry latent and mask are written into backend
-  memory once; a step writes the per-row step scalars (a masked row also its base's next
-  latent, an inverted base's row its correction, an ancestral row its noise). The latents and
+  memory once; a step writes the per-row step scalars (an ancestral row its noise). The latents and
   the solver history stay there: ``latent_blend`` puts each row's next latent (and history)
-  back into the step's input on the device (solver_slots.py: the sampler's buffers); a row's latent comes
+  back into the step's input on the device (solver_slots.py: the sampler's buffers), a masked
+  row's base latent and an inverted base's correction copied in from the base's resident
+  window (base_windows.py); a row's latent comes
   back when it finishes (a generation's every step; the maps while ``preserve: auto`` collects
   them), with at most one synchronization per step (a generation's per-step reads wait for the next one);
 - the negative prompts' K/V are resident once per distinct set (keyed by value), side by side
@@ -51,6 +52,7 @@ from ..engine.backend import Binding, Graph
 from ..engine.device import DeviceTensor
 from ..engine.step_signature import StepSignature
 from ..model.adapters import AdapterBank
+from .base_windows import BaseWindows
 from .bindings import BindingCache, bind_blend, bind_step
 from .rows import Row, SchedulerStats, _floor_pow2
 from .solver_slots import SolverSlots
@@ -173,6 +175,10 @@ class RowScheduler:
         self.deep_age = 0  # calls since it
         self.dev[sig.entry_slope].write(self.slopes)
         self.refs_written = False
+        # what the blend takes from a row's base each step, resident: a masked row's base
+        # latents, an inverted base's corrections (base_windows.py)
+        self.windows = BaseWindows(lambda elems: alloc("base", elems), latent_elems, lambda row: row.base, lambda base, i: base.latent(i + 1)[0])
+        self.corrections = BaseWindows(lambda elems: alloc("add", elems), latent_elems, lambda row: row.corrections, lambda base, i: base.correction(i))
 
     # --- shapes ------------------------------------------------------------------------------
 
@@ -324,6 +330,8 @@ class RowScheduler:
             if self.persistent and end != last:
                 self._move(last, end)
         self.active.pop()
+        self.windows.release(row)
+        self.corrections.release(row)
         self.deep_key = None
         self.references -= row.reference
         row.slot = -1
@@ -396,10 +404,12 @@ class RowScheduler:
         for r, row in enumerate(self.active):
             if row.keep is not row.keep_written:
                 self._write_keep(row)
-            if row.keep is not None and row.record is None:
-                self.dev["base"].write(row.base.latent(row.step + 1)[0], offset=r * latent)
+            if row.keep is not None and row.record is None:  # the base's next latent, from its resident window
+                window, at = self.windows.source(row)
+                self.dev["base"].copy_from(window, r * latent, at, latent)
             if row.corrections is not None:
-                self.dev["add"].write(row.corrections.correction(row.step), offset=r * latent)
+                window, at = self.corrections.source(row)
+                self.dev["add"].copy_from(window, r * latent, at, latent)
         if b not in self.blend_bindings:
             self.blend_bindings[b] = bind_blend(self, b)
         self.blend_bindings[b].run()
@@ -528,5 +538,7 @@ class RowScheduler:
         for binding in self.blend_bindings.values():
             binding.free()
         self.blend_bindings.clear()
+        self.windows.free()
+        self.corrections.free()
         for tensor in self.dev.values():
             tensor.free()
