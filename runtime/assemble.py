@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .engine.manifest import sha256_file
+from .errors import ArtifactError, ConfigError, SamplerError
 from .model.adapters import lora_source
-from .errors import ArtifactError, ConfigError
 from .model.config import RunConfig
-from .model.samplers import SamplerError, check_sampler
+from .model.samplers import check_sampler
 from .pipeline import EditPipeline
 from .storage.store import BaseStore
 

@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 from pydantic import TypeAdapter, ValidationError
 
-from .errors import EditRtError
+from .errors import EditRtError, EditorError
 from .images import to_uint8
 from .model.config import RunConfig, config_from_dict, load_config
 from .model.edit import Base, Direction, Edit
@@ -62,18 +62,6 @@ class _FromConfig:
 # An argument left at this takes the config's ``base:`` value (where None means something else:
 # a negative prompt of None is the model family's default, as in the config and the API).
 FROM_CONFIG: Any = _FromConfig()
-
-
-class EditorError(EditRtError):
-    """A request the service refused or could not run (what the server answers 4xx or 5xx):
-    ``field`` names the input (``edits[1].strength``), ``code`` is the API's error code
-    (``out_of_range``, ``unknown_base``, ``queue_full``), ``status`` its HTTP status."""
-
-    def __init__(self, message: str, field: Optional[str] = None, code: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.field = field
-        self.code = code
-        self.status = status
 
 
 @dataclass(frozen=True)

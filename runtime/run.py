@@ -25,13 +25,13 @@ import onnxruntime
 from . import __version__
 from .assemble import pipeline_of, store_of
 from .catalogue import run_catalogue
-from .errors import ConfigError
+from .errors import ConfigError, DamagedBaseError, ImageInputError
 from .images import contact_sheet, save_png
 from .model.config import RunConfig
 from .model.edit import Direction, Edit, TailRow
 from .pnginfo import base_fields, directions_text, edit_fields, parameters_text
-from .storage.store import DamagedBaseError, base_id
-from .uploads import ImageInputError, Upload, image_from_bytes
+from .storage.store import base_id
+from .uploads import Upload, image_from_bytes
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
-from .errors import EditRtError
+from .errors import ImageInputError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "TIFF", "BMP")  # JPEG includes MPO, what phones write
 CONVERTED = {"1", "L", "P", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "RGBA", "LA", "PA", "RGBa", "La"}
@@ -54,14 +54,6 @@ WHITESPACE = str.maketrans("", "", " \t\r\n")
 # Pillow's bomb check is a process-wide constant: past 89 M pixels it *prints* a warning, past
 # 179 M it raises, whatever serve.max_image_pixels says. opened_image checks that limit instead.
 Image.MAX_IMAGE_PIXELS = None
-
-
-class ImageInputError(EditRtError):
-    """An image that cannot be edited as given; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass

@@ -7,8 +7,9 @@ import time
 
 import numpy as np
 
+from edit_rt.runtime.errors import CancelledError
 from edit_rt.runtime.loop.batcher import Batcher
-from edit_rt.runtime.loop.jobs import CancelledError, Job, Request
+from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.pipeline import TailRow
 
 from .conftest import TEST_BASE

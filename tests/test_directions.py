@@ -415,7 +415,8 @@ def test_the_python_api_and_the_server_run_directions_and_say_so(model_dir, onnx
     """The service's door (the Editor is the server's Service in process): a directions-only
     edit's image is the pipeline's tail of the same row, its label, PNG parameters and info say
     what ran, and a direction's prompt is checked as a prompt is, naming it."""
-    from edit_rt.runtime.editor import Editor, EditorError
+    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.errors import EditorError
     from edit_rt.runtime.images import to_uint8
 
     with Editor.from_model(model_dir, onnx_dir.parent.parent, width=32, height=32, steps=10, guidance=G,

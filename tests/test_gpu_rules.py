@@ -284,7 +284,6 @@ def test_a_masked_rows_base_latents_stay_on_the_device(gpu, trt_dirs, onnx_dir, 
 
 def _steady_waits(gpu, pipe, jobs) -> int:
     """The host waits (simulator-counted) of one steady step of ``jobs``, after their entry step."""
-    from edit_rt.runtime.loop.jobs import Request
 
     batcher = pipe.batcher(jobs[0].noise.shape[1:] if jobs[0].state is None else jobs[0].state.latents.shape[1:])
     batcher.submit(jobs[0].request, jobs)

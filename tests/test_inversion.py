@@ -18,9 +18,10 @@ import yaml
 from PIL import Image
 
 from edit_rt.export.shapes import Scene, prompt, read, render
+from edit_rt.runtime.errors import ImageInputError
 from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.edit import TailRow
-from edit_rt.runtime.uploads import ImageInputError, image_from_bytes
+from edit_rt.runtime.uploads import image_from_bytes
 
 from .conftest import SHAPES_MODEL, TEST_BASE
 from .server_process import ServerProcess

@@ -17,8 +17,9 @@ import time
 import numpy as np
 import pytest
 
+from edit_rt.runtime.errors import CancelledError, StepError
 from edit_rt.runtime.loop.batcher import Batcher
-from edit_rt.runtime.loop.jobs import CancelledError, Job, Request, StepError
+from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.model.edit import Mask, TailRow
 
 from .conftest import TEST_BASE

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.lora_tags import LoraTagError, lora_tags
-from edit_rt.runtime.model.weighting import PromptSyntaxError, prompt_spans
+from edit_rt.runtime.errors import ConfigError, LoraTagError, PromptSyntaxError
+from edit_rt.runtime.model.lora_tags import lora_tags
+from edit_rt.runtime.model.weighting import prompt_spans
 
 from .server_process import ServerProcess
 

@@ -195,7 +195,7 @@ def editor(demo_config):
     (lambda ed, b: ed.edit(b, ["x"], on_preview=print), "on_preview", "previews=0"),
 ])  # fmt: skip
 def test_refusals_name_the_field(editor, call, field, words):
-    from edit_rt.runtime.editor import EditorError
+    from edit_rt.runtime.errors import EditorError
 
     base = editor.generate(steps=4)
     with pytest.raises(EditorError) as refused:

@@ -18,13 +18,14 @@ import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                        EulerDiscreteScheduler, UniPCMultistepScheduler)  # fmt: skip
 
+from edit_rt.runtime.errors import SamplerError  # fmt: skip
 from edit_rt.runtime.model import samplers
 from edit_rt.runtime.model.sampler_dpmpp import DPM_DEFAULTS
 from edit_rt.runtime.model.sampler_euler import EULER_A_DEFAULTS, EULER_DEFAULTS
 from edit_rt.runtime.model.sampler_unipc import UNIPC_DEFAULTS
-from edit_rt.runtime.model.samplers import (COEFS, SAMPLER_NAMES, SamplerError, a1111_label, a1111_sampler,
-                                            a1111_samplers, a1111_schedulers, check_sampler, default_sampler,
-                                            parse_sampler, schedule_for)  # fmt: skip
+from edit_rt.runtime.model.samplers import (COEFS, SAMPLER_NAMES, a1111_label, a1111_sampler, a1111_samplers,
+                                            a1111_schedulers, check_sampler, default_sampler, parse_sampler,
+                                            schedule_for)  # fmt: skip
 from edit_rt.runtime.model.scheduler_ddim import DDIMConfig, DDIMSchedule, InverseDDIMSchedule
 
 SD15 = dict(_class_name="PNDMScheduler", beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",

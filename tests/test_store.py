@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from edit_rt.runtime.errors import ArtifactError
+from edit_rt.runtime.errors import ArtifactError, StoreFullError, UnknownBaseError
 from edit_rt.runtime.pipeline import KV, BaseState, TailRow
-from edit_rt.runtime.storage.store import BaseStore, StoreFullError, UnknownBaseError, base_id
+from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .conftest import TEST_BASE
 

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import yaml
 
+from edit_rt.runtime.errors import DamagedBaseError, DiskFullError, StoreBusyError, UnknownBaseError  # fmt: skip
 from edit_rt.runtime.serving.errors import ApiError
 from edit_rt.runtime.serving.service import Service
 from edit_rt.runtime.storage import store_codec, store_disk
-from edit_rt.runtime.storage.store import (BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, UnknownBaseError,
-                                           base_id)  # fmt: skip
+from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .server_process import ServerProcess
 from .test_store import BASE_BYTES, FP, UNCOND_BYTES, fake_state

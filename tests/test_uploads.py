@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
-from edit_rt.runtime.uploads import ImageInputError, _rgb, decode_base64, image_from_bytes, text_of_image
+from edit_rt.runtime.errors import ImageInputError
+from edit_rt.runtime.uploads import _rgb, decode_base64, image_from_bytes, text_of_image
 
 from .server_process import ServerProcess
 

@@ -30,9 +30,9 @@ import pytest
 import torch
 from PIL import Image
 
+from edit_rt.runtime.errors import PromptSyntaxError
 from edit_rt.runtime.model.align import token_diff
-from edit_rt.runtime.model.weighting import (PromptSyntaxError, emphasize, encoder_widths, parse_attention, prompt_spans,
-                                              schedule_at)  # fmt: skip
+from edit_rt.runtime.model.weighting import (emphasize, encoder_widths, parse_attention, prompt_spans, schedule_at)  # fmt: skip
 
 from .server_process import ServerProcess
 

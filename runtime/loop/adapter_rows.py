@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SlotsBusyError
 from ..model.adapters import AdapterBank, check_uses, normalize, text_key
 
 
@@ -36,11 +36,6 @@ class RowAdapters:
     @property
     def same_as_base(self) -> bool:
         return self.uses == self.base_uses
-
-
-class SlotsBusyError(ConfigError):
-    """Every adapter slot a row needs is held by running rows: it waits in the queue (the
-    batcher puts it back) until they finish."""
 
 
 def _check_room(bank: AdapterBank, names: list[str], held: set[int], where: str) -> None:

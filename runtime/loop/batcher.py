@@ -34,9 +34,9 @@ from collections import deque
 from typing import Optional, Protocol
 
 from ..engine.engine_thread import EngineThread
+from ..errors import CancelledError, QueueFullError, ShuttingDownError, SlotsBusyError, StepError
 from ..metrics import Metrics
-from .adapter_rows import SlotsBusyError
-from .jobs import CancelledError, Job, QueueFullError, Request, RowResult, ShuttingDownError, StepError
+from .jobs import Job, Request, RowResult
 from .rows import Row
 from .slots import RowScheduler
 

@@ -14,31 +14,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..errors import EditRtError
-from ..model.edit import Base
-from ..model.edit import TailRow
+from ..model.edit import Base, TailRow
 from ..model.state import BaseState
 from .rows import Recording, Row
-
-
-class QueueFullError(EditRtError):
-    """The queue holds ``queue_limit`` rows already; retry later."""
-
-
-class ShuttingDownError(EditRtError):
-    """The batcher is stopping and takes no new work."""
-
-
-class CancelledError(EditRtError):
-    """The request was cancelled (client disconnected) or passed its deadline."""
-
-
-class StepError(EditRtError):
-    """The engine failed a step this row was in (isolated: the other rows went on)."""
-
-
-class RowError(EditRtError):
-    """This row could not be run (its input, not the server); the message says why."""
 
 
 @dataclass

@@ -27,14 +27,14 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import EditRtError
+from ..errors import EditRtError, RowError
 from ..model.directions import mixed_kv, token_permutation
 from ..model.edit import TailRow
 from ..model.samplers import Schedule
 from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from ..model.state import KV, BaseState
 from .adapter_rows import NONE, RowAdapters, row_adapters, text_scales
-from .jobs import Job, RowError, RowResult
+from .jobs import Job, RowResult
 from .rows import Recording, Row
 from .uncond_reuse import BaseUncond
 

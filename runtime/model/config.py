@@ -20,15 +20,15 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
 
-from ..errors import ConfigError, ModelError
-from .weighting import PromptSyntaxError, prompt_spans
-from .lora_tags import config_with_tags
-from .sweep import expand_all, rows_of
+from ..errors import ConfigError, EditError, ModelError, PromptSyntaxError
 from .catalogue import MAX_ROWS, Catalogue
-from .edit import Base, Edit, EditDefaults, EditError, Preserve, TailRow, resolve_edit
+from .edit import Base, Edit, EditDefaults, Preserve, TailRow, resolve_edit
+from .lora_tags import config_with_tags
 from .schema import Bool, DeepCache, Float, Int, StoragePrecision, Str, Strength, UncondMode, between, refusal
 from .serve_config import Serve
 from .single_file import checkpoint_family, is_single_file, require_converted
+from .sweep import expand_all, rows_of
+from .weighting import prompt_spans
 
 STRICT = ConfigDict(extra="forbid")
 

@@ -21,6 +21,9 @@ from pydantic import AfterValidator, AliasChoices, ConfigDict, Field, Validation
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs, InitErrorDetails
 
+from ..errors import EditError, SamplerError
+from .adapters import merged, normalize
+from .samplers import parse_sampler
 from .schema import (
     MAX_DIRECTIONS,
     Adapters,
@@ -39,8 +42,6 @@ from .schema import (
     between,
     Float,
 )
-from .adapters import merged, normalize
-from .samplers import SamplerError, parse_sampler
 from .sweep import Sweep
 from .weighting import prompt_spans
 
@@ -56,15 +57,6 @@ def _sampler_name(name: str) -> str:
 
 # A sampler's canonical name (samplers.SAMPLER_NAMES) from any name edit-rt accepts for it
 SamplerName = Annotated[Str, AfterValidator(_sampler_name)]
-
-
-class EditError(ValueError):
-    """An edit that does not fit its base: ``field`` is its path (``edits[2].tail_steps``)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @with_config(STRICT)

@@ -60,18 +60,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LoraTagError
 from .adapters import SCALE_LIMIT
-from .weighting import PromptSyntaxError
 
 TAG = re.compile(r"<(\w+):([^>]+)>")  # A1111's re_extra_net
 LORA_TYPES = ("lora", "lyco")  # the Lora extension's network and its alias
 
 Scale = Union[float, tuple[float, float]]
-
-
-class LoraTagError(PromptSyntaxError):
-    """A tag edit-rt cannot run as AUTOMATIC1111 would (the message names it and the fix)."""
 
 
 @dataclass(frozen=True)

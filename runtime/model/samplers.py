@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
-from ..errors import ModelError
+from ..errors import ModelError, SamplerError
 from .sampler_dpmpp import DPM_DEFAULTS, DPMSolverPPSchedule
 from .sampler_euler import EULER_A_DEFAULTS, EULER_DEFAULTS, EulerSchedule
 from .sampler_sigmas import read_config
@@ -33,15 +33,6 @@ __all__ = ["COEFS", "SAMPLER_NAMES", "Schedule", "SamplerError", "a1111_label", 
 log = logging.getLogger(__name__)
 
 SAMPLER_NAMES = ("ddim", "euler", "euler_karras", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "unipc_karras")
-
-
-class SamplerError(ValueError):
-    """A sampler (or A1111 scheduler) edit-rt cannot run here: ``field`` names where it came from."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 # name -> (diffusers class, its __init__ defaults, what the name fixes)

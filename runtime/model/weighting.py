@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from ..errors import ConfigError
+from ..errors import PromptSyntaxError
 
 ROUND = 1.1  # (a): A1111's round-bracket multiplier; [a] divides by it
 _SPECIAL = "\\()[]:"  # characters that end a run of plain text in the emphasis syntax
@@ -50,11 +50,6 @@ _TRAILING_WEIGHT = re.compile(r"\s*:\s*([-+]?(?:\d+\.?|\d*\.\d+))\s*$")
 _EXTRA_NETWORK = re.compile(r"<(\w+):([^>]+)>")  # <lora:name:0.8>, <hypernet:name:1>
 # The schedule grammar's NUMBER (lark's SIGNED_NUMBER), then "]": the end of "[a:b:0.5]"
 _STEP_CLOSE = re.compile(r"\s*[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\s*\]")
-
-
-class PromptSyntaxError(ConfigError, ValueError):
-    """A prompt uses AUTOMATIC1111 syntax that edit-rt does not run (a ValueError too, so a
-    pydantic validator that calls :func:`prompt_spans` words it as a field's refusal)."""
 
 
 def _show(text: str, limit: int = 40) -> str:

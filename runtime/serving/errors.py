@@ -13,11 +13,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from starlette.requests import Request as HttpRequest
 
-from ..errors import EditRtError
-from ..loop.adapter_rows import SlotsBusyError
-from ..loop.jobs import CancelledError, QueueFullError, RowError, ShuttingDownError, StepError
+from ..errors import (CancelledError, DamagedBaseError, DiskFullError, EditRtError, QueueFullError, RowError,
+                      ShuttingDownError, SlotsBusyError, StepError, StoreBusyError, StoreFullError, UnknownBaseError)  # fmt: skip
 from ..model.schema import field_type, refusal
-from ..storage.store import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
 
 log = logging.getLogger(__name__)
 

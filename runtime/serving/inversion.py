@@ -21,12 +21,12 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from ..errors import EditRtError
+from ..errors import EditRtError, ImageInputError
 from ..images import png_bytes
 from ..model.edit import Base
 from ..pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
-from ..uploads import ImageInputError, Upload, image_from_bytes, text_of_image
+from ..uploads import Upload, image_from_bytes, text_of_image
 from .errors import ApiError, queue_errors, row_error
 from .results import Generated
 

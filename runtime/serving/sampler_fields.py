@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..model.samplers import SamplerError, a1111_label, check_sampler, default_sampler, parse_sampler
+from ..errors import SamplerError
+from ..model.samplers import a1111_label, check_sampler, default_sampler, parse_sampler
 from .errors import ApiError
 
 

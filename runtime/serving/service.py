@@ -23,28 +23,29 @@ import numpy as np
 from starlette.requests import Request as HttpRequest
 
 from ..assemble import pipeline_of, store_of
-from ..errors import ConfigError, EditRtError
+from ..errors import (ConfigError, DamagedBaseError, DiskFullError, EditError, EditRtError,
+                      PromptSyntaxError, StoreBusyError, StoreFullError)  # fmt: skip
 from ..images import checked_pixel_mask, png_bytes
 from ..loop.batcher import Batcher
-from ..loop.jobs import CancelledError, Job, Request
+from ..loop.jobs import Job, Request
 from ..metrics import Metrics, timed
 from ..model.adapters import check_uses
 from ..model.config import RunConfig
-from ..model.edit import Base, Edit, EditError, TailRow, resolve_edit
+from ..model.edit import Base, Edit, TailRow, resolve_edit
 from ..model.state import BaseState
-from ..model.weighting import PromptSyntaxError, prompt_spans
+from ..model.weighting import prompt_spans
 from ..pipeline import EditPipeline
 from ..pnginfo import edit_fields, parameters_text
 from ..storage.related_index import RelatedIndex
-from ..storage.store import BaseStore, DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, base_id
+from ..storage.store import BaseStore, base_id
 from .errors import (ApiError, base_errors, check_base_id, disk_full, is_base_id, queue_errors, row_error, store_busy,
                      until_done)  # fmt: skip
 from .generation import Generation, watch
-from .related import RelatedGenerations
-from .sampler_fields import SamplerFields, sampler_label
 from .inversion import Uploads
 from .job_control import DOOR, JobControl
+from .related import RelatedGenerations
 from .results import Edited
+from .sampler_fields import SamplerFields, sampler_label
 
 log = logging.getLogger(__name__)
 

@@ -32,16 +32,14 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, DamagedBaseError, DiskFullError, StoreFullError, UnknownBaseError
 from ..model.edit import Base
 from ..model.schema import StoragePrecision
 from ..model.state import KV, BaseState
 from .store_codec import decode, encode, to_bytes
 from .store_disk import DiskTier
-from .store_errors import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
 
-__all__ = ["BaseStore", "base_id", "UnknownBaseError", "StoreFullError", "DiskFullError", "StoreBusyError",
-           "DamagedBaseError"]  # fmt: skip
+__all__ = ["BaseStore", "base_id"]
 
 log = logging.getLogger(__name__)
 

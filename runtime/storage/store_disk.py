@@ -38,9 +38,9 @@ from typing import Callable, Iterator, Optional
 
 from filelock import FileLock, Timeout
 
-from ..errors import ArtifactError, EditRtError
+from ..errors import (ArtifactError, DamagedBaseError, DiskFullError, EditRtError, StoreBusyError, StoreFullError,
+                      UnknownBaseError)  # fmt: skip
 from .store_codec import from_bytes, read_header
-from .store_errors import DamagedBaseError, DiskFullError, StoreBusyError, StoreFullError, UnknownBaseError
 from .store_files import (NotAFileError, alive, is_disk_full, read_head, read_regular, regular_files, set_aside,
                           write_atomic)  # fmt: skip
 

@@ -73,7 +73,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..model.samplers import SamplerError, a1111_label, a1111_sampler
+from ..errors import SamplerError
+from ..model.samplers import a1111_label, a1111_sampler
 from ..model.schema import Guidance, Steps, bounds_of
 from ..serving.errors import ApiError
 from ..serving.sampler_fields import sampler_error

@@ -33,12 +33,10 @@ from fastapi import APIRouter
 
 from ..assemble import adapter_files
 from ..engine.manifest import sha256_file
-from ..model.adapters import lora_source
-from ..errors import ArtifactError, EditRtError
-from ..model.adapters import normalize
+from ..errors import ArtifactError, EditRtError, PromptSyntaxError
+from ..model.adapters import lora_source, normalize
 from ..model.config import load_config
 from ..model.lora_tags import PromptLoras, Scale, lora_tags
-from ..model.weighting import PromptSyntaxError
 from ..serving.errors import ApiError
 from ..serving.service import Service
 from .api import errors

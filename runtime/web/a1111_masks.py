@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..uploads import DAMAGED, FORMATS, ImageInputError, opened_image
+from ..errors import ImageInputError
+from ..uploads import DAMAGED, FORMATS, opened_image
 
 
 def mask_from_bytes(data: bytes, param: str, max_bytes: int, max_pixels: int) -> np.ndarray:

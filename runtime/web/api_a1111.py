@@ -34,7 +34,7 @@ from PIL import Image
 from pydantic import BaseModel, Field, ValidationError
 
 from .. import __version__
-from ..loop.jobs import CancelledError
+from ..errors import CancelledError
 from ..model.edit import Edit
 from ..model.samplers import a1111_label
 from ..pnginfo import base_id_of

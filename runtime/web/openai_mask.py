@@ -17,7 +17,8 @@ import io
 import numpy as np
 from PIL import ExifTags, Image
 
-from ..uploads import DAMAGED, FORMATS, ImageInputError, opened_image
+from ..errors import ImageInputError
+from ..uploads import DAMAGED, FORMATS, opened_image
 
 UPRIGHT_SWAPS = {5, 6, 7, 8}  # EXIF orientations that turn the image a quarter
 
