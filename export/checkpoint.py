@@ -57,14 +57,13 @@ _OPENCLIP_XL = "conditioner.embedders.1.model."
 def clip_vocab(vocab_path: Path = VOCAB) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's vocabulary (token -> id) and BPE merges, built as open_clip's SimpleTokenizer builds
     them: the 256 byte symbols, the same with ``</w>``, one token per merge, the two special tokens."""
-    from .tiny_model import _bytes_to_unicode
 
     lines = gzip.open(vocab_path).read().decode("utf-8").split("\n")
     merges = [tuple(line.split()) for line in lines[1 : N_MERGES + 1]]
     if len(merges) != N_MERGES or any(len(m) != 2 for m in merges):
         raise ModelError(f"{vocab_path}: not CLIP's BPE vocabulary ({len(merges)} merges, expected {N_MERGES}); "
                          "reinstall edit-rt")  # fmt: skip
-    symbols = _bytes_to_unicode()
+    symbols = bytes_to_unicode()
     tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
     return {t: i for i, t in enumerate(tokens)}, merges
 
@@ -263,3 +262,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in CLIP's vocabulary order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
+    codes, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]

@@ -27,7 +27,6 @@ whose colour or kind an edit changed is still the same object.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,7 +35,8 @@ import numpy as np
 from edit_rt.runtime.images import to_uint8
 
 from .shape_looks import _border_colour, read_any_look
-from .shapes import COLOURS, POSITIONS, SHAPES, Scene, Seen, _dilate, _erode, canonical, prompt, random_scene, read, read_objects, relation
+from .shapes import (COLOURS, POSITIONS, SHAPES, Scene, Seen, _dilate, _erode, canonical, looks_of, prompt, random_scene, read,
+                     read_objects, relation, world_of)  # fmt: skip
 
 PSNR_CAP = 60.0  # dB given to identical regions (no error to take the log of)
 KINDS = ("colour", "background", "shape")
@@ -275,18 +275,3 @@ def judge_of(model: str | Path) -> World1 | World2:
     """The judge of a model folder's world, reading through the looks when it was trained with them."""
     return judge_for(world_of(model), looks_of(model))
 
-
-def _world_json(model: str | Path) -> dict:
-    path = Path(model) / "world.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def world_of(model: str | Path) -> int:
-    """The shapes world a model folder was trained on: its ``world.json`` (written by
-    export/train_shapes.py), world 1 when it has none."""
-    return int(_world_json(model).get("world", 1))
-
-
-def looks_of(model: str | Path) -> bool:
-    """Whether its training scenes drew their looks at random (``world.json``'s ``looks`` > 0)."""
-    return float(_world_json(model).get("looks", 0.0)) > 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ from edit_rt.runtime.images import to_uint8
 
 from .shape_looks import saturation, sharpness, stroke
 from .shapes import LOOK_RANGES, Scene, random_scene, render
-from .slider_eval import spearman
 
 LEVELS = 5
 RHO_BAR = 0.98
@@ -137,3 +136,21 @@ def plot_look_round_trip(report: dict, path: Path, scenes: int = 2) -> None:
 def written(report: dict) -> dict:
     """``report`` without the sweeps (what the card and training.json keep)."""
     return {k: v for k, v in report.items() if not k.startswith("_")}
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rho (ties get their mean rank); 0 when either side is constant."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=np.float64)
+        for value in np.unique(v):
+            tied = v == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, dtype=np.float64)), ranks(np.asarray(y, dtype=np.float64))
+    if rx.std() == 0 or ry.std() == 0:
+        return 0.0
+    return float(np.corrcoef(rx, ry)[0, 1])

@@ -14,7 +14,7 @@ engines), the same scales (-2..2 in 9 steps), from the config's default tail:
 Each is read by export/slider_eval.py's ``slider_metrics`` (does the attribute follow the scale,
 its range, is the rest preserved); two sliders at once by ``two_slider_metrics`` (edit-rt: A
 swept with B held at each of ``held``). The UNet cost per image is reported with each. The bases
-and the readers are those of the model's world (``judges.world_of``: 1 or 2).
+and the readers are those of the model's world (``shapes.world_of``: 1 or 2).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.config import RunConfig
 from edit_rt.runtime.model.edit import Base, TailRow
 
-from .judges import world_of
+from .shapes import world_of
 from .slider_eval import SCALES, plot_sliders, slider_metrics, sweep, two_slider_metrics, world_bases, _initial_latents
 
 log = logging.getLogger(__name__)

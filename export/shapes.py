@@ -36,7 +36,9 @@ them (issue 36): each off its default with a probability, uniform over ``LOOK_RA
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -427,3 +429,19 @@ def _scene_of(background: str, objects: list[Seen]) -> Optional[Scene]:
     a, b = objects
     scene = Scene(a.colour, a.shape, background, relation(a, b), a.size, Thing(b.colour, b.shape, b.size))
     return canonical(scene)
+
+
+def _world_json(model: str | Path) -> dict:
+    path = Path(model) / "world.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def world_of(model: str | Path) -> int:
+    """The shapes world a model folder was trained on: its ``world.json`` (written by
+    export/train_shapes.py), world 1 when it has none."""
+    return int(_world_json(model).get("world", 1))
+
+
+def looks_of(model: str | Path) -> bool:
+    """Whether its training scenes drew their looks at random (``world.json``'s ``looks`` > 0)."""
+    return float(_world_json(model).get("looks", 0.0)) > 0

@@ -32,7 +32,7 @@ Two halves, kept apart so that edit-rt's runtime can feed its own images into th
    at a fixed scale.
 
 Both halves work in either shapes world: ``evaluate_sliders`` takes the world from the model
-folder (``judges.world_of``: 1 for the 32x32 model, 2 for the 64x64 one) and draws that world's
+folder (``shapes.world_of``: 1 for the 32x32 model, 2 for the 64x64 one) and draws that world's
 bases at its image size; the metrics take ``world`` to read with that world's readers
 (``readers``; default 1).
 """
@@ -49,9 +49,9 @@ import numpy as np
 
 from edit_rt.runtime.images import to_uint8
 
-from .judges import world_of
+from .look_round_trip import spearman
 from .shape_looks import read_any_look, saturation, sharpness, stroke
-from .shapes import WORLD_SIZES, prompt, random_scene
+from .shapes import WORLD_SIZES, prompt, random_scene, world_of
 
 log = logging.getLogger(__name__)
 
@@ -170,24 +170,6 @@ def sweep(
 
 
 # 2. metrics (numpy only: any images will do)
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rho (ties get their mean rank); 0 when either side is constant."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=np.float64)
-        for value in np.unique(v):
-            tied = v == value
-            r[tied] = r[tied].mean()
-        return r
-
-    rx, ry = ranks(np.asarray(x, dtype=np.float64)), ranks(np.asarray(y, dtype=np.float64))
-    if rx.std() == 0 or ry.std() == 0:
-        return 0.0
-    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def readings(images: np.ndarray, world: int = 1) -> dict[str, np.ndarray]:

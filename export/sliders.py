@@ -11,7 +11,7 @@ with the base UNet and the text encoder frozen. One low-rank direction has to se
 signs, so it learns what tells x+ from x-, and its scale then moves an image along it.
 
 The pairs are shapes-world renders (``export/shapes.py``) that differ in ``saturation``,
-``stroke`` or ``blur`` (``PAIRS``), of the world the model was trained on (``judges.world_of``:
+``stroke`` or ``blur`` (``PAIRS``), of the world the model was trained on (``shapes.world_of``:
 the 32x32 world 1 or the 64x64 world 2, at its image size), turned into latents once: by the
 VAE's encoder, or, for a look the encoder erases, from the decoder's side (``latents_by_decoder``). Beyond the paper,
 a slider may also be trained at further scales (``SliderSpec.scales``: the pair's sides at
@@ -41,8 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .judges import world_of
-from .shapes import LOOK_RANGES, WORLD_SIZES, prompt, random_scene, render
+from .shapes import LOOK_RANGES, WORLD_SIZES, prompt, random_scene, render, world_of
 from .train_shapes import images_to_x
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,8 @@ import torch
 
 from edit_rt.runtime.errors import ConfigError
 
+from .checkpoint import bytes_to_unicode
+
 log = logging.getLogger(__name__)
 
 
@@ -76,25 +78,9 @@ PRESETS = {
 }
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in CLIP's vocabulary order."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    )
-    codes, extra = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in codes]
-
-
 def _byte_vocab() -> dict[str, int]:
     """The CLIP byte-level vocabulary without merges: 256 byte symbols, the same with </w>."""
-    symbols = _bytes_to_unicode()
+    symbols = bytes_to_unicode()
     vocab = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
     return {tok: i for i, tok in enumerate(vocab)}
 

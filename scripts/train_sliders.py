@@ -6,7 +6,7 @@ on world bases, the LoRA over the whole chain and over the default tail, and two
 writes, under --out: <name>/pytorch_lora_weights.safetensors, training.json (specs, seconds,
 loss curves, every measured number), sliders.png (attribute vs scale), sliders-grid.png (tail
 sweeps of a few bases) and README.md (the card). The pairs, the bases and the readers are those
-of the model's shapes world (export/judges.py ``world_of``: the 32x32 world 1 of
+of the model's shapes world (export/shapes.py ``world_of``: the 32x32 world 1 of
 export/models/shapes-sd, or the 64x64 world 2 of export/models/shapes64-sd).
 """
 
@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from edit_rt.export.judges import looks_of, world_of  # noqa: E402
+from edit_rt.export.shapes import looks_of, world_of  # noqa: E402
 from edit_rt.export.shapes import WORLD_SIZES  # noqa: E402
 from edit_rt.export.slider_eval import CROSS_TOLERANCE, evaluate_sliders, plot_sliders  # noqa: E402
 from edit_rt.export.sliders import ALLOWED_TARGETS, default_spec, train_slider  # noqa: E402
