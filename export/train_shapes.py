@@ -369,7 +369,7 @@ def train_shapes(
               "final_loss": {k: float(np.mean(v[-50:])) if v else None for k, v in history.items()},
               "loss": history}  # fmt: skip
     (out / "training.json").write_text(json.dumps(report))
-    # which world's prompts and reader the model goes with (export/judges.py world_of)
+    # which world's prompts and reader the model goes with (export/shapes.py world_of)
     looks = {"looks": spec.looks} if spec.looks else {}  # a looks model is read through its looks (judges.judge_of)
     (out / "world.json").write_text(json.dumps({"world": spec.world, "image_size": spec.image_size, **looks}) + "\n")
     _plot_loss(history, out / "loss.png")
