@@ -69,10 +69,10 @@ loadtest-ray: engines
 # The shapes-world model: train it (seeded, CPU), and measure its edits.
 # The committed weights came from exactly `make train` (see export/models/shapes-sd/README.md).
 train: setup
-	$(BIN)/python scripts/train_shapes.py --out export/models/shapes-sd --max-minutes 58
+	$(BIN)/python scripts/train.py --out export/models/shapes-sd --max-minutes 58
 
 export/models/shapes-sd/model_index.json: | setup
-	$(BIN)/python scripts/train_shapes.py --out export/models/shapes-sd --max-minutes 58
+	$(BIN)/python scripts/train.py --out export/models/shapes-sd --max-minutes 58
 
 quality: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
@@ -90,13 +90,13 @@ quality-dpmpp: setup export/models/shapes-sd/model_index.json
 # 85 minutes, each resuming from the state the last one committed in export/checkpoints/shapes-looks
 # (the autoencoder, the UNet's optimizer and EMA; not the 98 MB dataset, drawn again from its seed).
 train-looks: setup
-	$(BIN)/python scripts/train_shapes.py --preset looks --out export/models/shapes-looks-sd \
+	$(BIN)/python scripts/train.py --preset looks --out export/models/shapes-looks-sd \
 		--checkpoint export/checkpoints/shapes-looks --piece-minutes 85
 
 # The 64x64 world-2 model (issue 26): one or two objects, VAE factor 4, cross-attention at 16x16
 # and 8x8. A cut run resumes from build/train-shapes64 (its budget counting the time spent).
 train64: setup
-	$(BIN)/python scripts/train_shapes.py --world 2 --out export/models/shapes64-sd \
+	$(BIN)/python scripts/train.py --world 2 --out export/models/shapes64-sd \
 		--checkpoint build/train-shapes64 --max-minutes 120
 
 gates64: setup
@@ -136,14 +136,14 @@ bench: setup $(BENCH_MODEL)/model_index.json bench-samplers
 bench-samplers: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
-	$(BIN)/python scripts/bench_samplers.py configs/shapes.yaml --out out/bench-samplers
+	$(BIN)/python scripts/measure_samplers.py configs/shapes.yaml --out out/bench-samplers
 
 # related generations (issue 28) on a near-repeat prompt stream: rows saved vs quality at several
 # threshold settings against a real server, and the prompt embedding's similarities (docs/related.md)
 related: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
-	$(BIN)/python scripts/related_workload.py configs/shapes.yaml --out out/related
+	$(BIN)/python scripts/measure_related.py configs/shapes.yaml --out out/related
 
 # The real-size check (issue 34; docs/performance.md): time, peak RSS and disk of every stage on a
 # random-weight SD 1.5 at its true size (~10 GB of RAM, 30+ minutes on 2 cores)

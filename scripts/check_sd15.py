@@ -284,7 +284,7 @@ def write_configs(layout: Layout, args) -> dict:
 
 
 def worker_build(layout: Layout, args) -> None:
-    from edit_rt.export.sd_random import write_random_sd
+    from edit_rt.export.world.sd_random import write_random_sd
 
     shutil.rmtree(layout.model, ignore_errors=True)
     write_random_sd(layout.model, family="sd15", seed=args.seed, scale=args.scale)
@@ -298,7 +298,7 @@ def worker_single_file(layout: Layout, args) -> None:
 
 
 def worker_convert(layout: Layout, args) -> None:
-    from edit_rt.export import checkpoint
+    from edit_rt.export.compile import checkpoint
 
     config_dir = None
     if args.scale != 1.0:  # the shipped configs are SD 1.5's widths: a narrower file needs its own
@@ -347,7 +347,7 @@ class StageResult:
 
 def edit_rt_command() -> list[str]:
     script = Path(sys.executable).with_name("edit-rt")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "edit_rt.runtime.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 
 
 def stage_command(stage: str, layout: Layout, args) -> list[str]:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 
-from edit_rt.export.graphs import UNetStepGraph, cross_attention_layers
-from edit_rt.export.onnx_export import step_io
+from edit_rt.export.compile.graphs import UNetStepGraph, cross_attention_layers
+from edit_rt.export.compile.onnx_export import step_io
 
 SD15 = dict(
     sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),

@@ -49,7 +49,7 @@ def start_server(cfg: dict, out_dir: Path, name: str, ray: bool) -> tuple[subpro
     config.write_text(yaml.safe_dump(cfg))
     url = f"http://127.0.0.1:{port}"
     log = open(out_dir / f"{name}.log", "w")
-    command = [sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(config), *(["--ray"] if ray else [])]
+    command = [sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config), *(["--ray"] if ray else [])]
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while True:

@@ -7,7 +7,7 @@ quality` scores them (same 50 bases, same edits, the default tail).
 Colour edits may change the shape's latent cells (``d0``) or those grown by one cell
 (``d1``); background edits keep the cells that touch the shape (``any``) or only those inside
 it (``all``). Each edit runs alone, masked through the runtime's own mask path (latents kept
-outside, pixels composited), at strengths 1 and 1.5 (export/gates.py ``oracle_ceiling``; the
+outside, pixels composited), at strengths 1 and 1.5 (export/eval/gates.py ``oracle_ceiling``; the
 world-2 model's gates run it too). Prints one line per setting (docs/quality.md).
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from edit_rt.export.gates import oracle_ceiling
-from edit_rt.runtime.model.config import load_config
-from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.export.eval.gates import oracle_ceiling
+from edit_rt.runtime.config.load import load_config
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
 
 def main() -> None:

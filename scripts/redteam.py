@@ -48,7 +48,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from edit_rt.export.related_replay import free_port, terminate, wait_healthy
+from edit_rt.export.bench.related_replay import free_port, terminate, wait_healthy
 
 MAX_POINTS = 64
 HANG_S = 120.0  # a request not answered by then is a hang
@@ -227,7 +227,7 @@ def server_config(config: Path, folder: Path, port: int) -> tuple[Path, list[str
 
 def start(path: Path, folder: Path, port: int) -> tuple[subprocess.Popen, float]:
     log = folder / f"serve-{time.time_ns()}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(path)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
     begin = time.monotonic()
     wait_healthy(proc, f"http://127.0.0.1:{port}", log, 180)
@@ -246,7 +246,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     path, names = server_config(args.config.resolve(), folder, port)
     for command in ("export", "engines"):
-        subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", command, str(path)], check=True,
+        subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", command, str(path)], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
     proc, _ = start(path, folder, port)
     rec, health = Record(), HealthPoller(url)

@@ -1,12 +1,12 @@
 """Train and measure the shapes model's concept sliders (issue 25): `python scripts/train_sliders.py`.
 
-Trains the saturation, stroke and blur sliders (export/sliders.py) within a budget each,
-resuming from --work when a run was cut; measures them with diffusers (export/slider_eval.py)
+Trains the saturation, stroke and blur sliders (export/world/slider_training.py) within a budget each,
+resuming from --work when a run was cut; measures them with diffusers (export/eval/slider_eval.py)
 on world bases, the LoRA over the whole chain and over the default tail, and two at once; and
 writes, under --out: <name>/pytorch_lora_weights.safetensors, training.json (specs, seconds,
 loss curves, every measured number), sliders.png (attribute vs scale), sliders-grid.png (tail
 sweeps of a few bases) and README.md (the card). The pairs, the bases and the readers are those
-of the model's shapes world (export/shapes.py ``world_of``: the 32x32 world 1 of
+of the model's shapes world (export/world/shapes.py ``world_of``: the 32x32 world 1 of
 export/models/shapes-sd, or the 64x64 world 2 of export/models/shapes64-sd).
 """
 
@@ -25,10 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from edit_rt.export.shapes import looks_of, world_of  # noqa: E402
-from edit_rt.export.shapes import WORLD_SIZES  # noqa: E402
-from edit_rt.export.slider_eval import CROSS_TOLERANCE, evaluate_sliders, plot_sliders  # noqa: E402
-from edit_rt.export.sliders import ALLOWED_TARGETS, default_spec, train_slider  # noqa: E402
+from edit_rt.export.eval.slider_eval import CROSS_TOLERANCE, evaluate_sliders, plot_sliders  # noqa: E402
+from edit_rt.export.world.shapes import WORLD_SIZES, looks_of, world_of  # noqa: E402
+from edit_rt.export.world.slider_training import ALLOWED_TARGETS, default_spec, train_slider  # noqa: E402
 
 NAMES = ("saturation", "stroke", "blur")
 DIRECTION = {
@@ -74,7 +73,7 @@ def _card(training: dict, evaluation: dict) -> str:
         lines.append(f"| `{name}` | {DIRECTION[name][0]} | {DIRECTION[name][1]} | `render(..., {keyword}={low:g})` vs `{keyword}={high:g}` |")
     lines += [
         "",
-        "The attributes are the shapes world's continuous ones (`export/shapes.py`; no prompt word names",
+        "The attributes are the shapes world's continuous ones (`export/world/shapes.py`; no prompt word names",
         "them); each has a reader from pixels alone: `saturation` (mean chroma), `stroke` (signed ink",
         "beyond the shape's and background's lumas, in pixels of outline), `sharpness` (~1 / edge width).",
         "",
@@ -209,7 +208,7 @@ LOOKS_NOTES = [
 WORLD2_NOTES = [
     "## Notes",
     "",
-    "Read with world 2's readers (export/shape_looks.py, `world=2`: the stroke as ink around the objects",
+    "Read with world 2's readers (export/world/looks.py, `world=2`: the stroke as ink around the objects",
     "over their perimeter, the scene by `read_any_look(image, world=2)`). The settings are world 1's",
     "(`SPEC_OVERRIDES`), not chosen on this model; the verdict and limits of the 32x32 sliders are in",
     "export/models/shapes-sd/sliders/README.md.",

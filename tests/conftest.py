@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny SD model built in this test session, and its ONNX export.
 
-Nothing is downloaded: the model is built from a seed (edit_rt.export.tiny_model), exported
+Nothing is downloaded: the model is built from a seed (edit_rt.export.world.tiny_model), exported
 once per session, and every test compares against diffusers / PyTorch on those same weights.
 """
 
@@ -38,14 +38,14 @@ def sample_rows(g: float = TEST_BASE.guidance) -> list:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.tiny_model import write_tiny_model
+    from edit_rt.export.world.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd", seed=0)
 
 
 @pytest.fixture(scope="session")
 def onnx_dir(model_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("build") / "tiny-sd" / "onnx"
     export_onnx(model_dir, out)
@@ -56,7 +56,7 @@ def onnx_dir(model_dir, tmp_path_factory) -> Path:
 def adapter_onnx_dir(model_dir, tmp_path_factory) -> Path:
     """The tiny model exported with 3 LoRA slots of rank 8, as ``<build>/tiny-sd/onnx`` (its
     converted adapters go to ``<build>/tiny-sd/adapters``, as `make export` lays them out)."""
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("build-adapters") / "tiny-sd" / "onnx"
     export_onnx(model_dir, out, adapter_slots_n=3, adapter_rank=8)
@@ -65,7 +65,7 @@ def adapter_onnx_dir(model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pipeline(onnx_dir, model_dir):
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(onnx_dir, model_dir) as pipe:
         yield pipe
@@ -93,7 +93,7 @@ def torch_components(model_dir):
 
     Function-scoped: wrapping the UNet for export swaps its attention processors.
     """
-    from edit_rt.export.onnx_export import load_components
+    from edit_rt.export.compile.onnx_export import load_components
 
     return load_components(model_dir)
 
@@ -104,7 +104,7 @@ SHAPES_MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shap
 @pytest.fixture(scope="session")
 def shapes_onnx_dir(tmp_path_factory) -> Path:
     """The committed shapes model, exported once per session (build/<model>/onnx layout)."""
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("shapes-build") / "shapes-sd" / "onnx"
     export_onnx(SHAPES_MODEL, out)

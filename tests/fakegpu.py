@@ -894,6 +894,13 @@ class FakeOrt(ModuleType):
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
     def InferenceSession(self, path, sess_options=None, providers=None):
+        from .ort_options import PROVIDERS
+
+        for provider in providers or ():
+            name, options = provider if isinstance(provider, tuple) else (provider, {})
+            unknown = sorted(set(options) - PROVIDERS.get(name, set(options)))
+            if unknown:  # ProviderOptionsParser::Parse's words
+                raise RuntimeError(f"[ONNXRuntimeError] : 1 : FAIL : Unknown provider option: \"{unknown[0]}\".")
         first = providers[0] if providers else "CPUExecutionProvider"
         if (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider":
             session = FakeCudaSession(self, str(path), sess_options, providers)
@@ -902,11 +909,11 @@ class FakeOrt(ModuleType):
         return real_ort.InferenceSession(path, sess_options, providers=providers)
 
 
-# --- TensorRT's builder, through the Polygraphy calls export/engines.py makes -----------------------
+# --- TensorRT's builder, through the Polygraphy calls export/compile/engines.py makes -----------------------
 
 
 class FakeTrtBuilder:
-    """``polygraphy.backend.trt``'s builder functions as ``export/engines.py`` calls them, holding a
+    """``polygraphy.backend.trt``'s builder functions as ``export/compile/engines.py`` calls them, holding a
     build to what TensorRT's documents require, then writing simulated plans (:func:`write_plan`)
     that the simulated runtime above loads:
 

@@ -1,7 +1,7 @@
 """A diffusers folder written as one single-file checkpoint in the original ("ldm") key layout.
 
 The tests' own writer of the files A1111, ComfyUI and civitai hold, independent of the converter
-under test (export/checkpoint.py, which reads them with diffusers' loaders). It follows diffusers'
+under test (export/compile/checkpoint.py, which reads them with diffusers' loaders). It follows diffusers'
 scripts/convert_diffusers_to_original_stable_diffusion.py and convert_diffusers_to_original_sdxl.py,
 with two differences: the block layout those scripts hard-code for the real sizes (4 or 3 levels,
 2 resnets each, attention at fixed levels) is read from the model's config, so the tiny models

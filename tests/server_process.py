@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from edit_rt.export.related_replay import free_port, terminate, wait_healthy
+from edit_rt.export.bench.related_replay import free_port, terminate, wait_healthy
 
 
 class ServerProcess:
@@ -31,7 +31,7 @@ class ServerProcess:
         self.config.write_text(yaml.safe_dump(config))
         self.log = open(tmp / f"serve-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(self.config)],
+            [sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(self.config)],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )  # fmt: skip
         if wait:

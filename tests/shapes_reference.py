@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from edit_rt.runtime.model.edit import Base
-from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
 
 def assert_generation_equals_diffusers(pipe: EditPipeline, model: Path, base: Base, prompt: str) -> None:

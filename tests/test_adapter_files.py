@@ -16,7 +16,7 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-from edit_rt.export.adapters import check_safetensors
+from edit_rt.export.compile.adapters import check_safetensors
 from edit_rt.runtime.errors import ArtifactError, ModelError
 from edit_rt.runtime.model.adapters import ADAPTER_FORMAT, load_adapter
 
@@ -99,7 +99,7 @@ def test_a_malformed_lora_file_is_refused_in_one_line_naming_it(tmp_path, kind):
 
 
 def _cli(monkeypatch, capsys, config):
-    from edit_rt.runtime import cli
+    from edit_rt.runtime.apps import cli
 
     monkeypatch.setattr(sys, "argv", ["edit-rt", "adapters", str(config)])
     with pytest.raises(SystemExit) as exit_:

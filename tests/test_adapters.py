@@ -20,12 +20,12 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
-from edit_rt.export.adapters import convert_adapter, convert_adapters
-from edit_rt.export.onnx_export import export_onnx
+from edit_rt.export.compile.adapters import convert_adapter, convert_adapters
+from edit_rt.export.compile.onnx_export import export_onnx
 from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.errors import ConfigError, ModelError
 from edit_rt.runtime.model.edit import Base, TailRow
-from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
 from .conftest import TEST_BASE
 
@@ -227,7 +227,7 @@ def test_rows_with_different_adapters_batched_equal_each_alone(lora_pipe):
 
 @pytest.mark.slow  # ~10-20 s; the default run keeps SD 1.x against set_adapters
 def test_sdxl_generation_and_tail_with_an_adapter_equal_diffusers(tmp_path_factory):
-    from edit_rt.export.tiny_model import write_tiny_sdxl
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
     root = tmp_path_factory.mktemp("sdxl-lora")
     model = write_tiny_sdxl(root / "tiny-sdxl", seed=0)
@@ -277,7 +277,7 @@ def test_scale_out_of_range_and_too_many_adapters_are_refused_by_field(lora_pipe
 
 
 def test_lora_of_another_architecture_names_the_file_and_layer(adapter_onnx, model_dir, tmp_path):
-    from edit_rt.export.tiny_model import write_tiny_sdxl
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
     other = write_tiny_sdxl(tmp_path / "tiny-sdxl", seed=1)
     lora = make_lora(other, tmp_path / "xl-lora", seed=1, sdxl=True, text=False)
@@ -324,7 +324,7 @@ def test_a_sweep_is_its_rows_one_by_one(lora_pipe):
 
 
 def test_a_sweep_that_names_no_direction_is_refused_by_field(model_dir, tmp_path):
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
 
     cfg = {"model": str(model_dir), "base": {"prompt": "a red circle", "steps": 10, "width": 32, "height": 32},
            "edits": [{"prompt": "a blue square"},

@@ -25,8 +25,8 @@ import sys
 import httpx
 import pytest
 
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.config import config_from_dict
 
 from .server_process import ServerProcess
 
@@ -181,7 +181,7 @@ def test_api_auth_is_validated_naming_the_field_and_never_the_password(model_dir
 def _serve_cli(config, env: dict, *args: str) -> subprocess.CompletedProcess:
     """`edit-rt serve CONFIG ARGS` in a subprocess; ``env`` values of None are taken out."""
     environ = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(config), *args],
+    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config), *args],
                           capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
 
 

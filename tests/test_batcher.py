@@ -10,7 +10,7 @@ import numpy as np
 from edit_rt.runtime.errors import CancelledError
 from edit_rt.runtime.loop.batcher import Batcher
 from edit_rt.runtime.loop.jobs import Job, Request
-from edit_rt.runtime.pipeline import TailRow
+from edit_rt.runtime.pipeline.edit_pipeline import TailRow
 
 from .conftest import TEST_BASE
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import math
 
-from edit_rt.export.bench import DEEPCACHE, DEEPCACHE_FULL, UNCOND_METHOD, run_bench
-from edit_rt.runtime.model.config import config_from_dict
+from edit_rt.export.bench.throughput import DEEPCACHE, DEEPCACHE_FULL, UNCOND_METHOD, run_bench
+from edit_rt.runtime.config.load import config_from_dict
 
 
 def _finite(value) -> bool:
@@ -68,9 +68,9 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     low, high = sliders["ratio_spread"]["one_adapter"]  # at least 3 interleaved repeats, whatever --repeats
     assert low <= sliders["ratio_one_adapter_over_plain"] <= high and len(sliders["seconds"]) == 4
     assert _finite(report)
-    from edit_rt.runtime.cli import _print_bench  # the CLI's summary reads every measurement
+    from edit_rt.runtime.apps.summaries import print_bench  # the CLI's summary reads every measurement
 
-    _print_bench(report, tmp_path)
+    print_bench(report, tmp_path)
     printed = " ".join(capsys.readouterr().out.split())
     for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
                  "LoRA slots (2 x rank 4)", "base.deepcache 3: a generation", "catalogues (2-step tails, PNGs written): 2 rows"):

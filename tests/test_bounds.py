@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
-from edit_rt.runtime.model.serve_config import Serve
+from edit_rt.runtime.config.serve import Serve
 from edit_rt.runtime.model.sweep import MAX_POINTS, expand_all, rows_of
-from edit_rt.runtime.serving.errors import ApiError
+from edit_rt.runtime.serving.http_errors import ApiError
 from edit_rt.runtime.web import api_openai
 from edit_rt.runtime.web.a1111_masks import a1111_pixel_mask, gaussian_blur
 from edit_rt.runtime.web.api import EditsRequest

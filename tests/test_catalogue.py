@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from edit_rt.runtime.apps.run import run_config
+from edit_rt.runtime.config.load import load_config
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.images import to_uint8
-from edit_rt.runtime.model.config import load_config
 from edit_rt.runtime.model.edit import TailRow
-from edit_rt.runtime.run import run_config
+from edit_rt.runtime.pipeline.images import to_uint8
 
 from .conftest import TEST_BASE
 
@@ -85,7 +85,7 @@ def test_a_catalogue_is_refused_before_any_row_naming_the_field(tmp_path, model_
 
 
 def test_the_size_is_counted_without_making_rows():
-    from edit_rt.runtime.model.catalogue import Catalogue
+    from edit_rt.runtime.config.catalogue import Catalogue
 
     spec = Catalogue(edits=[{"prompt": f"p{i}"} for i in range(20)],
                      sliders=[{"adapter": a, "from": -2, "to": 2, "n": 8} for a in ("a", "b", "c")], max_rows=480)  # fmt: skip

@@ -66,7 +66,7 @@ def test_disk_use_counts_a_hard_linked_file_once(tmp_path):
 def test_random_sd15_has_sd15s_true_size():
     """The shipped SD 1.5 configs build SD 1.5's parameter counts; scale 0.1 keeps the
     architecture (depth, vocabulary) with GroupNorm-divisible widths."""
-    from edit_rt.export.sd_random import parameter_counts, random_sd_configs
+    from edit_rt.export.world.sd_random import parameter_counts, random_sd_configs
 
     full = random_sd_configs("sd15", 1.0)
     assert parameter_counts(full) == {"unet": 859_520_964, "vae": 83_653_863, "text_encoder": 123_060_480}

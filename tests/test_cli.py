@@ -46,7 +46,7 @@ def _run(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return subprocess.run(
-        [sys.executable, "-m", "edit_rt.runtime.cli", "run", str(path)],
+        [sys.executable, "-m", "edit_rt.runtime.apps.cli", "run", str(path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -75,8 +75,8 @@ def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
 def test_report_counts_the_rows_the_step_graph_ran(tmp_path, model_dir, onnx_dir, monkeypatch):
     """report.json's UNet rows against a count taken at the step graph itself: every call's
     rows (its latents' batch) and the rows whose unconditional half it was given."""
-    from edit_rt.runtime import run as run_module
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.apps import run as run_module
+    from edit_rt.runtime.config.load import config_from_dict
 
     calls: list[tuple[int, int]] = []
     real = run_module.pipeline_of
@@ -138,7 +138,7 @@ def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     code = (
-        "import sys; from edit_rt.runtime.model.config import load_config; from edit_rt.runtime.run import run_config;"
+        "import sys; from edit_rt.runtime.config.load import load_config; from edit_rt.runtime.apps.run import run_config;"
         f"run_config(load_config({str(path)!r}));"
         "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'polygraphy') if m in sys.modules];"
         "assert not bad, bad"
@@ -180,8 +180,8 @@ def test_bad_config_is_refused_with_field_and_fix(tmp_path, model_dir, onnx_dir,
 
 
 def test_edits_without_strength_take_the_configured_default(tmp_path, model_dir, onnx_dir):
-    from edit_rt.runtime.model.config import config_from_dict
-    from edit_rt.runtime.run import tail_rows
+    from edit_rt.runtime.config.load import config_from_dict
+    from edit_rt.runtime.apps.run import tail_rows
 
     edits = [{"prompt": "x"}, {"prompt": "x", "strength": 0.5}]
     assert [r.strength for r in tail_rows(config_from_dict(_config(tmp_path, model_dir, onnx_dir, edits=edits)))] == [1.0, 0.5]
@@ -223,7 +223,7 @@ def test_corrupt_graph_is_refused(tmp_path, model_dir, onnx_dir):
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)  # fmt: skip
 
 
@@ -318,7 +318,7 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(tmp_path):
     """An interrupt is the user's own act, not an error: nothing printed, 130 (128 + SIGINT),
     which shells and make read as interrupted."""
     code = ("import os, signal, sys, time\n"
-            "from edit_rt.runtime import cli\n"
+            "from edit_rt.runtime.apps import cli\n"
             "def interrupted(path):\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\n"

@@ -191,7 +191,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(server):
 
 
 def test_cli_version_and_serve_host_port(tmp_path, model_dir, onnx_dir):
-    cli = [sys.executable, "-m", "edit_rt.runtime.cli"]
+    cli = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
     out = subprocess.run([*cli, "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("edit-rt ")
     out = subprocess.run([*cli, "serve", "--help"], capture_output=True, text=True, timeout=60)

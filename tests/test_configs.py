@@ -9,9 +9,9 @@ import time
 import pytest
 import yaml
 
+from edit_rt.runtime.config.load import load_config
 from edit_rt.runtime.engine.memory import step_row_bytes
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.config import load_config
 
 from .test_hardening import CLI, _cli_run, _config
 

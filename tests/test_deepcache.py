@@ -1,6 +1,6 @@
 """DeepCache over an edit's tail and a generation (issue 37, item 2): ``tail.deepcache`` /
 ``base.deepcache`` k runs every k-th step full and the others on the outer blocks alone, fed the
-deep features of the last full step (export/graphs.py's UNetShallowStepGraph, loop/slots.py).
+deep features of the last full step (export/compile/graphs.py's UNetShallowStepGraph, loop/slots.py).
 
 The reference is written here from diffusers' own blocks (conv_in, the time embedding, the
 first down block, the last up block, conv_out, called directly) and its DDIMScheduler, not
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from edit_rt.runtime.config.load import load_config
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.config import load_config
 from edit_rt.runtime.model.edit import Edit, Mask, TailRow
 
 from .conftest import TEST_BASE

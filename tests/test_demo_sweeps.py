@@ -36,7 +36,7 @@ def demo(tmp_path_factory) -> tuple[Path, dict]:
     path = tmp / "demo.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     for command in ("export", "run"):
-        done = subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", command, str(path)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", command, str(path)], capture_output=True,
                               text=True, timeout=900)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
     return path, json.loads((tmp / "out" / "report.json").read_text())
@@ -64,7 +64,7 @@ def test_the_demo_runs_a_sweep_row_of_each_slider_in_its_one_tail(demo):
 
 
 def test_the_sweeps_equal_the_same_sweeps_through_the_python_api(demo):
-    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.apps.editor import Editor
 
     path, report = demo
     out = path.parent / "out"

@@ -17,14 +17,14 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
+from edit_rt.runtime.apps.run import edit_label
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.errors import ConfigError
 from edit_rt.runtime.loop.jobs import Job, Request
-from edit_rt.runtime.model.config import config_from_dict
 from edit_rt.runtime.model.directions import token_permutation, units
 from edit_rt.runtime.model.edit import Direction, Edit, EditDefaults, TailRow, resolve_edit
-from edit_rt.runtime.pnginfo import edit_fields, parameters_text, parse_fields
-from edit_rt.runtime.run import edit_label
-from edit_rt.runtime.serving.errors import validation_error
+from edit_rt.runtime.pipeline.pnginfo import edit_fields, parameters_text, parse_fields
+from edit_rt.runtime.serving.http_errors import validation_error
 from edit_rt.runtime.serving.results import Edited
 from edit_rt.runtime.web.api import EditsRequest
 
@@ -321,15 +321,15 @@ def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def sdxl_dir(tmp_path_factory):
-    from edit_rt.export.tiny_model import write_tiny_sdxl
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
     return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
 
 
 @pytest.fixture(scope="module")
 def sdxl(sdxl_dir, tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.export.compile.onnx_export import export_onnx
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
     export_onnx(sdxl_dir, out)
@@ -415,9 +415,9 @@ def test_the_python_api_and_the_server_run_directions_and_say_so(model_dir, onnx
     """The service's door (the Editor is the server's Service in process): a directions-only
     edit's image is the pipeline's tail of the same row, its label, PNG parameters and info say
     what ran, and a direction's prompt is checked as a prompt is, naming it."""
-    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.apps.editor import Editor
     from edit_rt.runtime.errors import EditorError
-    from edit_rt.runtime.images import to_uint8
+    from edit_rt.runtime.pipeline.images import to_uint8
 
     with Editor.from_model(model_dir, onnx_dir.parent.parent, width=32, height=32, steps=10, guidance=G,
                            backend="ort-cpu", store={"disk_dir": str(tmp_path / "bases")}) as ed:  # fmt: skip
@@ -439,7 +439,7 @@ def test_the_python_api_and_the_server_run_directions_and_say_so(model_dir, onnx
 def test_edit_rt_run_labels_and_reports_directions(tmp_path, model_dir, onnx_dir):
     from PIL import Image
 
-    from edit_rt.runtime.run import run_config
+    from edit_rt.runtime.apps.run import run_config
 
     edits = [{"prompt": SAME_LENGTH, "strength": 0.5, "directions": [{"prompt": INSERTED, "strength": -0.5}], "tail_steps": 3},
              {"directions": [{"prompt": DELETED}], "tail_steps": 3}]  # fmt: skip

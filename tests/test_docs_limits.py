@@ -1,5 +1,5 @@
 """docs/serving.md against the code: the limits table of one request read from the declared
-bounds (pydantic field constraints, serve_config.py's defaults, the modules' constants), the
+bounds (pydantic field constraints, config/serve.py's defaults, the modules' constants), the
 statements issue 35 found wrong, and the API docs pages (/docs, /redoc) asking no other host.
 
 The references are the code's declarations themselves, read by name from the table's "declared
@@ -124,7 +124,7 @@ def declared(module: str, name: str) -> Any:
     """What the code declares under ``name``: a serve.* default, a module constant, or a
     field's constraints ({"ge": 1, "le": 8})."""
     if name.startswith("serve."):
-        from edit_rt.runtime.model.serve_config import Serve
+        from edit_rt.runtime.config.serve import Serve
 
         (default,) = [f.default for f in dataclasses.fields(Serve) if f.name == name.removeprefix("serve.")]
         return default
@@ -172,7 +172,7 @@ def test_the_limits_table_is_what_the_code_declares():
 
 def test_every_limit_of_the_serve_section_is_in_the_table():
     """A new serve.max_*, *_limit or *_timeout_s of a request cannot be left out of the table."""
-    from edit_rt.runtime.model.serve_config import Serve
+    from edit_rt.runtime.config.serve import Serve
 
     named = {name for row in limits_table() for _, name in declarations(row["declared"])}
     limits = {f"serve.{f.name}" for f in dataclasses.fields(Serve)
@@ -186,7 +186,7 @@ def test_the_table_reader_sees_a_wrong_number():
     ((module, name),) = declarations(row["declared"])
     assert _as_range(declared(module, name)) == documented(row["value"])
     assert _as_range(declared(module, name)) != documented("[2, 65]")
-    assert declared(f"{RUNTIME}.model.serve_config", "serve.max_prompt_chars") != documented("501")
+    assert declared(f"{RUNTIME}.config.serve", "serve.max_prompt_chars") != documented("501")
 
 
 # --- what docs/serving.md says elsewhere, against the code ----------------------------------------

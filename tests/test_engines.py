@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import yaml
 
-from edit_rt.export.engines import build_engines
+from edit_rt.export.compile.engines import build_engines
 from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
 from edit_rt.runtime.engine.engines import load_engines
-from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.engine.graph_set import cpu_name, engine_tools
 from edit_rt.runtime.engine.manifest import load_manifest
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.engine.profiles import EditBatchProfile, ort_trt_profile_options
+from edit_rt.runtime.errors import ArtifactError
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
 
 from .conftest import TEST_BASE, sample_rows
 
@@ -176,7 +176,7 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
         "base": {"prompt": "x", "width": 32, "height": 32, "steps": 4},
         "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 4},
     }))  # fmt: skip
-    cli = [sys.executable, "-m", "edit_rt.runtime.cli"]
+    cli = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
     result = subprocess.run([*cli, "engines", str(config)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     if TRT_MISSING:
@@ -215,8 +215,8 @@ def test_strongly_typed_fp16_graph_keeps_the_ddim_update_fp32(onnx_dir, tmp_path
     import onnx
     import onnxruntime as ort
 
-    from edit_rt.export.engines import typed_onnx
-    from edit_rt.export.parity import random_feeds
+    from edit_rt.export.compile.engines import typed_onnx
+    from edit_rt.export.compile.parity import random_feeds
 
     manifest = load_manifest(onnx_dir)
     typed = typed_onnx(manifest, "unet_step", "fp16", tmp_path)

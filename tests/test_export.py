@@ -10,10 +10,10 @@ import onnx
 import onnxruntime as ort
 import yaml
 
-from edit_rt.export.onnx_export import export_onnx
+from edit_rt.export.compile.onnx_export import export_onnx
 from edit_rt.runtime.engine.manifest import load_manifest
 
-from edit_rt.export.parity import random_feeds
+from edit_rt.export.compile.parity import random_feeds
 
 
 def test_large_graph_is_written_with_external_data(tmp_path, model_dir, onnx_dir):
@@ -46,7 +46,7 @@ def test_export_refuses_a_folder_that_is_not_a_model(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"model": "model", "base": {"prompt": "x"}}))
     result = subprocess.run(
-        [sys.executable, "-m", "edit_rt.runtime.cli", "export", str(config)], capture_output=True, text=True
+        [sys.executable, "-m", "edit_rt.runtime.apps.cli", "export", str(config)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "not a diffusers Stable Diffusion folder" in result.stderr and "unet" in result.stderr

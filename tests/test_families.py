@@ -28,14 +28,14 @@ import yaml
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
-from edit_rt.runtime.model.edit import Base, Mask
-from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.engine.manifest import load_manifest
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.model.edit import Base, Mask
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
+from edit_rt.runtime.pipeline.images import to_uint8
 
 from .conftest import TEST_BASE
-from .test_graphs import assert_graph_matches_torch
 from .server_process import ServerProcess
+from .test_graphs import assert_graph_matches_torch
 
 BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch sizes
 GRAPHS = ["text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder"]
@@ -43,14 +43,14 @@ GRAPHS = ["text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder",
 
 @pytest.fixture(scope="module")
 def sdxl_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.tiny_model import write_tiny_sdxl
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
     return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
 
 
 @pytest.fixture(scope="module")
 def sdxl_onnx(sdxl_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
     export_onnx(sdxl_dir, out)
@@ -186,7 +186,7 @@ def test_sdxl_store_bytes_and_round_trip(sdxl, sdxl_state, sdxl_dir, tmp_path):
     (the README's table for real models uses the same formula), and come back whole."""
     from safetensors import safe_open
 
-    from edit_rt.export.base_bytes import base_bytes, kv_widths
+    from edit_rt.export.compile.base_bytes import base_bytes, kv_widths
     from edit_rt.runtime.storage.store import BaseStore
 
     for precision in ("fp32", "int8"):
@@ -283,7 +283,7 @@ def test_clip_skip_equals_diffusers(pipeline, model_dir):
 
 @pytest.fixture(scope="module")
 def sd2_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.tiny_model import write_tiny_model
+    from edit_rt.export.world.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
 
@@ -291,9 +291,9 @@ def sd2_dir(tmp_path_factory) -> Path:
 def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir, tmp_path):
     """v-prediction, upcast_attention, linear projections, GELU text encoder, clip_skip; and
     the nodes an fp16 engine keeps fp32 are exactly the attentions' score chains."""
-    from edit_rt.export.engines import fp32_attention_nodes
-    from edit_rt.export.graphs import cross_attention_layers
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.engines import fp32_attention_nodes
+    from edit_rt.export.compile.graphs import cross_attention_layers
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     onnx_dir = tmp_path / "tiny-sd2" / "onnx"
     export_onnx(sd2_dir, onnx_dir)
@@ -335,7 +335,7 @@ def _export_cli(tmp_path: Path, model: Path, **export) -> subprocess.CompletedPr
     config = tmp_path / f"{model.name}.yaml"
     config.write_text(yaml.safe_dump({"model": str(model), "build_dir": str(tmp_path / "build"), "export": export,
                                       "base": {"prompt": "x", "width": 32, "height": 32}}))  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", "export", str(config)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "export", str(config)], capture_output=True,
                           text=True, timeout=600)  # fmt: skip
 
 

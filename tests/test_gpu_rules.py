@@ -9,6 +9,7 @@ the exactness tests hold against diffusers).
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
 import io
@@ -25,10 +26,10 @@ import yaml
 from PIL import Image
 
 from edit_rt.runtime.engine import backend, backend_ort, cuda, graph_set
-from edit_rt.runtime.errors import ArtifactError, ConfigError
 from edit_rt.runtime.engine.manifest import load_manifest
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
 from edit_rt.runtime.engine.profiles import EditBatchProfile
+from edit_rt.runtime.errors import ArtifactError, ConfigError
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
 
 from . import fakegpu
 from .conftest import TEST_BASE, sample_rows
@@ -323,11 +324,11 @@ def test_a_steady_step_waits_on_the_device_at_most_once(gpu, trt_dirs, onnx_dir,
 
 
 def test_the_trt_build_meets_the_builders_rules_and_its_plans_run(gpu, onnx_dir, pipeline, base_state, tmp_path, monkeypatch):
-    """export/engines.py's TensorRT path (issue 38), run through a builder that holds it to
+    """export/compile/engines.py's TensorRT path (issue 38), run through a builder that holds it to
     TensorRT's documented rules (fakegpu.FakeTrtBuilder: strongly typed, no precision flags, a
     profile per dynamic input with min <= opt <= max), for fp16 and fp32; the fp32 plans then
     run on the simulated GPU and equal ort-cpu. A profile with opt past max is refused."""
-    from edit_rt.export.engines import trt_engines
+    from edit_rt.export.compile.engines import trt_engines
     from edit_rt.runtime.engine.engines import GRAPHS
 
     manifest = load_manifest(onnx_dir)
@@ -495,6 +496,42 @@ def test_ort_tensorrt_takes_each_graphs_precision(monkeypatch, onnx_dir):
     assert {graph.provider_options["trt_fp16_enable"] for graph in graphs.values()} == {"False"}
 
 
+def test_every_provider_option_edit_rt_passes_is_one_onnx_runtime_documents(gpu, monkeypatch, onnx_dir, tmp_path):
+    """Issue 39: the option names of every session edit-rt opens on ort-tensorrt (both precisions,
+    the engine cache) and ort-cuda (the shared stream, CUDA graphs), and the run-option keys it
+    sets, against ONNX Runtime's documented names (tests/ort_options.py, cited there), not
+    against strings the code produces."""
+    from .ort_options import PROVIDERS, RUN_OPTION_KEYS
+
+    manifest = load_manifest(onnx_dir)
+    select = graph_set.select_backend
+    monkeypatch.setattr(graph_set, "select_backend", lambda requested, built: ("ort-tensorrt", "test"))
+    seen = []
+    for precision in ("fp16", "fp32"):
+        graphs = graph_set.graphs_from_artifacts(manifest, tmp_path / "engines", "ort-tensorrt", 0, PROFILE, precision=precision).graphs
+        seen += [provider for graph in graphs.values() for provider in graph.session_providers()]
+    monkeypatch.setattr(graph_set, "select_backend", select)
+    with EditPipeline(onnx_dir, backend="ort-cuda", image_size=(32, 32), batch_profile=(1, 4, 8)) as pipe:
+        seen += [provider for graph in pipe.graphs.values() for provider in graph.session_providers()]
+        assert pipe.graphs["unet_step"].cuda_graphs  # the step graph's options include enable_cuda_graph
+    options = [(p, o) for p, o in (x if isinstance(x, tuple) else (x, {}) for x in seen) if p != "CPUExecutionProvider"]
+    assert {p for p, _ in options} == {"TensorrtExecutionProvider", "CUDAExecutionProvider"}
+    undocumented = {(p, k) for p, o in options for k in o if k not in PROVIDERS[p]}
+    assert undocumented == set()
+    assert {"trt_profile_min_shapes", "trt_fp16_enable", "user_compute_stream", "enable_cuda_graph"} <= {k for _, o in options for k in o}
+    source = (Path(backend_ort.__file__)).read_text()
+    keys = {n.args[0].value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+            and getattr(n.func, "attr", "") == "add_run_config_entry"}  # fmt: skip
+    assert keys and keys <= RUN_OPTION_KEYS, keys
+
+
+def test_the_simulated_onnx_runtime_refuses_an_undocumented_provider_option(gpu, onnx_dir):
+    """As ONNX Runtime's ProviderOptionsParser does: a misspelled option fails the session."""
+    with pytest.raises(RuntimeError, match="Unknown provider option: \"enable_cuda_graphs\""):
+        gpu.ort.InferenceSession(str(Path(onnx_dir) / "latent_blend.onnx"), None,
+                                 providers=[("CUDAExecutionProvider", {"enable_cuda_graphs": "1"})])  # fmt: skip
+
+
 # --- one engine thread -------------------------------------------------------------------------------
 
 
@@ -514,8 +551,8 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
     the Run): every request succeeds."""
     import time
 
-    from edit_rt.export.bench_side import server_in_process
-    from edit_rt.runtime.model.config import load_config
+    from edit_rt.export.bench.side import server_in_process
+    from edit_rt.runtime.config.load import load_config
 
     if backend_name == "ort-cuda":
         gpu.ort.during_capture = lambda: time.sleep(0.02)
@@ -531,7 +568,7 @@ def test_every_graph_call_runs_on_the_engine_thread(gpu, trt_dirs, onnx_dir, mod
         "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "vae_max_batch": 4},
     }))  # fmt: skip
     cfg = load_config(config)
-    with server_in_process(cfg) as url:  # the bench's in-process server (export/bench_side.py)
+    with server_in_process(cfg) as url:  # the bench's in-process server (export/bench/side.py)
         rng = np.random.default_rng(0)
         uploads = [_png(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(2)]
 

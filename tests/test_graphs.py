@@ -16,7 +16,7 @@ import pytest
 import torch
 from polygraphy.comparator import Comparator, CompareFunc
 
-from edit_rt.export.parity import ort_runner, random_feeds, torch_runner
+from edit_rt.export.compile.parity import ort_runner, random_feeds, torch_runner
 from edit_rt.runtime.engine.manifest import load_manifest
 
 ATOL, RTOL = 1e-4, 1e-3
@@ -49,7 +49,7 @@ def test_graphs_pass_onnx_checker_and_shape_inference(onnx_dir):
 
 
 def test_manifest_records_layer_order_and_io(onnx_dir, torch_components):
-    from edit_rt.export.graphs import cross_attention_layers
+    from edit_rt.export.compile.graphs import cross_attention_layers
 
     manifest = load_manifest(onnx_dir)
     unet = torch_components[0]

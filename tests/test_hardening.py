@@ -22,10 +22,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.errors import ConfigError, DamagedBaseError
 from edit_rt.runtime.loop.batcher import Batcher
 from edit_rt.runtime.loop.jobs import Job, Request
-from edit_rt.runtime.model.config import config_from_dict
 from edit_rt.runtime.model.edit import TailRow
 from edit_rt.runtime.storage.store import BaseStore
 
@@ -33,7 +33,7 @@ from .conftest import TEST_BASE
 from .server_process import ServerProcess
 
 STEPS = 6
-CLI = [sys.executable, "-m", "edit_rt.runtime.cli"]
+CLI = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 
 
 def _gen(url: str, seed: int = 1, **extra) -> httpx.Response:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edit_rt.runtime.model.config import config_from_dict
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.serving import inversion
-from edit_rt.runtime.serving.errors import ApiError
+from edit_rt.runtime.serving.http_errors import ApiError
 from edit_rt.runtime.serving.service import Service
 
 DEADLINE = 0.5  # seconds: far below a real decode's bound, far above this test's small ones

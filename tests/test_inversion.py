@@ -17,11 +17,11 @@ import pytest
 import yaml
 from PIL import Image
 
-from edit_rt.export.shapes import Scene, prompt, read, render
+from edit_rt.export.world.shapes import Scene, prompt, read, render
 from edit_rt.runtime.errors import ImageInputError
-from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.edit import TailRow
-from edit_rt.runtime.uploads import image_from_bytes
+from edit_rt.runtime.pipeline.images import to_uint8
+from edit_rt.runtime.pipeline.uploads import image_from_bytes
 
 from .conftest import SHAPES_MODEL, TEST_BASE
 from .server_process import ServerProcess
@@ -46,7 +46,7 @@ def _rendered(size: int = 32) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def shapes_pipe(shapes_onnx_dir):
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(shapes_onnx_dir, SHAPES_MODEL) as pipe:
         yield pipe
@@ -164,7 +164,7 @@ def test_a_config_base_image_runs_end_to_end(tmp_path, shapes_onnx_dir):
            "store": {"disk_dir": str(tmp_path / "bases")},
            "edits": [{"prompt": prompt(dataclasses.replace(SCENE, colour="white")), "strength": 1.5}]}  # fmt: skip
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    cli = [sys.executable, "-m", "edit_rt.runtime.cli", "run", str(tmp_path / "config.yaml")]
+    cli = [sys.executable, "-m", "edit_rt.runtime.apps.cli", "run", str(tmp_path / "config.yaml")]
     result = subprocess.run(cli, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())

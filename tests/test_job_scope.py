@@ -21,7 +21,7 @@ NAMES = ["a0", "a1", "a2", "a3", "a4"]
 
 @pytest.fixture(scope="module")
 def server(model_dir, adapter_onnx_dir, tmp_path_factory):
-    from edit_rt.export.adapters import convert_adapters
+    from edit_rt.export.compile.adapters import convert_adapters
     from edit_rt.runtime.engine.manifest import load_manifest
 
     from .test_adapters import make_lora

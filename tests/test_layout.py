@@ -1,7 +1,10 @@
 """The house's rules, checked from the code itself (its imports and its string literals).
 
 - no import circle among ``runtime/`` or ``export/`` modules (read from each file's AST, not
-  from a tool under test);
+  from a tool under test); each package's rooms in a declared order (runtime's layers, export's
+  stages), no module importing a room above its own;
+- between the packages: only ``runtime/apps/cli.py`` names ``export/``, and ``export/`` never
+  imports ``runtime/apps/``;
 - importing every ``runtime/`` module pulls in no torch, diffusers, transformers or onnx (the
   builder library), and no module of the CLI;
 - the step loop, the parity check and the GPU bench never spell a step-graph input's name: they
@@ -89,13 +92,93 @@ def test_the_circle_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+# Each package's rooms, bottom first: a module imports only modules of its own room or of rooms
+# below it. runtime's root modules (errors.py, metrics.py, __init__.py) are the floor every layer
+# stands on; export's stages are in the order they run.
+RUNTIME_LAYERS = ["", "model", "config", "engine", "loop", "storage", "pipeline", "serving", "web", "scale", "apps"]
+EXPORT_STAGES = ["", "compile", "world", "eval", "bench"]
+
+
+def _room(module: str, package: str) -> str:
+    """edit_rt.runtime.loop.slots -> "loop"; edit_rt.runtime.errors -> "" (the package's root)."""
+    rest = module[len(package) + 1 :].split(".") if module != package else []
+    return rest[0] if len(rest) > 1 else ""
+
+
+def _upward(package: str, folder: str, order: list[str]) -> list[str]:
+    graph = _imports(folder)
+    rank = {room: k for k, room in enumerate(order)}
+    bad = []
+    for module, targets in graph.items():
+        for target in targets:
+            src, dst = _room(module, package), _room(target, package)
+            if rank[dst] > rank[src]:
+                bad.append(f"{module} -> {target}")
+    return sorted(bad)
+
+
+def test_every_room_is_in_the_declared_order():
+    for package, folder, order in (("edit_rt.runtime", "runtime", RUNTIME_LAYERS), ("edit_rt.export", "export", EXPORT_STAGES)):
+        rooms = {_room(m, package) for m in _imports(folder)}
+        assert rooms == set(order), (folder, rooms ^ set(order))
+
+
+@pytest.mark.parametrize("package,folder,order", [("edit_rt.runtime", "runtime", RUNTIME_LAYERS),
+                                                  ("edit_rt.export", "export", EXPORT_STAGES)])  # fmt: skip
+def test_no_room_imports_a_room_above_it(package, folder, order):
+    assert _upward(package, folder, order) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
+    """The check itself: the real import graph with one upward edge added (loop -> serving)."""
+    graph = _imports("runtime")
+    graph["edit_rt.runtime.loop.slots"] = graph["edit_rt.runtime.loop.slots"] | {"edit_rt.runtime.serving.service"}
+    monkeypatch.setitem(globals(), "_imports", lambda folder: graph)
+    assert _upward("edit_rt.runtime", "runtime", RUNTIME_LAYERS) == ["edit_rt.runtime.loop.slots -> edit_rt.runtime.serving.service"]
+
+
+def _edit_rt_imports(path: Path) -> set[str]:
+    """Every edit_rt module a file imports: its absolute imports, and what it hands
+    ``importlib.import_module`` or ``__import__`` (``f"edit_rt.export.{name}"`` counts as
+    ``edit_rt.export``). A module run as another process (``python -m ...``) is not imported."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("edit_rt"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("edit_rt")}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.JoinedStr):  # an f-string: its leading literal
+                arg = arg.values[0] if arg.values else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value.rstrip("."))
+    return found
+
+
+def test_only_the_cli_loads_export_and_export_never_loads_the_applications():
+    """The rules between the two packages (issue 39): runtime/ below apps/cli.py never names
+    export/ (statically or by a string it imports); export/ imports runtime's layers below the
+    applications (apps/: run, the Python API, the CLI, which loads export/ itself)."""
+    runtime_naming_export = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "runtime").rglob("*.py")
+        if any(m.startswith("edit_rt.export") for m in _edit_rt_imports(p))
+    )
+    assert runtime_naming_export == ["runtime/apps/cli.py"]
+    export_loading_apps = sorted(
+        f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "export").rglob("*.py") for m in _edit_rt_imports(p)
+        if m.startswith("edit_rt.runtime.apps")
+    )
+    assert export_loading_apps == []
+
+
 def test_runtime_imports_no_torch_world_and_no_cli():
     # cli is the top (it may import anything); ray_serve needs Ray, which takes seconds to import
     modules = sorted(m for m in map(_module_of, (ROOT / "runtime").rglob("*.py"))
                      if not m.endswith((".cli", ".ray_serve")))  # fmt: skip
     code = ("import sys, importlib\n"
             f"for m in {modules!r}:\n    importlib.import_module(m)\n"
-            "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'edit_rt.runtime.cli', 'edit_rt.export') if m in sys.modules]\n"
+            "bad = [m for m in ('torch', 'diffusers', 'transformers', 'onnx', 'edit_rt.runtime.apps.cli', 'edit_rt.export') if m in sys.modules]\n"
             "print(','.join(bad))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -110,7 +193,7 @@ STEP_NAMES = {"timestep", "alpha_t", "coefs", "noise", "guidance", "uncond_index
 LOOP_FILES = ["runtime/loop/slots.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
               "runtime/loop/solver_slots.py", "runtime/loop/uncond_sets.py", "runtime/loop/bindings.py",
               "runtime/engine/backend.py", "runtime/engine/backend_ort.py", "runtime/engine/backend_trt.py",
-              "runtime/pipeline.py", "export/parity.py", "scripts/gpu_bench.py"]  # fmt: skip
+              "runtime/pipeline/edit_pipeline.py", "export/compile/parity.py", "scripts/gpu_bench.py"]  # fmt: skip
 
 
 def test_the_loop_never_spells_a_step_input_name():

@@ -1,9 +1,9 @@
 """Issue 36's model, export/models/shapes-looks-sd: its autoencoder keeps the looks.
 
-The look round trip (export/look_round_trip.py) on renders this test draws (its own seed, not
+The look round trip (export/world/look_round_trip.py) on renders this test draws (its own seed, not
 the card's): the committed autoencoder keeps every look's order and levels; the default model's
 autoencoder, trained on plain renders, does not (the measure can fail, and did, on the model the
-issue measured). The readers are pixel statistics (export/shape_looks.py), not the model.
+issue measured). The readers are pixel statistics (export/world/looks.py), not the model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edit_rt.export.look_round_trip import MEAN_BAR, SHARE_BAR, look_round_trip, written
+from edit_rt.export.world.look_round_trip import MEAN_BAR, SHARE_BAR, look_round_trip, written
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOKS_MODEL = ROOT / "export" / "models" / "shapes-looks-sd"
@@ -71,7 +71,7 @@ def looks_editor(tmp_path_factory):
 
     import yaml
 
-    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.apps.editor import Editor
 
     tmp = tmp_path_factory.mktemp("looks-sliders")
     cfg = {"model": str(LOOKS_MODEL), "build_dir": str(tmp / "build"), "output_dir": str(tmp / "out"), "backend": "ort-cpu",
@@ -81,7 +81,7 @@ def looks_editor(tmp_path_factory):
                     "guidance": 4.0, "width": 32, "height": 32}}  # fmt: skip
     path = tmp / "looks.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", "export", str(path)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "export", str(path)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     with Editor.from_config(path) as ed:
         yield ed
@@ -93,7 +93,7 @@ def test_each_committed_slider_moves_its_attribute_with_the_scale_through_edit_r
     """Each base swept -2..2 as one tail of five rows (the default tail, 12 of 30 steps) through
     edit-rt; the attribute read from the pixels (slider_eval's reader, blur as sharpness
     negated) must rise with the scale on most bases."""
-    from edit_rt.export.slider_eval import READERS, spearman, world_bases
+    from edit_rt.export.eval.slider_eval import READERS, spearman, world_bases
 
     reader, sign = READERS[name]
     (start, stop, n), floor = SWEEPS[name]
@@ -108,7 +108,7 @@ def test_each_committed_slider_moves_its_attribute_with_the_scale_through_edit_r
 def test_random_looks_draw_each_look_over_its_range_and_the_same_numbers_whatever_p():
     import numpy as np
 
-    from edit_rt.export.shapes import LOOK_DEFAULTS, LOOK_RANGES, random_looks
+    from edit_rt.export.world.shapes import LOOK_DEFAULTS, LOOK_RANGES, random_looks
 
     plain = [random_looks(np.random.default_rng(k), 0.0) for k in range(50)]
     assert all(looks == LOOK_DEFAULTS for looks in plain)
@@ -128,7 +128,7 @@ def test_random_looks_draw_each_look_over_its_range_and_the_same_numbers_whateve
 
 def test_a_config_cannot_set_what_load_sets():
     from edit_rt.runtime.errors import ConfigError
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
 
     for key in ("edit_rows", "source"):
         with pytest.raises(ConfigError, match=f"^{key}: unknown key; it is set at load"):

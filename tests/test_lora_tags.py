@@ -144,7 +144,7 @@ def test_a_prompt_that_reads_no_tags_points_at_the_adapters_field():
 def lora_build(model_dir, adapter_onnx_dir, tmp_path_factory):
     """An export with adapter slots under build/tiny-sd/onnx, two LoRAs (one converted: the
     other is converted by the refresh test), as `make export` and `edit-rt adapters` lay them out."""
-    from edit_rt.export.adapters import convert_adapters
+    from edit_rt.export.compile.adapters import convert_adapters
     from edit_rt.runtime.engine.manifest import load_manifest
 
     from .test_adapters import make_lora
@@ -173,7 +173,7 @@ def api(server):
 
 @pytest.fixture(scope="module")
 def pipe(lora_build, model_dir):
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(lora_build["onnx"], model_dir, adapters=lora_build["converted"]) as p:
         yield p
@@ -190,7 +190,7 @@ def _base(server, bid: str):
 
 
 def test_txt2img_tag_is_the_bases_adapter_as_the_pipeline_runs_it(api, server, pipe):
-    from edit_rt.runtime.images import to_uint8
+    from edit_rt.runtime.pipeline.images import to_uint8
 
     out = api.txt2img(prompt="a red circle <lora:film:0.7>", seed=11, width=32, height=32, steps=STEPS)
     base = _base(server, out.info["base_id"])
@@ -262,7 +262,7 @@ def test_get_loras_lists_the_configured_adapters_in_a1111s_shape(api, lora_build
 
 
 def test_refresh_loras_serves_a_lora_converted_after_the_server_started(api, server, lora_build, model_dir):
-    from edit_rt.export.adapters import convert_adapters
+    from edit_rt.export.compile.adapters import convert_adapters
     from edit_rt.runtime.engine.manifest import load_manifest
 
     with pytest.raises(RuntimeError, match="unknown_adapter"):
@@ -293,8 +293,8 @@ def _config(lora_build, model_dir, out: str, base_prompt: str, edit: dict, base_
 
 
 def test_a_config_with_tags_runs_as_the_same_config_with_adapters_fields(lora_build, model_dir):
-    from edit_rt.runtime.model.config import config_from_dict
-    from edit_rt.runtime.run import run_config
+    from edit_rt.runtime.config.load import config_from_dict
+    from edit_rt.runtime.apps.run import run_config
 
     edit = {"prompt": "a green circle", "tail_steps": 3}
     tagged = config_from_dict(_config(lora_build, model_dir, "tagged", "a red circle <lora:film:0.7>",
@@ -317,14 +317,14 @@ def test_a_config_with_tags_runs_as_the_same_config_with_adapters_fields(lora_bu
     ("a", {"prompt": "b", "directions": [{"prompt": "c <lora:film:1>"}]}, None, "adapters: {'film': scale}"),
 ])  # fmt: skip
 def test_a_configs_tags_are_refused_by_field(lora_build, model_dir, base_prompt, edit, base_adapters, needle):
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
         config_from_dict(_config(lora_build, model_dir, "refused", base_prompt, edit, base_adapters))
 
 
 def test_a_configs_base_takes_te_and_unet_apart(lora_build, model_dir):
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
 
     cfg = config_from_dict(_config(lora_build, model_dir, "apart", "a <lora:film:0.5:1.5>", {"prompt": "b <lora:film:0>"}))
     assert cfg.base.prompt == "a " and cfg.base.adapters == {"film": (0.5, 1.5)}

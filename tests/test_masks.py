@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edit_rt.runtime.images import checked_pixel_mask, to_uint8
 from edit_rt.runtime.model.edit import Base, Mask, TailRow
+from edit_rt.runtime.pipeline.images import checked_pixel_mask, to_uint8
 from edit_rt.runtime.web.a1111_masks import a1111_pixel_mask, gaussian_blur, mask_from_bytes
 
 from .conftest import TEST_BASE

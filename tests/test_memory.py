@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import yaml
 
-from edit_rt.runtime.engine.memory import MARGIN, MemoryPlan, memory_plan, process_rss
 from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.engine.memory import MARGIN, MemoryPlan, memory_plan, process_rss
 
 from .conftest import TEST_BASE, sample_rows
 from .test_graphs import assert_graph_matches_torch
@@ -49,7 +49,7 @@ def test_a_call_runs_at_the_rows_that_fit_and_gives_the_same_edits(onnx_dir, mod
     """A budget with room for two step rows: five edits run as calls of at most two rows (the
     others wait for a slot), and each edit's latent is the one the unbounded pipeline gives."""
     from edit_rt.runtime.engine import memory
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     rows = sample_rows()
     reference = pipeline.run_tail(base_state, rows)
@@ -67,7 +67,7 @@ def test_a_call_runs_at_the_rows_that_fit_and_gives_the_same_edits(onnx_dir, mod
 
 def test_a_size_no_row_fits_is_refused_naming_what_it_needs(onnx_dir, model_dir):
     from edit_rt.runtime.errors import ConfigError
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(onnx_dir, model_dir, max_memory=process_rss() + 2**20) as small:  # 1 MiB more than held
         with pytest.raises(ConfigError) as err:
@@ -78,7 +78,7 @@ def test_a_size_no_row_fits_is_refused_naming_what_it_needs(onnx_dir, model_dir)
 
 @pytest.fixture(scope="module")
 def sliced_onnx_dir(model_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("sliced") / "tiny-sd" / "onnx"
     export_onnx(model_dir, out, attention_slicing=1, external_data_threshold_mb=0.0)
@@ -96,11 +96,11 @@ def test_auto_slicing_is_off_at_small_sizes_and_on_at_sd_sizes(model_dir):
     the tiny model's 16x16 are not; diffusers' UNet built from SD 1.5's own config."""
     from diffusers import UNet2DConditionModel
 
-    from edit_rt.export.onnx_export import slice_heads_for
+    from edit_rt.export.compile.onnx_export import slice_heads_for
 
     import torch
 
-    sd15 = UNet2DConditionModel.load_config(str(Path(__file__).resolve().parents[1] / "export" / "checkpoint_configs" / "sd1" / "unet"))
+    sd15 = UNet2DConditionModel.load_config(str(Path(__file__).resolve().parents[1] / "export" / "build" / "checkpoint_configs" / "sd1" / "unet"))
     with torch.device("meta"):  # the architecture, no 3.4 GB of weights
         unet = UNet2DConditionModel.from_config(sd15)
     assert slice_heads_for(unet, "auto") == 1
@@ -113,8 +113,8 @@ def test_cpu_engines_use_the_exported_weights_and_files_follow_the_umask(sliced_
     """A graph past the copy limit (SD 1.5's UNet; here the limit is lowered to the tiny
     model's UNet) is its own CPU engine: the engines folder holds no second copy of its
     weights, and the pipeline runs it; what export wrote has the umask's mode."""
-    from edit_rt.export import engines as engine_builds
-    from edit_rt.export.engines import build_engines
+    from edit_rt.export.compile import engines as engine_builds
+    from edit_rt.export.compile.engines import build_engines
     from edit_rt.runtime.engine.graph_set import graphs_from_artifacts
     from edit_rt.runtime.engine.profiles import EditBatchProfile
 
@@ -134,7 +134,7 @@ def test_cpu_engines_use_the_exported_weights_and_files_follow_the_umask(sliced_
     graphs = graphs_from_artifacts(manifest, engines, "ort-cpu", 0, profile).graphs
     assert graphs["unet_step"].path.resolve() == manifest.path("unet_step").resolve() and not graphs["unet_step"].optimized
     assert graphs["vae_encoder"].lazy and not graphs["unet_step"].lazy
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(sliced_onnx_dir, model_dir, engines_dir=engines) as pipe:  # sliced, optimized as it loads
         assert "make engines" in pipe.graph_set.reason
@@ -164,8 +164,8 @@ def test_export_and_run_without_a_terminal_say_each_stage(tmp_path, model_dir, o
 
 
 def test_each_image_is_written_before_the_next_is_decoded(tmp_path, model_dir, onnx_dir):
-    from edit_rt.runtime.model.config import load_config
-    from edit_rt.runtime.run import run_config
+    from edit_rt.runtime.config.load import load_config
+    from edit_rt.runtime.apps.run import run_config
 
     cfg = {"model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path / "out"),
            "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
@@ -187,7 +187,7 @@ def test_each_image_is_written_before_the_next_is_decoded(tmp_path, model_dir, o
 
 def test_lazy_graphs_load_on_first_use(onnx_dir, model_dir):
     """vae_encoder (uploads only) is not loaded by activate(), and loads when first used."""
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     with EditPipeline(onnx_dir, model_dir) as pipe:
         encoder = pipe.graphs["vae_encoder"]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edit_rt.runtime.images import to_uint8
 from edit_rt.runtime.model.edit import Base, TailRow
+from edit_rt.runtime.pipeline.images import to_uint8
 
 from .server_process import ServerProcess
 

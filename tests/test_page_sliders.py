@@ -32,7 +32,7 @@ POSITIONS = [-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0]  # the page's swee
 def lora_build(model_dir, adapter_onnx_dir, tmp_path_factory):
     """An export with 3 adapter slots and one LoRA (text encoder and UNet) converted for it,
     laid out as `make export` and `edit-rt adapters` lay them out."""
-    from edit_rt.export.adapters import convert_adapters
+    from edit_rt.export.compile.adapters import convert_adapters
     from edit_rt.runtime.engine.manifest import load_manifest
 
     from .test_adapters import make_lora

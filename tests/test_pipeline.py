@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from edit_rt.runtime.model.edit import Mask
-from edit_rt.runtime.pipeline import TailRow
+from edit_rt.runtime.pipeline.edit_pipeline import TailRow
 
 from .conftest import TEST_BASE
 

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from edit_rt.export.graphs import attention_map_layers, cross_attention_layers
-from edit_rt.runtime.model.align import token_diff
-from edit_rt.runtime.model.config import config_from_dict
-from edit_rt.runtime.model.edit import Mask, Preserve
-from edit_rt.runtime.errors import ConfigError
+from edit_rt.export.compile.graphs import attention_map_layers, cross_attention_layers
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.engine.manifest import load_manifest
-from edit_rt.runtime.model.edit import TailRow
+from edit_rt.runtime.errors import ConfigError
+from edit_rt.runtime.model.align import token_diff
+from edit_rt.runtime.model.edit import Mask, Preserve, TailRow
 
 from .conftest import TEST_BASE
 from .step_feeds import ddim_feeds
@@ -196,7 +195,7 @@ def test_an_explicit_mask_never_lets_a_pixel_outside_change(pipeline, base_state
     inside = ~outside
     assert np.abs(result.image[inside] - base_image[inside]).max() > 0.01  # the edit did something (random model: small)
     # the PNG the server writes: the same bytes outside
-    from edit_rt.runtime.images import to_uint8
+    from edit_rt.runtime.pipeline.images import to_uint8
 
     np.testing.assert_array_equal(to_uint8(result.image)[outside], to_uint8(base_image)[outside])
 

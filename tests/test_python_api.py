@@ -1,4 +1,4 @@
-"""The Python API (runtime/editor.py) as docs/python.md shows it, and the CLI's host/token rule.
+"""The Python API (runtime/apps/editor.py) as docs/python.md shows it, and the CLI's host/token rule.
 
 Every ```python block of docs/python.md (and the README's) runs, in order, against the tiny
 test model with configs/demo.yaml's settings; the results are checked against references that
@@ -136,8 +136,8 @@ def test_png_parameters_read_by_sd_parsers(docs_run):
 
 
 def test_config_edits_equal_edit_rt_run_which_finds_the_base_in_the_store(docs_run, demo_config):
-    from edit_rt.runtime.model.config import load_config
-    from edit_rt.runtime.run import run_config
+    from edit_rt.runtime.config.load import load_config
+    from edit_rt.runtime.apps.run import run_config
 
     ns, _ = docs_run
     cfg = load_config(demo_config)
@@ -168,7 +168,7 @@ def test_the_editor_closes_and_refuses_after(docs_run):
 
 @pytest.fixture(scope="module")
 def editor(demo_config):
-    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.apps.editor import Editor
 
     with Editor.from_config(demo_config) as ed:
         yield ed
@@ -210,7 +210,7 @@ def test_an_unknown_argument_is_a_type_error(editor):
 
 
 def test_a_missing_export_is_the_clis_one_line_error(tmp_path, model_dir, capfd):
-    from edit_rt.runtime.editor import Editor
+    from edit_rt.runtime.apps.editor import Editor
     from edit_rt.runtime.errors import EditRtError
 
     with pytest.raises(EditRtError) as refused:
@@ -277,7 +277,7 @@ def test_calls_from_threads_batch_and_equal_each_alone(editor):
 def _serve(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`edit-rt serve CONFIG ARGS` in a subprocess; ``env`` values of None are taken out."""
     environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.cli", "serve", str(config), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config), *args], capture_output=True,
                           text=True, timeout=60, env=environ)  # fmt: skip
 
 

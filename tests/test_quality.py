@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from edit_rt.export.judges import KINDS, World1, World2
-from edit_rt.export.quality import prompt_following, run_quality
-from edit_rt.export.shapes import Scene, Thing, canonical, prompt, random_scene, read, render
-from edit_rt.runtime.model.config import config_from_dict
+from edit_rt.export.eval.judges import KINDS, World1, World2
+from edit_rt.export.eval.quality import prompt_following, run_quality
+from edit_rt.export.world.shapes import Scene, Thing, canonical, prompt, random_scene, read, render
+from edit_rt.runtime.config.load import config_from_dict
 
 import numpy as np
 
@@ -116,7 +116,7 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
 def test_p2p_source_branch_retraces_the_base_tail(pipeline, base_state, torch_components):
     """The baseline's source branch is the base's own tail: an edit to the same prompt returns
     the base's final latent (PyTorch against the exported graphs: fp32 noise)."""
-    from edit_rt.export.p2p import p2p_tail
+    from edit_rt.export.eval.p2p import p2p_tail
 
     unet, text_encoder, _, tokenizer, scheduler = torch_components
     latent = p2p_tail(unet, text_encoder, tokenizer, scheduler, base_state, base_state.base.prompt, 5)
@@ -124,7 +124,7 @@ def test_p2p_source_branch_retraces_the_base_tail(pipeline, base_state, torch_co
 
 
 def test_gates_report(tmp_path, model_dir, onnx_dir):
-    from edit_rt.export.gates import GOALS, run_gates
+    from edit_rt.export.eval.gates import GOALS, run_gates
 
     cfg = config_from_dict({
         "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
@@ -141,7 +141,7 @@ def test_gates_report(tmp_path, model_dir, onnx_dir):
 
 
 def test_targets_are_judged_against_img2img_at_the_same_tail():
-    from edit_rt.export.quality_targets import judge_targets
+    from edit_rt.export.eval.targets import judge_targets
 
     def row(method, kind, f, both, **extra):
         return {"method": method, "kind": kind, "tail_fraction": f, "strength": 1.0, "n": 50, "success": 0.96,

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 
 from ray import serve  # noqa: E402
 
-from edit_rt.runtime.scale import ray_serve  # noqa: E402
-from edit_rt.runtime.model.config import load_config  # noqa: E402
+from edit_rt.runtime.config.load import load_config  # noqa: E402
 from edit_rt.runtime.model.edit import Base  # noqa: E402
+from edit_rt.runtime.scale import ray_serve  # noqa: E402
 
 from .server_process import free_port  # noqa: E402
 from .test_clients import (  # noqa: E402,F401  the client libraries' core cases, through Ray

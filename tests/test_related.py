@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.config import config_from_dict
-from edit_rt.runtime.pnginfo import parse_fields
+from edit_rt.runtime.pipeline.pnginfo import parse_fields
 from edit_rt.runtime.storage.related_index import RelatedIndex
 from edit_rt.runtime.storage.store import BaseStore, base_id
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edit_rt.runtime.pnginfo import parse_fields
+from edit_rt.runtime.pipeline.pnginfo import parse_fields
 
 from .server_process import ServerProcess
 
@@ -174,7 +174,7 @@ def test_an_uploaded_images_edits_run_ddim_and_another_sampler_is_refused(server
 
 def test_a_config_base_with_a_sampler_edit_rt_does_not_run_is_refused_naming_it(tmp_path):
     from edit_rt.runtime.errors import ConfigError
-    from edit_rt.runtime.model.config import load_config
+    from edit_rt.runtime.config.load import load_config
 
     path = tmp_path / "lms.yaml"
     path.write_text(f"model: {tmp_path}\nbase:\n  prompt: a cat\n  sampler: LMS\n")
@@ -189,9 +189,9 @@ def test_a_config_sampler_the_model_cannot_run_is_refused_when_its_pipeline_is_b
     """``base.sampler`` against the model's scheduler config (assemble.pipeline_of), as clip_skip."""
     from types import SimpleNamespace
 
-    from edit_rt.runtime import assemble
+    from edit_rt.runtime.pipeline import assemble
     from edit_rt.runtime.errors import ConfigError
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
 
     cosine = {"_class_name": "DDIMScheduler", "beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 1000}
 

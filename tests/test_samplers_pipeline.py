@@ -30,7 +30,7 @@ from diffusers.schedulers import scheduling_euler_ancestral_discrete
 from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.loop.solver_slots import ancestral_noise
 from edit_rt.runtime.model.edit import TailRow
-from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .conftest import TEST_BASE
@@ -51,8 +51,8 @@ REFERENCE = {
 
 @pytest.fixture(scope="module")
 def sd2(tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
-    from edit_rt.export.tiny_model import write_tiny_model
+    from edit_rt.export.compile.onnx_export import export_onnx
+    from edit_rt.export.world.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
     onnx = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from edit_rt.runtime.model.edit import Base, Mask
-from edit_rt.runtime.images import to_uint8
-from edit_rt.runtime.pipeline import TailRow
+from edit_rt.runtime.pipeline.edit_pipeline import TailRow
+from edit_rt.runtime.pipeline.images import to_uint8
 
 from .server_process import ServerProcess
 
@@ -199,7 +199,7 @@ BOTH_DOORS = [
 
 @pytest.mark.parametrize("edit,field,words", BOTH_DOORS)
 def test_config_and_api_accept_and_refuse_the_same_edits(server, model_dir, onnx_dir, tmp_path, edit, field, words):
-    from edit_rt.runtime.model.config import config_from_dict
+    from edit_rt.runtime.config.load import config_from_dict
     from edit_rt.runtime.errors import ConfigError
 
     config = {"model": str(model_dir), "build_dir": str(onnx_dir.parent.parent),

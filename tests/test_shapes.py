@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edit_rt.export.shapes import COLOURS, POSITIONS, RELATIONS, SHAPES, SIZES, Scene, Thing, canonical, placements, prompt, random_scene, read, render
+from edit_rt.export.world.shapes import (COLOURS, POSITIONS, RELATIONS, SHAPES, SIZES, Scene, Thing, canonical,
+                                         placements, prompt, random_scene, read, render)  # fmt: skip
 
 
 def test_reader_recovers_every_attribute_of_clean_renders():

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edit_rt.export.judges import World2, world_of
-from edit_rt.export.shapes import prompt
+from edit_rt.export.eval.judges import World2, world_of
+from edit_rt.export.world.shapes import prompt
 from edit_rt.runtime.model.edit import Base
-from edit_rt.runtime.pipeline import EditPipeline
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
 from .shapes_reference import assert_generation_equals_diffusers
 
@@ -29,7 +29,7 @@ FLOORS = {"colours_and_background": 0.8, "shape": 0.5}
 
 @pytest.fixture(scope="module")
 def shapes64(tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     onnx_dir = tmp_path_factory.mktemp("shapes64-sd") / "onnx"
     export_onnx(MODEL, onnx_dir)

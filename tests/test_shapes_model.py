@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edit_rt.export.shapes import COLOURS, Scene, prompt, random_scene, read
+from edit_rt.export.world.shapes import COLOURS, Scene, prompt, random_scene, read
 from edit_rt.runtime.model.edit import Base
-from edit_rt.runtime.images import to_uint8
-from edit_rt.runtime.pipeline import EditPipeline, TailRow
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
+from edit_rt.runtime.pipeline.images import to_uint8
 
 from .shapes_reference import assert_generation_equals_diffusers
 
@@ -34,7 +34,7 @@ EDIT_SUCCESS_FLOOR, EDIT_KEPT_FLOOR = 0.75, 0.35
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
+    from edit_rt.export.compile.onnx_export import export_onnx
 
     onnx_dir = tmp_path_factory.mktemp("shapes-sd") / "onnx"
     export_onnx(MODEL, onnx_dir)

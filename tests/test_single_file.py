@@ -25,13 +25,13 @@ import yaml
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
 
+from edit_rt.runtime.config.load import config_from_dict, load_config
 from edit_rt.runtime.errors import ConfigError, ModelError
-from edit_rt.runtime.model.config import config_from_dict, load_config
 from edit_rt.runtime.model.single_file import STAMP, checkpoint_family, conversion_current, read_header
 
 from .ldm_layout import write_single_file
 
-CLI = [sys.executable, "-m", "edit_rt.runtime.cli"]
+CLI = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
@@ -42,7 +42,7 @@ def sd_file(model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sdxl_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.tiny_model import write_tiny_sdxl
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
     return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=1)
 
@@ -64,7 +64,7 @@ def _same_weights(original: Path, converted: Path) -> None:
 
 
 def _image(pipeline_cls, folder: Path) -> np.ndarray:
-    from edit_rt.export.family import quiet
+    from edit_rt.export.compile.family import quiet
 
     quiet()
     pipe = pipeline_cls.from_pretrained(str(folder), local_files_only=True)
@@ -77,7 +77,7 @@ def _image(pipeline_cls, folder: Path) -> np.ndarray:
 def test_an_sd1_single_file_converts_to_the_folder_it_came_from(sd_file, model_dir, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from edit_rt.export.checkpoint import diffusers_from_single_file
+    from edit_rt.export.compile.checkpoint import diffusers_from_single_file
 
     said: list[str] = []
     out = diffusers_from_single_file(sd_file, tmp_path / "tiny-sd" / "diffusers", config_dir=model_dir, say=said.append)
@@ -96,7 +96,7 @@ def test_an_sdxl_single_file_converts_to_the_folder_it_came_from(sdxl_dir, tmp_p
     projection under embedders.1.model) and the second tokenizer's "!" padding come back."""
     from diffusers import StableDiffusionXLPipeline
 
-    from edit_rt.export.checkpoint import diffusers_from_single_file
+    from edit_rt.export.compile.checkpoint import diffusers_from_single_file
 
     path = write_single_file(sdxl_dir, tmp_path / "tiny-sdxl.safetensors")
     assert checkpoint_family(path) == "sdxl"
@@ -107,8 +107,8 @@ def test_an_sdxl_single_file_converts_to_the_folder_it_came_from(sdxl_dir, tmp_p
 
 
 def test_an_sd2_single_file_needs_its_family_or_a_v_pred_key(tmp_path):
-    from edit_rt.export.checkpoint import diffusers_from_single_file
-    from edit_rt.export.tiny_model import write_tiny_model
+    from edit_rt.export.compile.checkpoint import diffusers_from_single_file
+    from edit_rt.export.world.tiny_model import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny-sd2", preset="tiny-sd2")
     path = write_single_file(folder, tmp_path / "sd2.safetensors")
@@ -122,7 +122,7 @@ def test_an_sd2_single_file_needs_its_family_or_a_v_pred_key(tmp_path):
 
 
 def test_a_conversion_is_done_once_and_again_when_the_file_changes(sd_file, model_dir, tmp_path):
-    from edit_rt.export.checkpoint import diffusers_from_single_file
+    from edit_rt.export.compile.checkpoint import diffusers_from_single_file
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(sd_file.read_bytes())
@@ -155,7 +155,7 @@ def test_a_config_naming_a_file_puts_its_artifacts_under_the_stem(sd_file, tmp_p
 
 
 def test_a_single_file_config_loads_without_torch(sd_file, tmp_path):
-    code = ("import sys; from edit_rt.runtime.model.config import config_from_dict;"
+    code = ("import sys; from edit_rt.runtime.config.load import config_from_dict;"
             f"cfg = config_from_dict({{'model': {str(sd_file)!r}, 'base': {{'prompt': 'x'}}}}); assert cfg.family == 'sd1';"
             "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; assert not bad, bad")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -190,7 +190,7 @@ def test_edit_rt_export_and_run_take_a_single_file(sd_file, model_dir, tmp_path)
     """`edit-rt export` on a config naming the file converts it (here beforehand, with the tiny
     model's configs: the shipped ones are the real families' sizes) and exports the converted
     folder under build/<stem>/onnx; `edit-rt run` fingerprints that folder."""
-    from edit_rt.export.checkpoint import diffusers_from_single_file
+    from edit_rt.export.compile.checkpoint import diffusers_from_single_file
     from edit_rt.runtime.engine.manifest import load_manifest, model_fingerprint
 
     path = tmp_path / "tiny-sd.safetensors"
@@ -282,14 +282,14 @@ def _reference_ids(text: str, vocab_path: Path) -> list[int]:
 def clip_tokenizer(tmp_path_factory):
     from transformers import CLIPTokenizer
 
-    from edit_rt.export.checkpoint import clip_tokenizer_files
+    from edit_rt.export.compile.checkpoint import clip_tokenizer_files
 
     return CLIPTokenizer.from_pretrained(str(clip_tokenizer_files(tmp_path_factory.mktemp("tok") / "tokenizer")))
 
 
 @pytest.mark.parametrize("prompt", list(CLIP_IDS))
 def test_the_shipped_vocabulary_gives_clip_ids(clip_tokenizer, prompt):
-    from edit_rt.export.checkpoint import VOCAB
+    from edit_rt.export.compile.checkpoint import VOCAB
 
     assert _reference_ids(prompt, VOCAB) == CLIP_IDS[prompt]
     assert clip_tokenizer(prompt).input_ids == CLIP_IDS[prompt]
@@ -299,7 +299,7 @@ def test_the_tokenizer_files_are_clips(clip_tokenizer, tmp_path):
     from tokenizers import Tokenizer
     from transformers import CLIPTokenizer
 
-    from edit_rt.export.checkpoint import clip_tokenizer_files
+    from edit_rt.export.compile.checkpoint import clip_tokenizer_files
 
     folder = Path(clip_tokenizer.name_or_path)
     vocab = json.loads((folder / "vocab.json").read_text())
@@ -397,16 +397,16 @@ def test_a_file_that_is_not_safetensors_is_refused(tmp_path, content, needles):
 
 
 def test_a_pickle_checkpoint_is_refused_and_converted_weights_only(tmp_path):
-    from edit_rt.export.checkpoint import main, safetensors_from_pickle
+    from edit_rt.export.compile.checkpoint import main, safetensors_from_pickle
 
     tensors = {"model.diffusion_model.out.2.weight": torch.randn(4, 8, 3, 3), "first_stage_model.x": torch.randn(3)}
     ckpt = tmp_path / "model.ckpt"
     torch.save({"state_dict": tensors, "global_step": 470000}, ckpt)
     with pytest.raises(ModelError) as refused:
         read_header(ckpt)
-    _one_line(refused.value, "pickle checkpoint", "runs whatever code", f"python -m edit_rt.export.checkpoint {ckpt}")
+    _one_line(refused.value, "pickle checkpoint", "runs whatever code", f"python -m edit_rt.export.compile.checkpoint {ckpt}")
     result = _cli(tmp_path, "export", {"model": str(ckpt), "base": {"prompt": "x"}})
-    _refused_by_cli(result, "model: ", "pickle checkpoint", "python -m edit_rt.export.checkpoint")
+    _refused_by_cli(result, "model: ", "pickle checkpoint", "python -m edit_rt.export.compile.checkpoint")
     assert main([str(ckpt)]) == 0
     back = load_file(str(tmp_path / "model.safetensors"))
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())

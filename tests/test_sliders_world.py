@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from edit_rt.export.shape_looks import read_any_look, saturation, sharpness, stroke
-from edit_rt.export.shapes import canonical, random_scene, render
+from edit_rt.export.world.looks import read_any_look, saturation, sharpness, stroke
+from edit_rt.export.world.shapes import canonical, random_scene, render
 
 MODEL = Path(__file__).resolve().parents[1] / "export" / "models" / "shapes-sd"
 SLIDERS = MODEL / "sliders"
-# The same seeded renders made by export/shapes.py before its look options existed.
+# The same seeded renders made by export/world/shapes.py before its look options existed.
 RENDERS_BEFORE_OPTIONS = "4c739c1d3e97a5455eae16cac40b89fc24aecf16d06937392bc5a681d3879b62"
 SWEEPS = {  # attribute -> the values swept, the neutral value, its reader's direction
     "saturation": ([0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6], 1.0, saturation, 1),
@@ -82,7 +82,7 @@ def test_read_any_look_reads_the_scene_through_each_look():
 
 
 def test_metrics_score_rendered_sweeps_as_following_and_preserving():
-    from edit_rt.export.slider_eval import SCALES, slider_metrics
+    from edit_rt.export.eval.slider_eval import SCALES, slider_metrics
 
     scenes = _scenes(12)
     look = {"saturation": lambda s: {"saturation": 1 + 0.3 * s}, "stroke": lambda s: {"stroke": s},
@@ -95,7 +95,7 @@ def test_metrics_score_rendered_sweeps_as_following_and_preserving():
 
 
 # World 2: the same sweeps on 64x64 renders of one object (two=0) or two (two=1); the stroke
-# reader reads world 2's way (shape_looks.stroke(..., world=2)).
+# reader reads world 2's way (looks.stroke(..., world=2)).
 SWEEPS_2 = {**SWEEPS, "stroke": (SWEEPS["stroke"][0], 0, lambda image: stroke(image, world=2), 1)}
 
 
@@ -159,7 +159,7 @@ def test_read_any_look_reads_the_world2_scene_through_each_look(two):
 
 @pytest.mark.slow  # ~10-20 s; the default run keeps world 1's metrics
 def test_world2_metrics_score_rendered_sweeps_as_following_and_preserving():
-    from edit_rt.export.slider_eval import SCALES, slider_metrics
+    from edit_rt.export.eval.slider_eval import SCALES, slider_metrics
 
     scenes = _scenes_2(12, 0.5)
     look = {"saturation": lambda s: {"saturation": 1 + 0.3 * s}, "stroke": lambda s: {"stroke": s},
@@ -174,9 +174,9 @@ def test_world2_metrics_score_rendered_sweeps_as_following_and_preserving():
 def test_bases_and_pairs_follow_the_models_world():
     from dataclasses import replace
 
-    from edit_rt.export.judges import world_of
-    from edit_rt.export.slider_eval import world_bases
-    from edit_rt.export.sliders import SliderSpec, load_base, pair_dataset
+    from edit_rt.export.eval.judges import world_of
+    from edit_rt.export.eval.slider_eval import world_bases
+    from edit_rt.export.world.slider_training import SliderSpec, load_base, pair_dataset
 
     assert [b.prompt for b in world_bases(4)] == [b.prompt for b in world_bases(4, world=1)]
     assert all(" small " in b.prompt or " large " in b.prompt for b in world_bases(8, world=2))
@@ -195,7 +195,7 @@ def test_bases_and_pairs_follow_the_models_world():
 def trained(tmp_path_factory):
     """A stroke slider trained for a few steps on a tiny slice (alpha != rank, so a file that
     lost its alpha would load at another scale)."""
-    from edit_rt.export.sliders import SliderSpec, train_slider
+    from edit_rt.export.world.slider_training import SliderSpec, train_slider
 
     if not (MODEL / "model_index.json").exists():
         pytest.skip("the shapes model is not here (make model)")
@@ -210,7 +210,8 @@ def test_training_lowers_the_pair_loss_and_saves_a_file_diffusers_loads_exactly(
     from diffusers import StableDiffusionPipeline
     from peft.utils import set_peft_model_state_dict
 
-    from edit_rt.export.sliders import add_slider_lora, load_base, pair_dataset, set_slider_scale, slider_loss
+    from edit_rt.export.world.slider_training import (add_slider_lora, load_base, pair_dataset, set_slider_scale,
+                                                      slider_loss)  # fmt: skip
 
     spec, report, root = trained
     untrained, model = load_base(MODEL), load_base(MODEL)
@@ -245,7 +246,7 @@ def test_training_lowers_the_pair_loss_and_saves_a_file_diffusers_loads_exactly(
 def test_a_cut_run_resumes_to_the_same_slider(trained, tmp_path):
     from dataclasses import replace
 
-    from edit_rt.export.sliders import train_slider
+    from edit_rt.export.world.slider_training import train_slider
 
     spec, report, root = trained
     train_slider(MODEL, replace(spec, max_steps=4), tmp_path / "out", tmp_path / "work")
@@ -257,7 +258,7 @@ def test_a_cut_run_resumes_to_the_same_slider(trained, tmp_path):
 def test_the_tail_loop_at_scale_zero_reproduces_the_pipeline(trained):
     from diffusers import StableDiffusionPipeline
 
-    from edit_rt.export.slider_eval import sweep, world_bases
+    from edit_rt.export.eval.slider_eval import sweep, world_bases
 
     _, _, root = trained
     pipe = StableDiffusionPipeline.from_pretrained(MODEL, safety_checker=None, requires_safety_checker=False)
@@ -274,7 +275,7 @@ def test_the_tail_loop_at_scale_zero_reproduces_the_pipeline(trained):
 def test_committed_sliders_adapt_only_transformer_block_layers(name):
     from safetensors import safe_open
 
-    from edit_rt.export.sliders import ALLOWED_TARGETS, SLIDER_FILE
+    from edit_rt.export.world.slider_training import ALLOWED_TARGETS, SLIDER_FILE
 
     path = SLIDERS / name / SLIDER_FILE
     assert path.is_file(), f"{path} is missing: make sliders"
@@ -295,7 +296,7 @@ def test_committed_sliders_load_whole_into_diffusers():
     from peft.utils import get_peft_model_state_dict
     from safetensors import safe_open
 
-    from edit_rt.export.sliders import SLIDER_FILE
+    from edit_rt.export.world.slider_training import SLIDER_FILE
 
     pipe = StableDiffusionPipeline.from_pretrained(MODEL, safety_checker=None, requires_safety_checker=False)
     for name in ("saturation", "stroke", "blur"):

@@ -22,14 +22,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edit_rt.export.kv_traffic import kv_traffic
-from edit_rt.export.parity import random_feeds
-from edit_rt.runtime.loop import slots
+from edit_rt.export.compile.kv_traffic import kv_traffic
+from edit_rt.export.compile.parity import random_feeds
 from edit_rt.runtime.engine.backend_ort import OrtGraph
-from edit_rt.runtime.loop.batcher import Batcher
-from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.engine.device import HostTensor
 from edit_rt.runtime.engine.manifest import load_manifest
+from edit_rt.runtime.loop import slots
+from edit_rt.runtime.loop.batcher import Batcher
+from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.model.edit import TailRow
 
 from .conftest import TEST_BASE
@@ -145,24 +145,27 @@ def test_no_array_is_allocated_per_step(pipeline):
         batcher.work_once()
     ours = [tracemalloc.Filter(True, str(Path(slots.__file__).parents[1] / "*"))]  # all of runtime/
     numpy_arrays = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
+    peaks = np.zeros(50, dtype=np.int64)  # each step's transient peak (made before tracing starts)
     tracemalloc.start()
     try:
         start = tracemalloc.take_snapshot()
-        tracemalloc.reset_peak()
-        base_current, _ = tracemalloc.get_traced_memory()
-        for _ in range(50):
+        for k in range(50):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
             batcher.scheduler.step()
-        _, peak = tracemalloc.get_traced_memory()
+            peaks[k] = tracemalloc.get_traced_memory()[1] - before
         end = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
     for kept in (numpy_arrays, ours):  # nothing kept: no array anywhere, no object of ours
         print([str(d) for d in end.filter_traces(kept).compare_to(start.filter_traces(kept), "lineno") if d.size_diff])
         assert sum(s.size_diff for s in end.filter_traces(kept).compare_to(start.filter_traces(kept), "lineno")) == 0
-    # Transients: Python views and small lists only, far below one 16 KiB latent (the rest of
-    # the peak is onnxruntime's binding caching ~2-4 KiB of small objects over its first calls;
-    # 4,236 bytes on a fresh CI machine).
-    assert peak - base_current < 8192, peak - base_current
+    # Transients, step by step: Python views and small lists only, far below one 16 KiB latent
+    # (~1.1 KiB a step here, 2.5 KiB at most). Per step, not over all 50: onnxruntime's binding
+    # keeps ~124 B of its own per run in some runs (pybind11's bookkeeping, seen in
+    # onnxruntime_inference_collection.py's run_with_iobinding: 12.1 KiB over 100 runs when
+    # test_memory.py's imports came first), which is neither ours nor an array.
+    assert peaks.max() < 8192, peaks.tolist()
     while not all(job.future.done() for job in jobs):
         batcher.work_once()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edit_rt.runtime.errors import ArtifactError, StoreFullError, UnknownBaseError
-from edit_rt.runtime.pipeline import KV, BaseState, TailRow
+from edit_rt.runtime.pipeline.edit_pipeline import KV, BaseState, TailRow
 from edit_rt.runtime.storage.store import BaseStore, base_id
 
 from .conftest import TEST_BASE

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
-from edit_rt.runtime.errors import DamagedBaseError, DiskFullError, StoreBusyError, UnknownBaseError  # fmt: skip
-from edit_rt.runtime.serving.errors import ApiError
+from edit_rt.runtime.errors import DamagedBaseError, DiskFullError, StoreBusyError, UnknownBaseError
+from edit_rt.runtime.serving.http_errors import ApiError
 from edit_rt.runtime.serving.service import Service
 from edit_rt.runtime.storage import store_codec, store_disk
 from edit_rt.runtime.storage.store import BaseStore, base_id
@@ -31,7 +31,7 @@ from edit_rt.runtime.storage.store import BaseStore, base_id
 from .server_process import ServerProcess
 from .test_store import BASE_BYTES, FP, UNCOND_BYTES, fake_state
 
-CLI = [sys.executable, "-m", "edit_rt.runtime.cli"]
+CLI = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 BIG = 100 * BASE_BYTES
 
 

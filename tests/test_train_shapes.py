@@ -10,8 +10,8 @@ import torch
 
 from diffusers import StableDiffusionPipeline
 
-from edit_rt.export.onnx_export import export_onnx
-from edit_rt.export.train_shapes import TrainSpec, train_shapes, world_words
+from edit_rt.export.compile.onnx_export import export_onnx
+from edit_rt.export.world.train import TrainSpec, train_shapes, world_words
 
 
 def test_training_writes_a_loadable_exportable_model(tmp_path):

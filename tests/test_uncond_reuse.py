@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from edit_rt.runtime.config.load import load_config
 from edit_rt.runtime.errors import ConfigError
-from edit_rt.runtime.model.config import load_config
 from edit_rt.runtime.model.edit import Edit, TailRow
 
 from .conftest import TEST_BASE
@@ -99,7 +99,7 @@ def test_rows_unlike_their_base_compute_their_uncond(pipeline, base_state):
 def test_report_and_png_say_which_mode_ran(tmp_path, model_dir, onnx_dir):
     from PIL import Image
 
-    from edit_rt.runtime.run import run_config
+    from edit_rt.runtime.apps.run import run_config
 
     text = (f"model: {model_dir}\nbuild_dir: {onnx_dir.parents[1]}\noutput_dir: {tmp_path / 'out'}\n"
             f"base: {{prompt: {TEST_BASE.prompt}, seed: 3, steps: 10, width: 32, height: 32}}\n"

@@ -3,7 +3,7 @@
 first frame of an animation, base64 as tools write it, an image's text read without decoding;
 then the five upload routes of a real server, which answer the same and keep /health quick.
 
-References are independent of runtime/uploads.py: numpy arithmetic on the values put in,
+References are independent of runtime/pipeline/uploads.py: numpy arithmetic on the values put in,
 colorsys, the CIE formulas, Pillow's own readers (``ImageOps.exif_transpose``, ``.text``).
 """
 
@@ -28,7 +28,7 @@ import pytest
 from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
 from edit_rt.runtime.errors import ImageInputError
-from edit_rt.runtime.uploads import _rgb, decode_base64, image_from_bytes, text_of_image
+from edit_rt.runtime.pipeline.uploads import _rgb, decode_base64, image_from_bytes, text_of_image
 
 from .server_process import ServerProcess
 
@@ -118,7 +118,7 @@ BOMBS = {
 # invisible to tracemalloc, and this process's peak is already set by earlier tests).
 MEASURE = """
 import json, resource, sys, time
-from edit_rt.runtime.uploads import ImageInputError, image_from_bytes, text_of_image
+from edit_rt.runtime.pipeline.uploads import ImageInputError, image_from_bytes, text_of_image
 out, base = {}, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for path in sys.argv[1:]:
     data = open(path, "rb").read()

@@ -76,7 +76,7 @@ def test_a_colour_edit_with_the_pages_defaults_lands(tmp_path, shapes_onnx_dir):
     from PIL import Image
     from playwright.sync_api import sync_playwright
 
-    from edit_rt.export.shapes import read
+    from edit_rt.export.world.shapes import read
 
     from .conftest import SHAPES_MODEL
 

@@ -268,8 +268,8 @@ def biased_dir(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def biased(biased_dir, tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.export.compile.onnx_export import export_onnx
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     out = tmp_path_factory.mktemp("build") / "tiny-sd-biased" / "onnx"
     export_onnx(biased_dir, out)
@@ -387,9 +387,9 @@ def test_token_diff_compares_words_not_brackets(pipeline):
 
 @pytest.fixture(scope="module")
 def sdxl(tmp_path_factory):
-    from edit_rt.export.onnx_export import export_onnx
-    from edit_rt.export.tiny_model import write_tiny_sdxl
-    from edit_rt.runtime.pipeline import EditPipeline
+    from edit_rt.export.compile.onnx_export import export_onnx
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     model = write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
     out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"

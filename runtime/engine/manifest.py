@@ -147,7 +147,7 @@ class Manifest:
 
     @property
     def adapters(self) -> dict[str, Any]:
-        """The LoRA slots (export/adapter_slots.py): ``slots``, ``rank``, and each adapted layer's
+        """The LoRA slots (export/compile/adapter_slots.py): ``slots``, ``rank``, and each adapted layer's
         name, graph, input names and shape; ``slots`` 0: the graphs take no adapters."""
         return self.data["adapters"]
 

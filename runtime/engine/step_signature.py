@@ -1,7 +1,7 @@
 """The step graph's inputs and outputs by role, read from the manifest: the one place the runtime
 learns what ``unet_step`` takes.
 
-The export adapter (``export/onnx_export.py``'s ``step_io``) names every input and gives it a
+The export adapter (``export/compile/onnx_export.py``'s ``step_io``) names every input and gives it a
 role; the manifest records them; :class:`StepSignature` reads them back. The slots, bindings,
 parity and the bench take names from it, so a new per-row input is a change in the export
 adapter (a name and a role) and nowhere in the step loop. Roles:
@@ -28,7 +28,7 @@ adapter (a name and a role) and nowhere in the step loop. Roles:
 - outputs ``next_latents``, ``uncond_out``, ``history_out``, ``attn_maps`` and (``unet_step``)
   ``deep_out``, the features a shallow step takes.
 
-``unet_step_shallow`` (DeepCache: export/graphs.py) has the same roles but the ones its outer
+``unet_step_shallow`` (DeepCache: export/compile/graphs.py) has the same roles but the ones its outer
 blocks do not read (the skipped layers' K/V and adapter matrices; a set index or self-attention
 reference where no outer block attends): :meth:`StepSignature.from_manifest` with its name.
 """

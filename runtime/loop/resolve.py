@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class Model(Protocol):
-    """The pipeline's calls the resolver makes (pipeline.py's EditPipeline has them)."""
+    """The pipeline's calls the resolver makes (pipeline/edit_pipeline.py's EditPipeline has them)."""
 
     ddim_config: Any
     pooled: list[str]

@@ -176,9 +176,8 @@ class RowScheduler:
         self.dev[sig.entry_slope].write(self.slopes)
         self.refs_written = False
         # what the blend takes from a row's base each step, resident: a masked row's base
-        # latents, an inverted base's corrections (base_windows.py)
-        self.windows = BaseWindows(lambda elems: alloc("base", elems), latent_elems, lambda row: row.base, lambda base, i: base.latent(i + 1)[0])
-        self.corrections = BaseWindows(lambda elems: alloc("add", elems), latent_elems, lambda row: row.corrections, lambda base, i: base.correction(i))
+        # latents, an inverted base's corrections (base_windows.py; made with the first such row)
+        self._windows: Optional[tuple[BaseWindows, BaseWindows]] = None
 
     # --- shapes ------------------------------------------------------------------------------
 
@@ -220,6 +219,24 @@ class RowScheduler:
         if self.shallow_graph is None or self.deep_key != (b, given) or wants_maps:
             return False
         return all(row.deepcache > self.deep_age for row in self.active)
+
+    @property
+    def windows(self) -> BaseWindows:
+        return self._base_windows()[0]
+
+    @property
+    def corrections(self) -> BaseWindows:
+        return self._base_windows()[1]
+
+    def _base_windows(self) -> tuple[BaseWindows, BaseWindows]:
+        if self._windows is None:
+            graph, elems = self.graph, self.latent_elems
+            base_dtype, add_dtype = self._dtype("base"), self._dtype("add")
+            self._windows = (
+                BaseWindows(lambda n: graph.allocate(n, base_dtype), elems, lambda row: row.base, lambda base, i: base.latent(i + 1)[0]),
+                BaseWindows(lambda n: graph.allocate(n, add_dtype), elems, lambda row: row.corrections, lambda base, i: base.correction(i)),
+            )  # fmt: skip
+        return self._windows
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -330,8 +347,9 @@ class RowScheduler:
             if self.persistent and end != last:
                 self._move(last, end)
         self.active.pop()
-        self.windows.release(row)
-        self.corrections.release(row)
+        if self._windows is not None:
+            for windows in self._windows:
+                windows.release(row)
         self.deep_key = None
         self.references -= row.reference
         row.slot = -1
@@ -538,7 +556,8 @@ class RowScheduler:
         for binding in self.blend_bindings.values():
             binding.free()
         self.blend_bindings.clear()
-        self.windows.free()
-        self.corrections.free()
+        for windows in self._windows or ():
+            windows.free()
+        self._windows = None
         for tensor in self.dev.values():
             tensor.free()

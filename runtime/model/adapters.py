@@ -1,10 +1,10 @@
 """LoRA adapters on the runtime's side: a converted adapter file, the resident slots, the scales.
 
 The export converts a LoRA file (diffusers/peft or kohya/AUTOMATIC1111 format) through
-diffusers' own loader into edit-rt's adapter file (export/adapters.py): per adapted layer
+diffusers' own loader into edit-rt's adapter file (export/compile/adapters.py): per adapted layer
 (``manifest.adapters.layers``) its ``down`` ``[r, in]`` and ``up`` ``[out, r]`` with the
 LoRA's alpha / r folded into ``up``. :class:`AdapterBank` holds ``slots`` of them in the
-stacked layout the graphs take (export/adapter_slots.py): loading one writes its matrices
+stacked layout the graphs take (export/compile/adapter_slots.py): loading one writes its matrices
 into a free slot, and nothing is exported or built again.
 
 A row's adapters are ``{name: scale}``; AUTOMATIC1111's ``<lora:name:te:unet>`` gives the text

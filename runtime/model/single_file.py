@@ -4,7 +4,7 @@ A1111, Forge, ComfyUI and civitai keep Stable Diffusion as one file in the origi
 layout: ``model.diffusion_model.*`` (the UNet), ``first_stage_model.*`` (the VAE) and the text
 encoders as ``cond_stage_model.transformer.*`` (SD 1.x, OpenAI CLIP), ``cond_stage_model.model.*``
 (SD 2.x, OpenCLIP ViT-H) or ``conditioner.embedders.0/1.*`` (SDXL's two). `edit-rt export`
-converts such a file once into a diffusers folder (export/checkpoint.py); this module is the part
+converts such a file once into a diffusers folder (export/compile/checkpoint.py); this module is the part
 the runtime needs too, so it reads only the safetensors header (an 8-byte length, then JSON: names,
 dtypes, shapes) with no torch: which family the file is, every refusal in one line (a pickle, a
 LoRA, an inpainting UNet, a VAE alone, ...), and whether the converted folder still matches the
@@ -114,7 +114,7 @@ def _not_safetensors(path: Path, head: bytes) -> ModelError:
     if pickled:
         return ModelError(
             f"{path} is a pickle checkpoint ({path.suffix or 'no suffix'}), and loading a pickle runs whatever code "
-            f"it holds; convert it once to safetensors (weights only, no code runs): python -m edit_rt.export.checkpoint "
+            f"it holds; convert it once to safetensors (weights only, no code runs): python -m edit_rt.export.compile.checkpoint "
             f"{path}, then set model: to the .safetensors file it writes"
         )  # fmt: skip
     return ModelError(f"{path} is not a safetensors file (no valid header: the first 8 bytes give no JSON length); "

@@ -44,17 +44,18 @@ from prometheus_client import Counter
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ..config.run_config import RunConfig
 from ..engine.manifest import load_manifest
 from ..errors import ConfigError
 from ..metrics import merged
-from ..model.config import RunConfig
 from ..model.edit import Base, Edit
-from ..serving.errors import ApiError
+from ..pipeline.uploads import Upload
+from ..serving.edits import Event
+from ..serving.http_errors import ApiError, is_base_id, until_done
 from ..serving.job_control import DOOR
 from ..serving.results import Generated
-from ..serving.service import Event, Service, is_base_id, until_done
+from ..serving.service import Service
 from ..storage.store import base_id
-from ..uploads import Upload
 from ..web.server import create_app, listening_line
 from .router import BaseAffinityRouter
 

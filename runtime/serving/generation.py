@@ -18,12 +18,12 @@ import numpy as np
 from starlette.requests import Request as HttpRequest
 
 from ..errors import EditRtError
-from ..images import png_bytes
 from ..loop.jobs import Job, Request
 from ..model.edit import Base, TailRow
-from ..pnginfo import base_fields, parameters_text
+from ..pipeline.images import png_bytes
+from ..pipeline.pnginfo import base_fields, parameters_text
 from ..storage.store import base_id
-from .errors import ApiError, row_error
+from .http_errors import ApiError, row_error
 from .job_control import A1111, DOOR
 from .related import RelatedPlan
 from .results import Generated

@@ -1,7 +1,7 @@
 """Images a client uploads, read off the event loop, and their inversion into a base.
 
 Decoding runs in the service's image pool (``serve.image_workers`` threads) within
-``serve.max_image_pixels`` (runtime/uploads.py reads and checks); inversion runs on the engine
+``serve.max_image_pixels`` (runtime/pipeline/uploads.py reads and checks); inversion runs on the engine
 thread, its rows through the batcher's queue; the base is kept in the store like a generation.
 
 Each image task (a decode, a mask, its blur) has a deadline, ``serve.image_timeout_s``, its wait
@@ -22,12 +22,12 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import EditRtError, ImageInputError
-from ..images import png_bytes
 from ..model.edit import Base
-from ..pnginfo import base_fields, parameters_text
+from ..pipeline.images import png_bytes
+from ..pipeline.pnginfo import base_fields, parameters_text
+from ..pipeline.uploads import Upload, image_from_bytes, text_of_image
 from ..storage.store import base_id
-from ..uploads import Upload, image_from_bytes, text_of_image
-from .errors import ApiError, queue_errors, row_error
+from .http_errors import ApiError, queue_errors, row_error
 from .results import Generated
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..errors import SamplerError
 from ..model.samplers import a1111_label, check_sampler, default_sampler, parse_sampler
-from .errors import ApiError
+from .http_errors import ApiError
 
 
 class SamplerFields:

@@ -76,7 +76,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import SamplerError
 from ..model.samplers import a1111_label, a1111_sampler
 from ..model.schema import Guidance, Steps, bounds_of
-from ..serving.errors import ApiError
+from ..serving.http_errors import ApiError
 from ..serving.sampler_fields import sampler_error
 
 A1111 = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)

@@ -33,10 +33,10 @@ from typing import Any
 
 from fastapi import APIRouter, Body
 
-from ..serving.errors import ApiError
+from ..model.samplers import a1111_samplers, a1111_schedulers
+from ..serving.http_errors import ApiError
 from ..serving.job_control import A1111
 from ..serving.service import Service
-from ..model.samplers import a1111_samplers, a1111_schedulers
 from .a1111_fields import Settings, checked_option
 from .api import b64, errors
 

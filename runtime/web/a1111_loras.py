@@ -31,13 +31,13 @@ from typing import Any, Optional
 
 from fastapi import APIRouter
 
-from ..assemble import adapter_files
+from ..config.load import load_config
 from ..engine.manifest import sha256_file
 from ..errors import ArtifactError, EditRtError, PromptSyntaxError
 from ..model.adapters import lora_source, normalize
-from ..model.config import load_config
 from ..model.lora_tags import PromptLoras, Scale, lora_tags
-from ..serving.errors import ApiError
+from ..pipeline.assemble import adapter_files
+from ..serving.http_errors import ApiError
 from ..serving.service import Service
 from .api import errors
 

@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from ..errors import ImageInputError
-from ..uploads import DAMAGED, FORMATS, opened_image
+from ..pipeline.uploads import DAMAGED, FORMATS, opened_image
 
 
 def mask_from_bytes(data: bytes, param: str, max_bytes: int, max_pixels: int) -> np.ndarray:

@@ -37,10 +37,12 @@ from .. import __version__
 from ..errors import CancelledError
 from ..model.edit import Edit
 from ..model.samplers import a1111_label
-from ..pnginfo import base_id_of
-from ..serving.errors import ApiError, row_error, validation_error
+from ..pipeline.pnginfo import base_id_of
+from ..serving.generation import watch
+from ..serving.http_errors import ApiError, row_error, validation_error
 from ..serving.job_control import A1111, DOOR
-from ..serving.service import Edited, Service, watch
+from ..serving.results import Edited
+from ..serving.service import Service
 from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_off, eta_of, override, prompts_of, refuse,
                            requested_sampler)  # fmt: skip
 from .a1111_jobs import job_routes, model_names, vae_names

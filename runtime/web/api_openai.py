@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..model.sweep import expand_all, rows_of
-from ..serving.errors import ApiError, validation_error
+from ..serving.http_errors import ApiError, validation_error
 from ..serving.related import related_header
 from ..serving.sampler_fields import sampler_label
 from ..serving.service import Service

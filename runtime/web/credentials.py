@@ -20,8 +20,8 @@ import os
 import secrets
 from typing import Optional
 
+from ..config.serve import Serve, api_auth_pairs
 from ..errors import ConfigError
-from ..model.serve_config import Serve, api_auth_pairs
 
 REALM = "edit-rt"
 

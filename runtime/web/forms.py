@@ -22,7 +22,7 @@ from starlette.requests import Request as HttpRequest
 
 from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
-from ..serving.errors import ApiError, echo, validation_error
+from ..serving.http_errors import ApiError, echo, validation_error
 from ..serving.sampler_fields import sampler_label
 from ..serving.service import Service
 from .api import OpenAiOptions, b64

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import ExifTags, Image
 
 from ..errors import ImageInputError
-from ..uploads import DAMAGED, FORMATS, opened_image
+from ..pipeline.uploads import DAMAGED, FORMATS, opened_image
 
 UPRIGHT_SWAPS = {5, 6, 7, 8}  # EXIF orientations that turn the image a quarter
 

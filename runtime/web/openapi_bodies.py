@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from ..model.config import RunConfig
+from ..config.run_config import RunConfig
 from .api import EditsRequest, GenerationRequest
 from .forms import EditForm, VariationForm
 

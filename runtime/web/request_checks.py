@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
-from ..serving.errors import ApiError
+from ..serving.http_errors import ApiError
 from .route_table import Routed
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

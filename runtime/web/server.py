@@ -32,17 +32,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
+from ..config.run_config import RunConfig
 from ..metrics import CONTENT_TYPE
-from ..model.config import RunConfig
-from ..serving.errors import ApiError, validation_error
+from ..serving.http_errors import ApiError, validation_error
 from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
 from .credentials import Credentials, api_auth_of
 from .docs import docs_routes
-from .openapi_bodies import body_schemas
 from .json_depth import JsonDepthLimit
+from .openapi_bodies import body_schemas
 from .request_checks import SAFE_METHODS, refusal
 from .route_table import RouteTable, Routed
 

@@ -1,0 +1,5 @@
+"""Speed, measured (`make bench`, `make related`, `make bench-samplers`): throughput against
+diffusers, the side measurements, sliders and samplers at equal quality, and the related-
+generations workload with its replay and embedding study. Imports every other folder of
+`export/` and `runtime/` (an in-process server included).
+"""

@@ -1,0 +1,110 @@
+"""What ``edit-rt`` prints when a command is done: the summary tables and lines of ``run`` and
+``bench`` (rich tables on stdout; the reports themselves are the JSON files beside them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_bench(report: dict, output_dir: Path) -> None:
+    """`edit-rt bench`'s table (edits/s per method, N and K/T, against the ideal) and its side measurements."""
+    m = report["machine"]
+    title = (
+        f"edit-rt bench: {report['unet_parameters'] / 1e6:.1f} M UNet, latents {report['latent']}, T={report['steps']}, "
+        f"{report['backend']}, {m['threads']} threads ({m['cpus']} CPUs), median of {report['repeats']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("N", "K/T", "(a) diffusers edits/s", "(b) img2img edits/s", "(d) edit-rt edits/s",
+                   "(d)/(a)", "ideal", "efficiency", "(d)/(b)", "(e)/(d) uncond base",
+                   "(f)/(d) deepcache 3"):  # fmt: skip
+        table.add_column(column, justify="right")
+    points = {(p["method"], p["n"], p["tail_fraction"]): p for p in report["points"]}
+    for c in report["comparisons"]:
+        n, f = c["n"], c["tail_fraction"]
+        table.add_row(
+            str(n), f"{f:g}", f"{points[('diffusers', n, None)]['edits_per_s']:.2f}",
+            f"{points[('img2img', n, f)]['edits_per_s']:.2f}", f"{points[('edit-rt tail', n, f)]['edits_per_s']:.2f}",
+            f"{c['speedup_vs_diffusers']:.1f}x", f"{c['ideal_speedup_vs_diffusers']:.1f}x", f"{c['efficiency']:.2f}",
+            f"{c['speedup_vs_img2img']:.2f}x", f"{c['uncond_reuse_speedup']:.2f}x", f"{c['deepcache_3_speedup']:.2f}x",
+        )  # fmt: skip
+    out = Console()
+    out.print(table)
+    if "deepcache_generation_speedup" in report:
+        g = report["deepcache_generation_speedup"]
+        out.print(f"base.deepcache 3: a generation {g['median']:.2f}x as fast (spread {g['spread'][0]:.2f}-{g['spread'][1]:.2f})")
+    steps = report["per_step_row_seconds"]
+    out.print(
+        "per-row CFG step (ms): torch " + ", ".join(f"N={n} {v * 1e3:.1f}" for n, v in steps["torch"].items())
+        + " | runtime " + ", ".join(f"N={n} {v * 1e3:.1f}" for n, v in steps["runtime"].items())
+    )  # fmt: skip
+    full = points[("edit-rt full", 1, None)]
+    out.print(f"(c) edit-rt full generation: {full['seconds']:.2f} s; base state {report['base_state_bytes'] / 1024:.0f} KiB per base")
+    extras = {  # the side-by-side measurements, when the report has them
+        "server_vs_run": lambda d: (
+            f"server, {d['n']} concurrent single-edit requests of one base ({d['tail_steps']}-step tails): "
+            f"{d['server_edits_per_s']:.2f} edits/s vs {d['run_edits_per_s']:.2f} as one run tail ({d['ratio']:.2f}x)"),
+        "entry_reuse": lambda d: (
+            f"entry-step reuse, {d['n']} rows x {d['tail_steps']} steps: {d['half_rows_skipped']} of "
+            f"{d['half_rows']} half-rows skipped ({d['expected_saving']:.1%}), tail "
+            f"{d['seconds_without']:.2f} s -> {d['seconds_with']:.2f} s ({d['measured_saving']:.1%} faster)"),
+        "slider_move": lambda d: (
+            f"a slider move (1 row x {d['tail_steps']} steps, prompt encoded): {d['seconds_move']:.3f} s, its UNet calls "
+            f"{d['seconds_move_unet']:.3f} s ({d['move_over_unet']:.2f}x); the first edit, encoding: {d['seconds_first_edit']:.3f} s; "
+            f"the page's drag through the server: {d['page_drag_seconds']:.3f} s ({d['page_drag_over_unet']:.2f}x its UNet calls)"),
+        "catalogue": lambda d: (
+            f"catalogues ({d['tail_steps']}-step tails, PNGs written): " + ", ".join(
+                f"{n} rows {v['edits_per_s']:.2f} edits/s ({d['edits_per_s_over_smallest'][n]:.2f}x, peak {v['peak_rss_mb']:.0f} MB)"
+                for n, v in d["sizes"].items())),
+        "inversion": lambda d: (
+            f"a base from an image: {d['seconds_invert']:.2f} s ({d['rows_backwards']} rows back, one at a time, + "
+            f"{d['rows_forward']} one-step rows forward, batched) vs {d['seconds_generate']:.2f} s to generate one "
+            f"({d['ratio']:.2f}x)"),
+        "preserve_cost": lambda d: (
+            f"preserve: auto, {d['n']} rows x {d['tail_steps']} steps ({d['map_steps']} on the maps graph): "
+            f"{d['seconds_auto']:.2f} s vs {d['seconds_none']:.2f} s without ({d['ratio']:.2f}x)"),
+        "structure_cost": lambda d: (
+            f"structure keeping, {d['n']} rows x {d['tail_steps']} steps ({d['structure_steps']} with a reference "
+            f"row): {d['seconds_structure']:.2f} s vs {d['seconds_none']:.2f} s without ({d['ratio']:.2f}x; "
+            f"{d['row_steps_ratio']:.2f}x the rows)"),
+        "bucket_cost": lambda d: (
+            f"padded buckets (pow2, the GPU default), tails of {d['sizes']} rows x {d['tail_steps']} steps: "
+            f"{d['rows_computed_pow2']} rows computed for {d['rows_asked']} asked ({d['rows_ratio']:.2f}x), "
+            f"{d['seconds_pow2']:.2f} s vs {d['seconds_exact']:.2f} s at exact counts ({d['ratio']:.2f}x)"),
+        "sliders": lambda d: (
+            f"LoRA slots ({d['slots']} x rank {d['rank']}), {d['n']} rows x {d['tail_steps']} steps: idle "
+            f"{d['ratio_slots_idle_over_plain']:.2f}x, 1 adapter {d['ratio_one_adapter_over_plain']:.2f}x, "
+            f"{d['slots']} adapters {d['ratio_all_adapters_over_plain']:.2f}x the graph without slots; a "
+            f"{d['sweep']['points']}-point sweep as one tail {d['sweep']['seconds_edit_rt']:.2f} s vs "
+            f"{d['sweep']['seconds_diffusers']:.2f} s for diffusers' set_adapters + regeneration "
+            f"({d['sweep']['speedup']:.1f}x; rows ideal {d['sweep']['ideal_rows_ratio']:.1f}x); a new LoRA: "
+            f"{d['load']['convert_seconds']:.2f} s to convert, {d['load']['slot_load_seconds'] * 1000:.0f} ms into a slot, "
+            "no rebuild"),
+    }  # fmt: skip
+    for key, line in extras.items():
+        if report.get(key):
+            out.print(line(report[key]))
+    out.print(f"wrote {output_dir}/bench.json and bench.png")
+
+
+def print_run(report: dict, output_dir: Path) -> None:
+    """`edit-rt run`'s table (a file per edit) and its UNet rows against regenerating every edit."""
+    table = Table(title=f"edit-rt run: {len(report['edits'])} edits on one base", title_justify="left")
+    for column in ("file", "edit", "tail steps"):
+        table.add_column(column)
+    table.add_row("base.png", report["base"]["prompt"], str(report["base"]["steps"]))
+    for e in report["edits"]:
+        table.add_row(e["file"], e["label"], str(e["tail_steps"]))
+    out = Console()
+    out.print(table)
+    s, rows = report["seconds"], report["unet_rows"]
+    out.print(
+        f"UNet rows run: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}; "
+        f"{rows['half_rows_skipped']} unconditional halves taken from the base) vs "
+        f"{rows['regenerating_every_edit']} regenerating every edit ({rows['saving']:.0%} fewer)"
+    )
+    out.print(f"base {report['base_id']}: {report['base_source']}")
+    out.print("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
+    out.print(f"wrote {output_dir}/ (grid.png, report.json, {len(report['files']) - 1} PNGs)")

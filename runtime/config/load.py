@@ -1,0 +1,186 @@
+"""A run config file read into a :class:`~edit_rt.runtime.config.run_config.RunConfig`: YAML
+(a key given twice refused), validated by pydantic against the declarations in run_config.py,
+every refusal worded as one :class:`ConfigError` naming the file, the field path
+(``edits[2].strength``) and the fix; paths taken from the file's folder; sweeps expanded into
+their rows, a catalogue's size counted."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from ..errors import ConfigError
+from ..model.lora_tags import config_with_tags
+from ..model.schema import refusal
+from ..model.single_file import checkpoint_family
+from ..model.sweep import expand_all, rows_of
+from .catalogue import MAX_ROWS, Catalogue
+from .run_config import RunConfig
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _type_at(loc: tuple) -> Any:
+    """The dataclass a location's last key belongs to (for the list of allowed keys)."""
+    tp: Any = RunConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        hints = typing.get_type_hints(tp, include_extras=False)
+        tp = hints.get(part)
+        while typing.get_origin(tp) in (list, tuple, Optional, types.UnionType, typing.Union):
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if not dataclasses.is_dataclass(tp):
+            return None
+    return tp
+
+
+def _config_error(err: ValidationError) -> ConfigError:
+    first = err.errors()[0]
+    loc, kind = tuple(first["loc"]), first["type"]
+    where = _path(loc) or "top level"
+    if kind == "unexpected_keyword_argument":
+        owner = _type_at(loc[:-1])
+        known = sorted(f.name for f in dataclasses.fields(owner) if f.name not in _SET_AT_LOAD) if owner else []
+        return ConfigError(f"{where}: unknown key; the keys allowed here are {', '.join(known)}")
+    if kind in ("missing", "missing_argument", "missing_keyword_argument"):
+        return ConfigError(f"{where}: missing; this field is required")
+    return ConfigError(f"{where}: {refusal(first, RunConfig)}")
+
+
+_ADAPTER: Optional[TypeAdapter] = None
+
+
+_SET_AT_LOAD = {"source": "from the file's path", "edit_rows": "from the edits' sweeps"}
+
+
+def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
+    """Build and validate a RunConfig; relative paths are taken from ``source``'s folder."""
+    global _ADAPTER
+    label = f"{source}: " if source is not None else ""
+    try:
+        if not isinstance(data, dict):
+            raise ConfigError(f"top level: must be a mapping, got {type(data).__name__}")
+        for key in _SET_AT_LOAD:
+            if key in data:
+                raise ConfigError(f"{key}: unknown key; it is set at load ({_SET_AT_LOAD[key]})")
+        if _ADAPTER is None:
+            _ADAPTER = TypeAdapter(RunConfig)
+        data, base_tags = config_with_tags(data)  # <lora:name:w> in base.prompt, edits[i].prompt: their adapters
+        try:
+            cfg = _ADAPTER.validate_python(data)
+        except ValidationError as err:
+            raise _config_error(err) from None
+        if base_tags:  # a base may take A1111's (te, unet) apart, which base.adapters' scale cannot say
+            cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, adapters={**(cfg.base.adapters or {}), **base_tags}))
+        root = source.parent if source is not None else Path.cwd()
+        cfg = dataclasses.replace(
+            cfg,
+            model=_resolve(cfg.model, root),
+            build_dir=_resolve(cfg.build_dir, root),
+            output_dir=_resolve(cfg.output_dir, root),
+            adapters={name: _resolve(path, root) for name, path in cfg.adapters.items()},
+            source=source,
+        )
+        if any(edit.sweep is not None for edit in cfg.edits):  # a sweep runs as its rows (model/sweep.py)
+            try:
+                cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits), edit_rows=tuple(rows_of([e]) for e in cfg.edits))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        if cfg.catalogue is not None:
+            check_catalogue(cfg.catalogue)
+        if cfg.store.disk_dir is not None:
+            cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
+        if cfg.base.image is not None:
+            cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, image=str(_resolve(Path(cfg.base.image), root))))
+        cfg.validate("")
+        if cfg.single_file and cfg.family is None:  # validate() refused what it cannot detect
+            cfg = dataclasses.replace(cfg, family=checkpoint_family(cfg.model))
+    except ConfigError as err:
+        raise ConfigError(f"{label}{err}") from None
+    return cfg
+
+
+def check_catalogue(spec: Catalogue) -> None:
+    """Its size against its limit, counted before any row is made, and what its rows could
+    only refuse one by one: a slider naming a direction an edit lacks, an edit's own sweep."""
+    rows = spec.size()
+    if rows > spec.max_rows:
+        sliders = sum(s.n for s in spec.sliders)
+        raise ConfigError(f"catalogue: {len(spec.edits)} edits x {max(1, sliders)} slider positions = {rows} rows, more than "
+                          f"catalogue.max_rows={spec.max_rows}; raise it (up to {MAX_ROWS}) or ask for fewer")  # fmt: skip
+    for i, edit in enumerate(spec.edits):
+        if edit.sweep is not None:
+            raise ConfigError(f"catalogue.edits[{i}].sweep: a catalogue sweeps its sliders; move it to catalogue.sliders")
+        for j, slider in enumerate(spec.sliders):
+            if slider.direction is not None and slider.direction >= len(edit.directions or ()):
+                raise ConfigError(f"catalogue.sliders[{j}].direction: {slider.direction} names no direction of "
+                                  f"catalogue.edits[{i}] (it has {len(edit.directions or ())})")  # fmt: skip
+
+
+def revalidated(section: Any, where: str) -> Any:
+    """``section`` (a config dataclass changed in code, e.g. by the CLI's --port) checked
+    against its declared bounds again; a ConfigError that names ``where`` and the field."""
+    try:
+        return TypeAdapter(type(section)).validate_python(dataclasses.asdict(section))
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"{where}: {_path(tuple(first['loc']))}: {refusal(first, type(section))}") from None
+
+
+def load_config(path: Path | str) -> RunConfig:
+    """Read a YAML config file into a validated :class:`RunConfig`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where}: {err.problem or err.context} (fix the YAML there)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    return config_from_dict(data, source=path)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second ``base:`` would replace the first one whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (lines {seen[key]} and {line}); keep one",
+                        key_node.start_mark)  # fmt: skip
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base constructor says so
+                break
+        return super().construct_mapping(node, deep)
+
+
+def _resolve(p: Path, root: Path) -> Path:
+    p = p.expanduser()
+    return p if p.is_absolute() else Path(os.path.normpath(root / p))

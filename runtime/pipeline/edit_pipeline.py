@@ -1,0 +1,388 @@
+"""The edit pipeline: the compiled graphs, text -> K/V (text.py), base generation and batched edit tails.
+
+Generation and tails are rows of one :class:`~edit_rt.runtime.loop.slots.RowScheduler` (one per
+latent size), driven by its :class:`~edit_rt.runtime.loop.batcher.Batcher`: ``generate_base`` and
+``run_tail`` submit one request and drive the loop until it is done; ``edit-rt serve`` runs the
+same batcher on the engine thread (engine/engine_thread.py). There is no other step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ..engine.engine_thread import EngineThread
+from ..engine.graph_set import GraphSet, graphs_from_artifacts
+from ..engine.manifest import Manifest, load_manifest, model_files
+from ..engine.memory import gib, memory_plan, no_row_fits
+from ..engine.profiles import EditBatchProfile
+from ..engine.step_signature import StepSignature
+from ..errors import ArtifactError, ConfigError
+from ..loop.batcher import Batcher
+from ..loop.jobs import Job, Request
+from ..loop.resolve import RowResolver
+from ..loop.rows import pow2_buckets
+from ..loop.slots import RowScheduler
+from ..metrics import Metrics, timed
+from ..model.adapters import Adapter, AdapterBank, load_adapter
+from ..model.directions import word_end_ids
+from ..model.edit import Base, Preserve, TailRow
+from ..model.samplers import Schedule, default_sampler, schedule_for
+from ..model.scheduler_ddim import DDIMConfig
+from ..model.state import KV, BaseState
+from ..model.weighting import SpanTokenizer
+from .images import to_uint8
+from .preserve import Preservation
+from .text import PromptEncoding
+
+__all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]  # called with the number of row-steps just completed
+
+
+class EditPipeline(PromptEncoding, Preservation):
+    """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
+
+    def __init__(
+        self,
+        onnx_dir: Path,
+        model_dir: Optional[Path] = None,
+        threads: int = 0,
+        backend: str = "ort-cpu",
+        engines_dir: Optional[Path] = None,
+        batch_profile: tuple[int, int, int] = (1, 8, 32),
+        image_size: Optional[tuple[int, int]] = None,
+        max_uncond_sets: int = 4,
+        cuda_graphs: bool = True,
+        reuse_entry: bool = True,
+        preserve: Optional[Preserve] = None,
+        precision: str = "fp16",
+        buckets: str = "auto",
+        vae_max_batch: int = 8,
+        extra_image_sizes: Sequence[tuple[int, int]] = (),
+        adapters: Optional[Mapping[str, Path]] = None,
+        max_memory: Optional[int] = None,
+    ):
+        """``batch_profile`` is (min, opt, max) rows per call, ``image_size`` (height, width) in
+        pixels for the engines of fixed latent size (TensorRT), ``max_uncond_sets`` the distinct
+        negative prompts one call may mix; all come from the config. ``reuse_entry`` takes an
+        edit's first unconditional prediction from its base (off only to measure the saving);
+        ``preserve`` holds the knobs of ``preserve: auto`` edits (the config's ``preserve:``);
+        ``precision`` what ``ort-tensorrt`` builds in; ``buckets`` the row counts step calls run
+        at: ``pow2`` (1, 2, 4, ... max: one captured graph each), ``exact`` (every count: no
+        padding), ``auto`` (pow2 on GPU backends, exact on the CPU, where a padded row costs as
+        much as a real one); ``vae_max_batch`` the VAE's rows per call; ``adapters`` name ->
+        converted LoRA file (export/compile/adapters.py), loaded into the export's adapter slots on use;
+        ``max_memory`` the bytes the CPU path may use in all (None: what the machine has free):
+        a step call runs at the rows that fit, a decode at the images that fit (memory.py)."""
+        if model_dir is not None:
+            model_files(model_dir)  # a missing model is the first thing to say, before artifacts
+        self.manifest: Manifest = load_manifest(onnx_dir)
+        if model_dir is not None:
+            self.manifest.check_model(model_dir)
+        self.family = self.manifest.family
+        self.signature = StepSignature.from_manifest(self.manifest)  # the step graph's inputs by role
+        self.shallow_signature = StepSignature.from_manifest(self.manifest, "unet_step_shallow")  # DeepCache's
+        self.tokenizers = []
+        for name in self.family["tokenizers"]:  # SDXL has two
+            try:
+                self.tokenizers.append(Tokenizer.from_file(str(Path(onnx_dir) / name)))
+            except Exception as err:  # the tokenizers library raises its own types
+                raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
+        self.tokenizer = self.tokenizers[0]
+        # A1111's weighted spans -> ids and a weight per id (model/weighting.py), one per tokenizer
+        self.span_tokenizers = [SpanTokenizer(t) for t in self.tokenizers]
+        self._text_widths: Optional[list[int]] = None  # each text encoder's hidden columns, found on first use
+        self.conds = self.family.get("conds", [])
+        # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
+        self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
+        self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
+        # the sampler a base names none runs: the model folder's scheduler (samplers.py)
+        self.default_sampler = default_sampler(self.manifest.scheduler_config)
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self.scale = self.manifest.vae_scale_factor
+        sample = self.manifest.data["model"]["sample_size"]
+        h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
+        extra = tuple((eh // self.scale, ew // self.scale) for eh, ew in extra_image_sizes)  # (height, width) each
+        spec = self.manifest.adapters
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra, spec["slots"], spec["rank"])
+        self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
+                                                         cuda_graphs, precision)  # fmt: skip
+        self.graphs = self.graph_set.graphs
+        self.profile = self.graph_set.profile
+        self.max_batch = self.profile.max_batch
+        self.max_uncond_sets = self.profile.max_sets
+        if buckets not in ("auto", "pow2", "exact"):
+            raise ConfigError(f"engines.buckets: {buckets!r} is not one of auto, pow2, exact")
+        gpu = self.graph_set.backend != "ort-cpu"
+        self.buckets = (pow2_buckets(self.profile.min_batch, self.max_batch)
+                        if buckets == "pow2" or (buckets == "auto" and gpu) else None)  # fmt: skip
+        # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
+        self.engine = EngineThread()
+        self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
+        self.metrics = Metrics()  # the stages' seconds (@timed); the server's own once service.py hands it over
+        self.reuse_entry = reuse_entry
+        # LoRA slots (model/adapters.py): the adapters known by name, resident when rows use them
+        spec = self.manifest.adapters
+        self.adapter_bank: Optional[AdapterBank] = AdapterBank(spec) if spec["slots"] else None
+        if adapters and self.adapter_bank is None:
+            raise ConfigError(f"adapters: {', '.join(adapters)} configured, but {onnx_dir} was exported without "
+                              "adapter slots; set export.adapter_slots (e.g. 4) and re-run `make export`")  # fmt: skip
+        for name, path in (adapters or {}).items():
+            self.load_adapter(name, path)
+        self.num_layers = len(self.manifest.layers)
+        self.text_len = self.manifest.data["model"]["text_len"]
+        self.latent_channels = self.manifest.latent_channels
+        self.map_factor = self.manifest.data["graphs"]["unet_step"]["map_factor"]
+        self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
+        # the ids that end a word: an edit's tokens align to its base's by words (model/directions.py)
+        self.word_ends = word_end_ids(self.tokenizer.get_vocab()) or None
+        self.preserve = preserve or Preserve()
+        # latent shape -> the batcher (and its row scheduler), made on first use and kept
+        self.batchers: dict[tuple[int, int, int], Batcher] = {}
+        self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
+        self.max_memory = max_memory
+        # latent shape -> (step rows, decoded images) per call that fit in memory (memory.py)
+        self._fitting: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+    def activate(self) -> "EditPipeline":
+        """Load every graph but those made on first use (graph_set.LAZY on the CPU)."""
+        for graph in self.graphs.values():
+            if not getattr(graph, "lazy", False):
+                graph.activate()
+        return self
+
+    def deactivate(self) -> None:
+        for batcher in self.batchers.values():
+            batcher.stop(timeout=0)
+            self.engine.call(batcher.scheduler.free).result(timeout=30)
+        self.batchers.clear()
+        self.engine.stop()
+        for graph in self.graphs.values():
+            graph.deactivate()
+        self.graph_set.device.free()  # the shared stream (and TensorRT's context memory)
+
+    def __enter__(self) -> "EditPipeline":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    # --- the chain --------------------------------------------------------------------------
+
+    def latent_shape(self, base: Base) -> tuple[int, int, int]:
+        multiple = self.scale * self.manifest.data["model"].get("latent_multiple", 1)
+        for name in ("width", "height"):
+            if getattr(base, name) % multiple:
+                raise ConfigError(
+                    f"base.{name}: {getattr(base, name)} is not a multiple of {multiple} "
+                    f"(this model's VAE factor {self.scale} x UNet downsampling); pick a multiple"
+                )
+        shape = (self.latent_channels, base.height // self.scale, base.width // self.scale)
+        if shape not in self._fitting:
+            self._check_fits(base, shape)
+        return shape
+
+    def _check_fits(self, base: Base, shape: tuple[int, int, int]) -> None:
+        """The rows of a step call and the images of a decode that fit in memory at this size
+        (the CPU backend's memory is the host's: memory.py counts weights and each row's
+        activations), before anything is allocated; refuse the size only where not even one
+        row fits (attention grows with the square of the pixels: a 512x512 base on a model
+        made for 32x32 needs terabytes, and would be killed mid-run). A GPU backend's engines
+        fix their size and rows (engines.py checks them)."""
+        rows, images = self.max_batch, self.profile.vae_max_batch
+        if self.graph_set.backend == "ort-cpu":
+            loading = sum(int(self.manifest.data["graphs"][name].get("weight_bytes", 0)) for name, graph in self.graphs.items()
+                          if not getattr(graph, "lazy", False) and getattr(graph, "session", True) is None)  # fmt: skip
+            plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading)
+            rows, images = plan.step_rows(self.max_batch), plan.decode_rows(images)
+            if rows == 0:
+                native = self.manifest.data["model"]["sample_size"] * self.scale
+                raise ConfigError(no_row_fits(plan, base.width, base.height, shape[1:], native, self.max_memory is not None))
+            if rows < self.max_batch or images < self.profile.vae_max_batch:
+                log.info("%dx%d: %d step row(s) and %d image(s) per call fit in %s (%s a row, %s an image)",
+                         base.width, base.height, rows, images, gib(plan.free or 0), gib(plan.step_row),
+                         gib(plan.decode_row))  # fmt: skip
+        self._fitting[shape] = (rows, images)
+
+    def sampler_of(self, base: Base) -> str:
+        """The sampler ``base`` runs: its own, or the model's (``default_sampler``)."""
+        return base.sampler or self.default_sampler
+
+    def schedule(self, sampler: Optional[str], steps: int) -> Schedule:
+        """``sampler``'s (None: the model's) timesteps and coefficients for ``steps`` steps, made once."""
+        key = (sampler or self.default_sampler, steps)
+        if key not in self._schedules:
+            self._schedules[key] = schedule_for(key[0], self.manifest.scheduler_config, steps)
+        return self._schedules[key]
+
+    def initial_noise(self, base: Base) -> np.ndarray:
+        """x_0: standard normal noise from the base's seed (numpy PCG64), [1, c, h, w]."""
+        rng = np.random.default_rng(base.seed)
+        return rng.standard_normal((1, *self.latent_shape(base)), dtype=np.float32)
+
+    def load_adapter(self, name: str, path: Path) -> Adapter:
+        """Make the converted adapter at ``path`` known as ``name`` (resident once a row uses it):
+        no graph is exported or built again."""
+        adapter = load_adapter(path, name, self.manifest)
+        if adapter.rank > self.adapter_bank.rank:
+            raise ArtifactError(f"adapters.{name}: rank {adapter.rank} is above the export's adapter_rank "
+                                f"{self.adapter_bank.rank}; run `edit-rt adapters CONFIG`")  # fmt: skip
+        self.adapter_bank.adapters[name] = adapter  # a resident older file keeps its slot for its rows
+        return adapter
+
+    def held_adapter_slots(self) -> set[int]:
+        """The adapter slots rows of any batcher still read (never reloaded under them)."""
+        held: set[int] = set()
+        for batcher in self.batchers.values():
+            s = batcher.scheduler
+            for row in [*s.active, *s.pending, *(r for unit, _ in batcher.probation for r in unit)]:
+                held |= row.adapter_slots
+        return held
+
+    def new_scheduler(self, latent_shape: Sequence[int], max_rows: Optional[int] = None, graph=None,
+                      shallow_graph=None) -> RowScheduler:  # fmt: skip
+        """Resident slots for ``max_rows`` rows (the profile's max_batch) of ``latent_shape``
+        latents on ``graph`` (this pipeline's step graph) and ``shallow_graph`` (its DeepCache
+        variant)."""
+        f = self.map_factor
+        return RowScheduler(
+            graph or self.graphs["unet_step"], self.signature,
+            tuple(latent_shape), max_rows or self.max_batch, self.max_uncond_sets, self.text_len, self.reuse_entry,
+            map_hw=(latent_shape[1] // f, latent_shape[2] // f),
+            blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
+            adapters=self.adapter_bank,
+            shallow=(shallow_graph or self.graphs["unet_step_shallow"], self.shallow_signature),
+        )  # fmt: skip
+
+    def batcher(self, latent_shape: Sequence[int]) -> Batcher:
+        """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
+        latent_shape = tuple(latent_shape)
+        if latent_shape not in self.batchers:
+            rows = self._fitting.get(latent_shape, (self.max_batch, 0))[0]  # the rows that fit in memory
+            self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape, rows), engine=self.engine)
+        return self.batchers[latent_shape]
+
+    def _run(self, jobs: list[Job], request: Request, shape, progress: Optional[Progress], errors: bool = False) -> list:
+        if progress is not None:
+            done = {}
+
+            def on_progress(index: int, step: int, of: int) -> None:
+                progress(step - done.get(index, 0))
+                done[index] = step
+
+            request.on_progress = on_progress
+        return self.batcher(shape).run(request, jobs, errors)
+
+    def generate_base(
+        self,
+        base: Base,
+        window_start: int = 0,
+        noise: Optional[np.ndarray] = None,
+        progress: Optional[Progress] = None,
+    ) -> BaseState:
+        """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on."""
+        shape = self.latent_shape(base)
+        noise = self.initial_noise(base) if noise is None else noise
+        request = Request(uuid.uuid4().hex, decode=False)
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise)
+        (result,) = self._run([job], request, shape, progress)
+        state = result.state
+        if window_start:
+            state = state.windowed(window_start)
+        log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
+        return state
+
+    def encode_image(self, image: np.ndarray) -> np.ndarray:
+        """[H, W, 3] in [0, 1] -> the VAE's latent [1, c, h, w] (the posterior mean, scaled)."""
+        (latents,) = self.graphs["vae_encoder"].infer({"images": np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)})
+        return latents
+
+    @timed("inversion")
+    def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None) -> BaseState:
+        """A base state from an image: DDIM inversion over the window, with Direct Inversion's
+        per-step corrections (Ju et al. 2023), so that the base's own row, and an identity
+        edit from any step, end at the image's latent exactly (up to the VAE).
+
+        1. encode the image (vae_encoder) to z*_T and run DDIM backwards with ``base.prompt`` (the
+           image's description; guidance 1) to z*_{window_start}: T - window_start rows, in turn;
+        2. from every z*_i one forward step as the base's rows take it (its prompt, guidance and
+           negative prompt): x^_{i+1}, and the unconditional prediction u_i; all in one tail;
+        3. keep d_i = z*_{i+1} - x^_{i+1}: every edit row of this base adds it after step i;
+           and the image's own pixels (uint8), which a masked edit shows outside its mask.
+        """
+        shape = self.latent_shape(base)
+        T = base.steps
+        z0 = self.encode_image(image)
+        request = Request(uuid.uuid4().hex, decode=False)
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, window_start, 1.0), noise=z0, kind="invert")
+        (inversion,) = self._run([job], request, shape, progress)
+        inverted = np.ascontiguousarray(inversion.record.latents[::-1])  # z*_ws .. z*_T
+        cond = self.kv_from_prompts([base.prompt], base.clip_skip)
+        uncond = self.kv_from_prompts([base.negative_prompt], negative=True)
+        partial = BaseState(base, self.manifest.fingerprint, window_start, inverted, cond, uncond)
+        request = Request(uuid.uuid4().hex, decode=False)
+        steps = list(range(window_start, T))
+        jobs = [Job(request, k, base, TailRow(base.prompt, 1.0, i, base.guidance), state=partial, kind="correct")
+                for k, i in enumerate(steps)]  # fmt: skip
+        results = self._run(jobs, request, shape, progress)
+        stepped = np.stack([r.latent for r in results])
+        uncond_out = np.stack([r.record.uncond[i] for r, i in zip(results, steps)])
+        return dataclasses.replace(partial, uncond_out=uncond_out, corrections=inverted[1:] - stepped, source=to_uint8(image))
+
+    def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
+        """Run every row as one batched tail; returns the final latents [N, c, h, w] in row order.
+
+        Rows join the loop as slots free up: more rows than ``max_batch`` need no chunking.
+        """
+        results = self.edit(state, rows, progress, decode=False)
+        if not results:
+            return np.empty((0, *state.latents.shape[1:]), dtype=np.float32)
+        return np.stack([r.latent for r in results])
+
+    def edit(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None,
+             decode: bool = True, errors: bool = False) -> list:  # fmt: skip
+        """Run ``rows`` as one batched tail: a RowResult each (images composited with the base
+        outside their masks when ``decode``); ``errors``: a failed row's exception in its place
+        (the others run on) instead of raising the first."""
+        T = state.base.steps
+        for r, row in enumerate(rows):
+            if not state.window_start <= row.start_step <= T - 1:
+                raise ConfigError(
+                    f"edits[{r}].start_step: {row.start_step} is outside the cache window "
+                    f"[{state.window_start}, {T - 1}]"
+                )
+        if not rows:
+            return []
+        shape = tuple(state.latents.shape[1:])
+        request = Request(uuid.uuid4().hex, decode=decode)
+        jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
+        return self._run(jobs, request, shape, progress, errors)
+
+    def decode_rows(self, latent_shape: Sequence[int]) -> int:
+        """Images per VAE call at ``latent_shape``: the VAE's own profile, fewer where memory
+        holds fewer (one at a time for SD 1.5 at 512x512 in a small budget)."""
+        profile = self.profile.rows("max", "vae_decoder")
+        return min(profile, self._fitting.get(tuple(latent_shape), (0, profile))[1] or profile)
+
+    @timed("decode")
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
+        return np.concatenate(list(self.decode_each(latents)))
+
+    def decode_each(self, latents: np.ndarray) -> Iterator[np.ndarray]:
+        """:meth:`decode` a VAE call at a time (:meth:`decode_rows` images each), each call's
+        images [n, H, W, 3] as soon as they are decoded."""
+        chunk = self.decode_rows(latents.shape[1:])
+        for lo in range(0, len(latents), chunk):
+            (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + chunk])})
+            yield part.transpose(0, 2, 3, 1)
