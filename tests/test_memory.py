@@ -100,7 +100,7 @@ def test_auto_slicing_is_off_at_small_sizes_and_on_at_sd_sizes(model_dir):
 
     import torch
 
-    sd15 = UNet2DConditionModel.load_config(str(Path(__file__).resolve().parents[1] / "export" / "build" / "checkpoint_configs" / "sd1" / "unet"))
+    sd15 = UNet2DConditionModel.load_config(str(Path(__file__).resolve().parents[1] / "export" / "compile" / "checkpoint_configs" / "sd1" / "unet"))
     with torch.device("meta"):  # the architecture, no 3.4 GB of weights
         unet = UNet2DConditionModel.from_config(sd15)
     assert slice_heads_for(unet, "auto") == 1
