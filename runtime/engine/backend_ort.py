@@ -76,17 +76,14 @@ class OrtCudaTensor:
     read_async = read
 
     def move(self, dst: int, src: int, count: int) -> None:
-        _check_fits(self, max(dst, src), count)
-        self._pull()
-        self.mirror[dst : dst + count] = self.mirror[src : src + count].copy()
-        self.host_newer = True
+        self.copy_from(self, dst, src, count)
 
     def copy_from(self, src: "OrtCudaTensor", dst: int, src_offset: int, count: int) -> None:
         _check_fits(self, dst, count)
         _check_fits(src, src_offset, count)
         self._pull()
         src._pull()
-        self.mirror[dst : dst + count] = src.mirror[src_offset : src_offset + count]
+        self.mirror[dst : dst + count] = src.mirror[src_offset : src_offset + count].copy()  # src may be self
         self.host_newer = True
 
     def view(self, shape: tuple[int, ...]) -> TensorView:
@@ -243,12 +240,12 @@ class OrtGraph:
 
     def session_providers(self) -> list:
         provider = _PROVIDERS[self.backend]
-        options = dict(self.provider_options) | self.device.provider_options()
+        device = self.device.provider_options()
+        options = dict(self.provider_options) | device
         if self.cuda_graphs:
             options["enable_cuda_graph"] = "1"
         providers: list = [(provider, options)] if options else [provider]
         if provider == "TensorrtExecutionProvider":  # nodes TensorRT declines run on CUDA, on the same stream, not the CPU
-            device = self.device.provider_options()
             providers.append(("CUDAExecutionProvider", device) if device else "CUDAExecutionProvider")
         if provider != "CPUExecutionProvider" and not self.cuda_graphs:
             providers.append("CPUExecutionProvider")  # ops a GPU provider lacks

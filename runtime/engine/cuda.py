@@ -173,9 +173,7 @@ class CudaTensor:
         self.stream.synchronize()
 
     def move(self, dst: int, src: int, count: int) -> None:
-        _check_fits(self, max(dst, src), count)
-        size = self.dtype.itemsize
-        self.stream.copy(self.ptr + dst * size, self.ptr + src * size, count * size)
+        self.copy_from(self, dst, src, count)
 
     def copy_from(self, src: "CudaTensor", dst: int, src_offset: int, count: int) -> None:
         _check_fits(self, dst, count)

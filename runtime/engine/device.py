@@ -56,7 +56,8 @@ class DeviceTensor(Protocol):
         """The same copy, landing when the backend next synchronizes (at once on the CPU)."""
 
     def move(self, dst: int, src: int, count: int) -> None:
-        """Copy ``count`` elements from ``src`` to ``dst`` inside this tensor (no host trip)."""
+        """Copy ``count`` elements from ``src`` to ``dst`` inside this tensor (no host trip):
+        ``copy_from(self, dst, src, count)``."""
 
     def copy_from(self, src: "DeviceTensor", dst: int, src_offset: int, count: int) -> None:
         """Copy ``count`` elements of ``src`` (same backend and dtype) from ``src_offset`` to
@@ -95,8 +96,7 @@ class HostTensor:
     read_async = read
 
     def move(self, dst: int, src: int, count: int) -> None:
-        _check_fits(self, max(dst, src), count)
-        self.array[dst : dst + count] = self.array[src : src + count]
+        self.copy_from(self, dst, src, count)
 
     def copy_from(self, src: "HostTensor", dst: int, src_offset: int, count: int) -> None:
         _check_fits(self, dst, count)

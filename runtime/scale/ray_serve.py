@@ -50,10 +50,9 @@ from ..errors import ConfigError
 from ..metrics import merged
 from ..model.edit import Base, Edit
 from ..pipeline.uploads import Upload
-from ..serving.edits import Event
 from ..serving.http_errors import ApiError, is_base_id, until_done
 from ..serving.job_control import DOOR
-from ..serving.results import Generated
+from ..serving.results import Event, Generated
 from ..serving.service import Service
 from ..storage.store import base_id
 from ..web.server import create_app, listening_line

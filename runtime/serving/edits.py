@@ -21,14 +21,8 @@ from ..pipeline.pnginfo import edit_fields, parameters_text
 from ..storage.store import base_id
 from .generation import watch
 from .http_errors import ApiError, is_base_id, row_error
-from .results import Edited
+from .results import Edited, Event
 from .sampler_fields import sampler_label
-
-# An edit request's events, in order: "edit_rt.queue" once, then per row "edit_rt.progress"
-# (and, when asked for, "edit_rt.preview": index, step, of, png) and one "image_edit.completed"
-# (data: index, png, info) or "error" (data: index, error: ApiError), then "edit_rt.done".
-# The SSE stream sends them as they come; the JSON answer collects them.
-Event = tuple[str, dict]
 
 
 class Edits:

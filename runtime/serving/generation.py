@@ -26,9 +26,7 @@ from ..storage.store import base_id
 from .http_errors import ApiError, row_error
 from .job_control import A1111, DOOR
 from .related import RelatedPlan
-from .results import Generated
-
-Event = tuple[str, dict]
+from .results import Event, Generated
 
 
 class Generation:

@@ -7,6 +7,13 @@ from typing import Optional
 
 from ..model.edit import Base
 
+# What an operation streams: (kind, data). An edit request's kinds in order: "edit_rt.queue" once,
+# then per row "edit_rt.progress" (and, when asked for, "edit_rt.preview": index, step, of, png)
+# and one "image_edit.completed" (data: index, png, info) or "error" (data: index, error:
+# ApiError), then "edit_rt.done"; a generation's: its previews, then its result. The SSE stream
+# sends them as they come; the JSON answer collects them.
+Event = tuple[str, dict]
+
 
 @dataclass
 class Generated:

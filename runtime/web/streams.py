@@ -28,8 +28,8 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request as HttpRequest
 
-from ..serving.edits import Event
 from ..serving.http_errors import ApiError
+from ..serving.results import Event
 from .api import b64
 from .openai_fields import Delivery
 
