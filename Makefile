@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-dpmpp quality-looks quality64 sliders check-sd15 redteam test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-looks quality64 sliders check-sd15 redteam test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -16,12 +16,14 @@ help:
 	@echo "make engines build the engines this machine can run (ONNX Runtime CPU; TensorRT with a GPU)"
 	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
 	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png), then bench-samplers"
+	@echo "make bench-engines  the CPU engines side by side: ort-cpu, openvino fp32 and bf16 (out/bench/engines.json)"
 	@echo "make bench-samplers  the samplers at equal image quality on the shapes model (out/bench-samplers/)"
 	@echo "make related near-repeat prompts served related vs exact on the shapes model (out/related/)"
 	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
 	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
+	@echo "make quality-bf16 the same with the UNet in bf16 on OpenVINO (out/quality-bf16/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
 	@echo "make train-looks train issue 36's model, its scenes' looks drawn at random (CPU, pieces of 85 min; resumes)"
 	@echo "make sliders train + measure the concept sliders of SLIDERS_MODEL: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
@@ -40,7 +42,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c scripts/constraints.txt torch
-	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[cpu,export,test,ray]'
+	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[cpu,openvino,export,test,ray]'
 	touch $@
 
 model: $(MODEL_DIR)/model_index.json
@@ -78,6 +80,12 @@ quality: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes.yaml
+
+# make quality with the UNet in bf16 on OpenVINO (issue 40; a CPU with avx512_bf16 or AMX): the same
+# bases, edits and baselines as make quality (out/quality-bf16/ beside out/quality/)
+quality-bf16: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt quality configs/shapes-bf16.yaml
 
 # make quality on DPM++ 2M Karras bases at the steps that match DDIM's 30 (docs/samplers.md)
 quality-dpmpp: setup export/models/shapes-sd/model_index.json
@@ -131,6 +139,12 @@ bench: setup $(BENCH_MODEL)/model_index.json bench-samplers
 	$(BIN)/edit-rt export $(BENCH_CONFIG)
 	$(BIN)/edit-rt engines $(BENCH_CONFIG)
 	$(BIN)/edit-rt bench $(BENCH_CONFIG)
+
+# the CPU engines alone (issue 40): ort-cpu, openvino fp32 and bf16 on the bench model at N = 1, 4,
+# 16, a process each (out/bench/engines.json; make bench runs it too, as bench.json's cpu_engines)
+bench-engines: setup $(BENCH_MODEL)/model_index.json
+	$(BIN)/edit-rt export $(BENCH_CONFIG)
+	$(BIN)/python -m edit_rt.export.bench.cpu_engines $(BENCH_CONFIG) --out out/bench
 
 # the samplers at equal image quality on the shapes model (docs/samplers.md), ~6 min on 2 cores
 bench-samplers: setup export/models/shapes-sd/model_index.json

@@ -13,6 +13,11 @@ folders take after it):
     export_converted  edit-rt export of the converted folder; every .onnx / .onnx_data file must
                       be byte-identical to the first folder's (sha256)
     engines           edit-rt engines (ORT CPU)
+    cpu_engines       the CPU engines side by side (export/bench/cpu_engines.py): ort-cpu,
+                      openvino fp32 and bf16, each at N = 1 and 4 rows in a process of its own,
+                      a 2-step tail timed after a warm-up one (a 2-step base; the tail's entry
+                      step, whose unconditional halves the base gave, then a full step), 2
+                      threads; written to cpu-engines.json and the report's cpu_engines
     run               edit-rt run: 4 edits at 512x512 (plain, masked, preserve: auto, strength
                       0.5), engines rows 1/4/4, 2 threads
 
@@ -47,15 +52,17 @@ from typing import Optional
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("build", "single_file", "convert", "export", "export_converted", "engines", "run")
+STAGES = ("build", "single_file", "convert", "export", "export_converted", "engines", "cpu_engines", "run")
 # A stage runs only when the stages it reads from ran fine in this invocation or were left out
 # of --stages (their outputs then have to be on disk from an earlier --keep run).
 NEEDS = {"single_file": ("build",), "convert": ("single_file",), "export": ("build",),
-         "export_converted": ("convert", "export"), "engines": ("export",), "run": ("engines",)}  # fmt: skip
+         "export_converted": ("convert", "export"), "engines": ("export",), "cpu_engines": ("export",),
+         "run": ("engines",)}  # fmt: skip
 GB = 10**9
-# issue 34's bars for SD 1.5 on 2 cores, checked at --scale 1.0 only
+# issue 34's (and 40's) bars for SD 1.5 on 2 cores, checked at --scale 1.0 only
 # (name, stage, what of its result, limit): "disk:<folder>" is a folder's size after the stage
-BARS = (("run peak RSS", "run", "peak_rss_bytes", 10 * GB), ("export peak RSS", "export", "peak_rss_bytes", 9 * GB),
+BARS = (("run peak RSS", "run", "peak_rss_bytes", 10 * GB),
+        ("run peak RSS on the default engine, 4 rows (issue 40)", "run", "peak_rss_bytes", 8 * GB), ("export peak RSS", "export", "peak_rss_bytes", 9 * GB),
         ("export (converted) peak RSS", "export_converted", "peak_rss_bytes", 9 * GB),
         ("build/ of the model (onnx + engines)", "engines", "disk:build_model", 8 * GB))  # fmt: skip
 MODEL, CONVERTED = "sd15-random", "sd15-single"
@@ -248,16 +255,18 @@ class Layout:
         return {name: tree_bytes(p) for name, p in folders.items() if p.exists()}
 
 
-def run_config(layout: Layout, size: int, steps: int, tail: float, converted: bool = False) -> dict:
-    """The `edit-rt run` config of the check: one base, four edits of one tail (issue 34)."""
+def run_config(layout: Layout, size: int, steps: int, tail: float, converted: bool = False, backend: str = "auto",
+               precision: str = "fp16") -> dict:  # fmt: skip
+    """The `edit-rt run` config of the check: one base, four edits of one tail (issue 34), on
+    ``backend`` (auto: the default engine) at ``precision`` (bf16: openvino's)."""
     quarter = size // 2
     return {
         "model": str((layout.converted if converted else layout.model).resolve()),
         "build_dir": str(layout.build.resolve()),
         "output_dir": str((layout.run_dir if not converted else layout.out / "run-converted").resolve()),
-        "backend": "ort-cpu",
+        "backend": backend,  # auto: the default engine (docs/engines.md)
         "threads": 2,
-        "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 4},
+        "engines": {"min_batch": 1, "opt_batch": 4, "max_batch": 4, "precision": precision},
         "base": {"prompt": BASE_PROMPT, "negative_prompt": "", "seed": 0, "steps": steps, "guidance": 7.5,
                  "width": size, "height": size},  # fmt: skip
         "cache": {"window_start": 0, "default_tail_fraction": tail, "default_strength": 1.0},
@@ -275,9 +284,9 @@ def write_configs(layout: Layout, args) -> dict:
 
     layout.out.mkdir(parents=True, exist_ok=True)
     for converted in (False, True):
-        cfg = run_config(layout, args.size, args.steps, args.tail, converted)
+        cfg = run_config(layout, args.size, args.steps, args.tail, converted, args.backend, args.precision)
         layout.config(converted).write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return run_config(layout, args.size, args.steps, args.tail)
+    return run_config(layout, args.size, args.steps, args.tail, backend=args.backend, precision=args.precision)
 
 
 # --- the workers (each stage that is not an edit-rt command) -------------------------------
@@ -314,7 +323,16 @@ def worker_convert(layout: Layout, args) -> None:
     checkpoint.diffusers_from_single_file(layout.single_file, layout.converted, config_dir=config_dir)
 
 
-WORKERS = {"build": worker_build, "single_file": worker_single_file, "convert": worker_convert}
+def worker_cpu_engines(layout: Layout, args) -> None:
+    from edit_rt.export.bench.cpu_engines import measure_engines, print_table
+
+    report = measure_engines(layout.config(), ns=(1, 4), k=2, repeats=1, threads=2, base_steps=2, say=log)
+    (layout.out / "cpu-engines.json").write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report, say=log)
+
+
+WORKERS = {"build": worker_build, "single_file": worker_single_file, "convert": worker_convert,
+           "cpu_engines": worker_cpu_engines}  # fmt: skip
 
 
 def worker_main(stage: str, layout: Layout, args) -> int:
@@ -420,6 +438,8 @@ def run_stage(stage: str, layout: Layout, args, env: dict) -> tuple[StageResult,
     if result.ok and stage == "export_converted":
         extra["graphs"], result.error = compare_graphs(layout)
         result.ok = result.error is None
+    if result.ok and stage == "cpu_engines":
+        extra["cpu_engines"] = json.loads((layout.out / "cpu-engines.json").read_text())
     if result.ok and stage == "run":
         extra["images"], result.error = check_run_outputs(layout)
         result.ok = result.error is None
@@ -511,6 +531,9 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--tail", type=float, default=0.5, help="tail fraction of every edit")
     p.add_argument("--size", type=int, default=512, help="image width and height in pixels (a multiple of 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--backend", default="auto", help="the run stage's backend (auto: the default engine)")
+    p.add_argument("--precision", default="fp16", choices=("fp16", "fp32", "bf16"),
+                   help="the run stage's engines.precision (bf16: openvino on a CPU with it)")
     p.add_argument("--keep", action="store_true", help="keep the models and build/ (to rerun a subset of --stages)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--heartbeat", type=float, default=60.0, help="seconds between 'still running' lines (0: none)")

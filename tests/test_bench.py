@@ -75,3 +75,42 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
                  "LoRA slots (2 x rank 4)", "base.deepcache 3: a generation", "catalogues (2-step tails, PNGs written): 2 rows"):
         assert line in printed, line
+
+
+def test_cpu_engines_side_by_side(tmp_path, model_dir, onnx_dir):
+    """Issue 40's table at its smallest: each engine in its own process from one config file,
+    the same base and the same captured step inputs; fp32 OpenVINO agrees with ONNX Runtime (the
+    reference) to fp32 noise, bf16 is measurably coarser, every number is finite."""
+    import yaml
+
+    from edit_rt.export.bench.cpu_engines import ENGINES, measure_engines
+    from edit_rt.runtime.engine.backend_ov import bf16_unavailable_reason
+
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path), "threads": 2,
+        "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
+        "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 2},
+    }))  # fmt: skip
+    report = measure_engines(config, ns=(2,), k=2, repeats=1, say=lambda s: None)
+    names = [e for e in ("ort-cpu", "openvino fp32", "openvino bf16") if bf16_unavailable_reason() is None or "bf16" not in e]
+    assert report["engines"] == names and len(ENGINES) == 3 and report["failed"] == []
+    points = {p["engine"]: p for p in report["points"]}
+    assert set(points) == set(names) and all(p["n"] == 2 and p["tail_steps"] == 2 for p in points.values())
+    assert report["gflop_per_unet_row"] > 0 and report["machine_limit_gflops"]["fp32"] > 0
+    # 2 rows x 2 steps: the entry step runs 2 conditional rows and 1 unconditional (the other
+    # row's came from the base), the next step both halves of both: 3 + 4 UNet rows a tail
+    assert all(p["unet_rows_per_tail"] == 7 for p in report["points"])
+    ort, ov = points["ort-cpu"], points["openvino fp32"]
+    assert ort["max_abs_diff_step_vs_ort"] == 0 and ort["speedup_vs_ort"] == 1.0
+    scale = ort["latent_scale"]
+    assert ov["max_abs_diff_step_vs_ort"] < 1e-4 * scale and ov["max_abs_diff_eps_vs_ort"] < 1e-4
+    assert ov["max_abs_diff_tail_vs_ort"] < 1e-4 * scale
+    for p in points.values():
+        assert p["seconds"] > 0 and p["peak_rss_bytes"] > 50e6 and p["gflops_per_s"] > 0
+    for name, p in points.items():  # each child ran the engine it was asked for
+        assert p["backend"] == name.split()[0] and p["reason"].startswith("chosen in the config")
+    if "openvino bf16" in points:
+        low = points["openvino bf16"]
+        assert low["max_abs_diff_eps_vs_ort"] > 10 * max(ov["max_abs_diff_eps_vs_ort"], 1e-7)
+    assert _finite(report)

@@ -57,9 +57,11 @@ def sdxl_onnx(sdxl_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def sdxl(sdxl_onnx, sdxl_dir):
-    with EditPipeline(sdxl_onnx, sdxl_dir) as pipe:
+# every SDXL promise on each CPU engine: ONNX Runtime and OpenVINO (fp32) read the same graphs
+@pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
+def sdxl(request, sdxl_onnx, sdxl_dir):
+    with EditPipeline(sdxl_onnx, sdxl_dir, backend=request.param) as pipe:
+        assert pipe.graph_set.backend == request.param
         yield pipe
 
 
@@ -299,12 +301,13 @@ def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir,
     export_onnx(sd2_dir, onnx_dir)
     reference = _sd_pipeline(sd2_dir)
     assert reference.unet.config.upcast_attention and reference.scheduler.config.prediction_type == "v_prediction"
-    with EditPipeline(onnx_dir, sd2_dir) as pipe:
-        assert pipe.family["upcast_attention"] is True
-        for base in (TEST_BASE, dataclasses.replace(TEST_BASE, clip_skip=2)):
-            noise = pipe.initial_noise(base)
-            ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
-            np.testing.assert_allclose(ours, _sd_reference(reference, base, noise), atol=1e-4)
+    for backend in ("ort-cpu", "openvino"):  # both CPU engines on the same graphs
+        with EditPipeline(onnx_dir, sd2_dir, backend=backend) as pipe:
+            assert pipe.family["upcast_attention"] is True and pipe.graph_set.backend == backend
+            for base in (TEST_BASE, dataclasses.replace(TEST_BASE, clip_skip=2)):
+                noise = pipe.initial_noise(base)
+                ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
+                np.testing.assert_allclose(ours, _sd_reference(reference, base, noise), atol=1e-4)
     # every self-attention has one softmax, every cross-attention two (uncond sets, cond rows)
     attentions = [n for n, m in reference.unet.named_modules() if n.endswith(("attn1", "attn2"))]
     cross = len(cross_attention_layers(reference.unet))

@@ -249,3 +249,16 @@ def test_the_gpu_extra_stops_below_each_packages_next_major():
     for name, major in caps.items():
         assert not found[name].contains(major) and not found[name].contains(f"{major}.0.1"), (name, str(found[name]))
         assert found[name].contains(f"{int(major) - 1}.99"), (name, str(found[name]))  # the current major stays allowed
+
+
+def test_the_openvino_extra_stops_below_next_year():
+    """Issue 40: OpenVINO versions are year.release; the extra admits this year's releases and
+    not 2027's, and make setup (CI) installs it."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (req,) = [Requirement(line) for line in project["optional-dependencies"]["openvino"]]
+    assert req.name == "openvino" and req.specifier.contains("2026.4.1") and not req.specifier.contains("2027.0")
+    assert "openvino" in (ROOT / "Makefile").read_text().split("$(VENV)/.installed:")[1].split("touch")[0]

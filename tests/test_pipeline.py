@@ -19,6 +19,21 @@ from edit_rt.runtime.pipeline.edit_pipeline import TailRow
 
 from .conftest import TEST_BASE
 
+
+# Every promise holds on each CPU backend: ONNX Runtime and OpenVINO (fp32) on the same ONNX.
+@pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
+def pipeline(request, onnx_dir, model_dir):
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
+
+    with EditPipeline(onnx_dir, model_dir, backend=request.param) as pipe:
+        assert pipe.graph_set.backend == request.param
+        yield pipe
+
+
+@pytest.fixture(scope="module")
+def base_state(pipeline):
+    return pipeline.generate_base(TEST_BASE)
+
 # Batched rows go through the same kernels as single rows, but ONNX Runtime may split a batch
 # differently across threads, so sums can be reordered: allow fp32 noise, not more.
 BATCH_ATOL = 1e-5

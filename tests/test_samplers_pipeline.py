@@ -50,14 +50,21 @@ REFERENCE = {
 
 
 @pytest.fixture(scope="module")
-def sd2(tmp_path_factory):
+def openvino_pipeline(onnx_dir, model_dir):
+    """The conftest's pipeline on the other CPU engine: OpenVINO (fp32) on the same graphs."""
+    with EditPipeline(onnx_dir, model_dir, backend="openvino") as pipe:
+        yield pipe
+
+
+@pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
+def sd2(request, tmp_path_factory):
     from edit_rt.export.compile.onnx_export import export_onnx
     from edit_rt.export.world.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
     onnx = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"
     export_onnx(model, onnx)
-    with EditPipeline(onnx, model) as pipe:
+    with EditPipeline(onnx, model, backend=request.param) as pipe:
         yield pipe, model
 
 
@@ -81,8 +88,11 @@ def _reference(model_dir: Path, sampler: str, base, latents: np.ndarray, monkeyp
     ).images  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", ["ort-cpu", "openvino"])
 @pytest.mark.parametrize("sampler", list(REFERENCE))
-def test_a_generation_equals_diffusers_with_its_scheduler(pipeline, model_dir, sampler, monkeypatch):
+def test_a_generation_equals_diffusers_with_its_scheduler(request, backend, model_dir, sampler, monkeypatch):
+    pipeline = request.getfixturevalue("pipeline" if backend == "ort-cpu" else "openvino_pipeline")
+    assert pipeline.graph_set.backend == backend
     base = dataclasses.replace(TEST_BASE, sampler=sampler)
     noise = pipeline.initial_noise(base)
     ours = pipeline.decode(pipeline.generate_base(base, noise=noise).final_latent)

@@ -13,7 +13,9 @@ machine drift hits every method alike), for N edits and tail fractions K/T:
   prediction (``tail.uncond``: the rows' unconditional halves skipped; ``base`` costs the same);
 - (f) ``edit-rt tail, deepcache k`` (k in ``DEEPCACHE``): the same tail with every k-th step
   full and the others on the UNet's outer blocks (``tail.deepcache``); and ``edit-rt full,
-  deepcache 3``: a generation so (``base.deepcache``).
+  deepcache 3``: a generation so (``base.deepcache``);
+- the CPU engines side by side (cpu_engines.py): ``ort-cpu``, ``openvino`` fp32 and bf16 at
+  every N, a process each (its own peak RSS), with GFLOP/s against the machine's limit.
 
 The ideal speedup of (d) over (a) is T/K times the per-row step cost ratio of diffusers' own
 pipeline (its run (a) over its n x T row-steps) to the runtime's CFG step at the same batch;
@@ -46,6 +48,8 @@ from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
 from .side import (bucket_cost, catalogue_cost, entry_reuse, inversion_cost, preserve_cost, ratios, server_vs_run,
                    slider_move, structure_cost, _timed)  # fmt: skip
+from .cpu_engines import measure_engines
+from .cpu_engines import print_table as print_engines
 from .sliders import slider_cost
 
 log = logging.getLogger(__name__)
@@ -233,6 +237,11 @@ def run_bench(
     if sliders is not False:
         report["sliders"] = slider_cost(cfg, rt, state, pipe, max(ns), max(ks.values()), repeats, say, **(sliders or {}))
     rt.deactivate()
+    if cfg.source is not None:  # each engine in a process of its own, from the config's file
+        say("bench: the CPU engines side by side (ort-cpu, openvino fp32 and bf16), a process each")
+        report["cpu_engines"] = measure_engines(cfg.source, ns, ks[sorted(fractions)[len(fractions) // 2]], repeats,
+                                                threads, rounds=3, say=say)  # fmt: skip
+        print_engines(report["cpu_engines"], say=say)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))

@@ -148,7 +148,10 @@ def run_quality(
     default_strength = cfg.cache.default_strength
     settings = sorted({(f, 1.0) for f in fractions} | {(default_fraction, s) for s in strengths})
     structure_settings = [(f, k) for f in sorted({default_fraction, *STRUCTURE_TAILS}) for k in structures]
-    pipe = EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width)).activate()
+    # the config's engine: its backend (auto: the fastest here) and precision (bf16 on openvino)
+    pipe = EditPipeline(cfg.onnx_dir, cfg.model_dir, threads=cfg.threads, image_size=(cfg.base.height, cfg.base.width),
+                        backend=cfg.backend, engines_dir=cfg.engines_dir, precision=cfg.engines.precision).activate()  # fmt: skip
+    say(f"quality: backend {pipe.graph_set.backend} ({pipe.graph_set.reason})")
     bar = progress or (lambda total, description: lambda n: None)
     judge = judge_of(cfg.model_dir)
     following = _prompt_following(pipe, cfg.base, prompts, judge, bar(prompts, "prompts")) if prompts else None
@@ -158,10 +161,15 @@ def run_quality(
     img2img.set_progress_bar_config(disable=True)
     unet, text_encoder, _, tokenizer, scheduler_config = load_components(cfg.model_dir)
     tallies: dict[tuple, Tally] = defaultdict(Tally)
+    identity: list[float] = []  # per base: the largest grey-level difference of its identity edit
     base_reads = 0
     start = T - max(1, round(default_fraction * T))
     for b, (intended, base, state, base_image, seen, edits) in enumerate(quality_bases(pipe, cfg, judge, bases)):
         base_reads += judge.follow(base_image, intended)["all"]
+        # an identity edit (the base's own prompt) must give the base back: its largest
+        # difference in 8-bit grey levels (0 where every kernel is deterministic)
+        (same,) = pipe.edit(state, [TailRow(base.prompt, default_strength, start, base.guidance)])
+        identity.append(float(np.abs(np.round(same.image * 255) - np.round(base_image * 255)).max()))
         if seen is None:
             continue  # an unreadable base has no attributes to preserve
         # edit-rt, preserve: none, every setting of every kind in one batched tail; then the same
@@ -207,7 +215,9 @@ def run_quality(
     report = {"model": str(cfg.model), "world": judge.world, "kinds": list(judge.kinds()), "steps": T, "bases": bases, "base_prompt_following": base_reads / bases,
               "prompt_following": following, "guidance": cfg.base.guidance, "default_tail_fraction": default_fraction,
               "default_strength": default_strength, "preserve_default": dataclasses.asdict(cfg.preserve),
-              "rows": table}  # fmt: skip
+              "rows": table, "backend": pipe.graph_set.backend, "backend_reason": pipe.graph_set.reason,
+              "identity_grey_levels": {"max": max(identity, default=0.0), "mean": float(np.mean(identity)) if identity else 0.0,
+                                       "per_base": identity}}  # fmt: skip
     report["targets"] = judge_targets(report)
     report["oracle_ceiling"] = oracle_beside(cfg.model_dir)
     out = Path(cfg.output_dir)

@@ -26,7 +26,7 @@ from .serve import Serve
 
 STRICT = ConfigDict(extra="forbid")
 
-Backend = Literal["auto", "ort-cpu", "ort-cuda", "ort-tensorrt", "trt"]
+Backend = Literal["auto", "ort-cpu", "openvino", "ort-cuda", "ort-tensorrt", "trt"]
 Precision = Literal["fp16", "bf16", "fp32"]
 Rows = between(Int, 1, 1024)  # rows of one call
 Seconds = between(Float, 0.0, lo_open=True)

@@ -16,9 +16,10 @@ plus the two calls the step loop runs on:
 On a GPU every graph of a pipeline shares one device object (one stream, one context-memory
 block), and one thread, the pipeline's engine thread, makes every call.
 
-Backends: ``ort-cpu`` (ONNX Runtime, CPU; the default), ``ort-cuda`` and ``ort-tensorrt``
-(ONNX Runtime's CUDA and TensorRT execution providers), all in backend_ort.py; ``trt`` (native
-TensorRT plans, in backend_trt.py). :func:`backend_report` says which can start here and why,
+Backends: ``ort-cpu`` (ONNX Runtime, CPU), ``ort-cuda`` and ``ort-tensorrt`` (ONNX Runtime's
+CUDA and TensorRT execution providers), all in backend_ort.py; ``openvino`` (OpenVINO's CPU
+plugin on the same ONNX graphs, fp32 or bf16, in backend_ov.py); ``trt`` (native TensorRT
+plans, in backend_trt.py). :func:`backend_report` says which can start here and why,
 :func:`select_backend` resolves ``auto``.
 """
 
@@ -45,6 +46,14 @@ _PROVIDERS = {
     "ort-cuda": "CUDAExecutionProvider",
     "ort-tensorrt": "TensorrtExecutionProvider",
 }
+
+
+# Every backend in the order ``auto`` tries them: the GPU's fastest first, then the CPU's
+# default, ort-cpu. openvino is chosen by name only: at fp32 it ties ort-cpu (0.86x to 1.15x
+# a tail, measured side by side) in more memory (SD 1.5 at 4 rows: 11.6 GB against 6.7), and
+# its bf16 is not exact (docs/engines.md, The CPU engines).
+BACKENDS = ("trt", "ort-tensorrt", "ort-cuda", "ort-cpu", "openvino")
+CPU_BACKENDS = frozenset({"openvino", "ort-cpu"})
 
 
 class Binding(Protocol):
@@ -91,8 +100,10 @@ def available_backends() -> dict[str, str]:
     return {b: why for b, (ok, why) in backend_report().items() if ok}
 
 
-def backend_report() -> dict[str, tuple[bool, str]]:
-    """Every backend: whether it can start here, and why (or why not)."""
+def backend_report(openvino: bool = True) -> dict[str, tuple[bool, str]]:
+    """Every backend: whether it can start here, and why (or why not). ``openvino=False``
+    leaves openvino out: its probe loads OpenVINO's CPU plugin (and its thread pool) into the
+    process, which only a pipeline that may run on it should pay."""
     report: dict[str, tuple[bool, str]] = {}
     try:
         from .backend_trt import trt_unavailable_reason
@@ -115,25 +126,34 @@ def backend_report() -> dict[str, tuple[bool, str]]:
         report["ort-tensorrt"] = (False, "the TensorRT libraries (libnvinfer) are not installed")
     else:
         report["ort-tensorrt"] = (True, "onnxruntime has TensorrtExecutionProvider and a CUDA device")
+    if openvino:
+        from .backend_ov import openvino_unavailable_reason
+
+        ov_reason = openvino_unavailable_reason()
+        report["openvino"] = (True, "OpenVINO's CPU plugin loads") if ov_reason is None else (False, ov_reason)
     report["ort-cpu"] = (True, "ONNX Runtime CPU runs everywhere")
-    return {b: report[b] for b in ("trt", "ort-tensorrt", "ort-cuda", "ort-cpu")}
+    return {b: report[b] for b in BACKENDS if b in report}
 
 
 def select_backend(requested: str, built: set[str]) -> tuple[str, str]:
     """Resolve ``auto`` to the fastest backend that is available and has engines; say why."""
-    report = backend_report()
+    # auto stops at ort-cpu, which always starts: openvino is probed only when asked for
+    report = backend_report(openvino=requested == "openvino")
     available = {b: why for b, (ok, why) in report.items() if ok}
     if requested != "auto":
         if requested not in available:
+            report = backend_report()  # the whole list for the message
+            available = {b: why for b, (ok, why) in report.items() if ok}
             why = report[requested][1] if requested in report else "no such backend"
             raise ConfigError(
                 f"backend: {requested} is not available on this machine ({why}; available: "
                 f"{', '.join(available)}); use backend: auto or ort-cpu"
             )
         return requested, "chosen in the config"
-    for backend in ("trt", "ort-tensorrt", "ort-cuda", "ort-cpu"):
-        if backend in available and (backend in built or backend.startswith("ort-")):
-            skipped = [b for b in ("trt", "ort-tensorrt", "ort-cuda") if b not in available]
+    for backend in BACKENDS:
+        # trt needs its plans built; the others compile (or read) the ONNX graphs themselves
+        if backend in available and (backend in built or backend != "trt"):
+            skipped = [b for b in BACKENDS[: BACKENDS.index(backend)] if b not in available]
             why = available[backend]
             if skipped:
                 why += f"; not available here: {', '.join(skipped)}"

@@ -278,6 +278,10 @@ class OrtGraph:
     def deactivate(self) -> None:
         self.session = None
 
+    @property
+    def loaded(self) -> bool:
+        return self.session is not None
+
     def __enter__(self) -> "OrtGraph":
         return self.activate()
 

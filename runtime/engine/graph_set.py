@@ -3,7 +3,8 @@
 ``graphs_from_artifacts`` resolves the configured backend (``auto`` picks the fastest one
 available), checks the engines under ``build/<model>/engines/<backend>/`` against the ONNX
 manifest, and returns one unactivated graph per stage. ``ort-cpu`` uses the saved
-ONNX-Runtime-optimized graphs where `make engines` built them and the plain ONNX otherwise.
+ONNX-Runtime-optimized graphs where `make engines` built them and the plain ONNX otherwise;
+``openvino`` reads the exported ONNX graphs and compiles them itself, per shape.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 import onnxruntime as ort
 
+from ..errors import ConfigError
 from .backend import Graph, select_backend
 from .backend_ort import OrtDevice, OrtGraph
 from .engines import GRAPHS, graph_precision, load_engines, upcasts
@@ -111,6 +113,21 @@ def graphs_from_artifacts(
         graphs = {g: TrtGraph(f, device, cuda_graphs=cuda_graphs and stepping(g)) for g, f in files.items()}
         return GraphSet(chosen, reason, graphs, files, engines.profile, device)
 
+    if chosen == "openvino":
+        from .backend_ov import OvDevice, OvGraph, resolve_precision
+
+        computes = resolve_precision(precision)
+        # the export's ONNX graphs, not `make engines`' ort-cpu ones: those hold ONNX Runtime's
+        # own fused ops (com.microsoft domain), which are ONNX Runtime's, not the model's
+        files = {g: manifest.path(g) for g in GRAPHS}
+        device = OvDevice()
+        graphs = {g: OvGraph(f, device, threads, computes if graph_precision(manifest, g, "bf16") == "bf16" else "fp32",
+                             lazy=g in LAZY) for g, f in files.items()}  # fmt: skip
+        return GraphSet(chosen, f"{reason}; {computes}", graphs, files, profile, device)
+
+    if chosen == "ort-cpu" and precision == "bf16":
+        raise ConfigError("engines.precision: bf16 runs on backend: openvino only (ONNX Runtime's CPU provider computes "
+                          "fp32); set backend: openvino, or engines.precision: fp32")  # fmt: skip
     if chosen == "ort-cpu" and "ort-cpu" in built:
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
         files = {g: engines.path(g) for g in GRAPHS}

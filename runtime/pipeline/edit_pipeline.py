@@ -19,6 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..engine.engine_thread import EngineThread
+from ..engine.backend import CPU_BACKENDS
 from ..engine.graph_set import GraphSet, graphs_from_artifacts
 from ..engine.manifest import Manifest, load_manifest, model_files
 from ..engine.memory import gib, memory_plan, no_row_fits
@@ -123,9 +124,12 @@ class EditPipeline(PromptEncoding, Preservation):
         self.max_uncond_sets = self.profile.max_sets
         if buckets not in ("auto", "pow2", "exact"):
             raise ConfigError(f"engines.buckets: {buckets!r} is not one of auto, pow2, exact")
-        gpu = self.graph_set.backend != "ort-cpu"
+        # pow2 buckets where a row count is a compiled shape: a GPU's captured graph, an
+        # OpenVINO compile (static shapes; not a graph compiled once with dynamic axes, as SD
+        # 1.5's UNet is); ONNX Runtime on the CPU runs any count as it comes
+        static = self.graph_set.backend != "ort-cpu" and getattr(self.graphs["unet_step"], "static", True)
         self.buckets = (pow2_buckets(self.profile.min_batch, self.max_batch)
-                        if buckets == "pow2" or (buckets == "auto" and gpu) else None)  # fmt: skip
+                        if buckets == "pow2" or (buckets == "auto" and static) else None)  # fmt: skip
         # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
         self.engine = EngineThread()
         self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
@@ -200,9 +204,9 @@ class EditPipeline(PromptEncoding, Preservation):
         made for 32x32 needs terabytes, and would be killed mid-run). A GPU backend's engines
         fix their size and rows (engines.py checks them)."""
         rows, images = self.max_batch, self.profile.vae_max_batch
-        if self.graph_set.backend == "ort-cpu":
+        if self.graph_set.backend in CPU_BACKENDS:
             loading = sum(int(self.manifest.data["graphs"][name].get("weight_bytes", 0)) for name, graph in self.graphs.items()
-                          if not getattr(graph, "lazy", False) and getattr(graph, "session", True) is None)  # fmt: skip
+                          if not getattr(graph, "lazy", False) and not getattr(graph, "loaded", True))  # fmt: skip
             plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading)
             rows, images = plan.step_rows(self.max_batch), plan.decode_rows(images)
             if rows == 0:

@@ -1,0 +1,167 @@
+"""The ``openvino`` backend (issue 40): OpenVINO's CPU plugin on the exported ONNX graphs.
+
+tests/test_pipeline.py, test_families.py (SD 2.x, SDXL) and test_samplers_pipeline.py (every
+sampler, v-prediction) run their exactness promises against diffusers on it (fp32) beside
+``ort-cpu``; here: its
+precision is what the config says and what OpenVINO itself reports after compiling (fp32 pinned
+on a CPU whose default is bf16; in bf16 the guidance and sampler update still fp32), shapes are
+compiled static per row bucket, bf16 is refused with the reason on a CPU without it (the CPU's
+flags simulated), and bf16 stays near fp32 on the same base.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edit_rt.runtime.engine import backend_ov
+from edit_rt.runtime.errors import ConfigError
+from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
+
+from .conftest import TEST_BASE
+
+ov = pytest.importorskip("openvino", reason="the openvino extra is not installed")
+HAS_BF16 = backend_ov.bf16_unavailable_reason() is None
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has neither avx512_bf16 nor amx_bf16")
+
+# /proc/cpuinfo of a CPU with AVX-512 but no bf16 (Skylake-SP), and of one with AMX (Sapphire Rapids)
+SKYLAKE = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl\n"
+SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
+
+
+def _runtime_precisions(compiled, names: set[str]) -> dict[str, set[str]]:
+    """OpenVINO's own report of what each executed node computes in: layer type -> precisions,
+    over the executed nodes made from the original nodes ``names``."""
+    out: dict[str, set[str]] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if set(info["originalLayersNames"].astype(str).split(",")) & names:
+            out.setdefault(info["layerType"].astype(str), set()).add(info["runtimePrecision"].astype(str))
+    return out
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    (tmp_path / "skylake").write_text(SKYLAKE)
+    (tmp_path / "spr").write_text(SAPPHIRE)
+    assert "avx512f" in backend_ov.cpu_flags(tmp_path / "skylake")
+    assert backend_ov.bf16_unavailable_reason(backend_ov.cpu_flags(tmp_path / "skylake")) is not None
+    assert backend_ov.bf16_unavailable_reason(backend_ov.cpu_flags(tmp_path / "spr")) is None
+    assert backend_ov.cpu_flags(tmp_path / "missing") == set()
+
+
+def test_bf16_is_refused_with_the_reason_on_a_cpu_without_it(onnx_dir, model_dir, monkeypatch, tmp_path):
+    (tmp_path / "cpuinfo").write_text(SKYLAKE)
+    read = backend_ov.cpu_flags
+    monkeypatch.setattr(backend_ov, "cpu_flags", lambda: read(tmp_path / "cpuinfo"))
+    with pytest.raises(ConfigError) as err:
+        EditPipeline(onnx_dir, model_dir, backend="openvino", precision="bf16")
+    message = str(err.value)
+    assert message.startswith("engines.precision: bf16 cannot run here")
+    assert "avx512_bf16" in message and "amx_bf16" in message and "engines.precision: fp32" in message
+    # fp32 still runs on that CPU
+    with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="fp32") as pipe:
+        assert pipe.graphs["unet_step"].precision == "fp32"
+
+
+def test_bf16_is_for_openvino_only(onnx_dir, model_dir):
+    with pytest.raises(ConfigError, match="bf16 runs on backend: openvino only"):
+        EditPipeline(onnx_dir, model_dir, backend="ort-cpu", precision="bf16")
+
+
+def test_openvino_starts_here_but_auto_keeps_ort_cpu():
+    """openvino is listed (its CPU plugin loads) and taken by name; auto's CPU engine stays
+    ort-cpu (as fast at fp32, in less memory: docs/engines.md)."""
+    from edit_rt.runtime.engine.backend import backend_report, select_backend
+
+    report = backend_report()
+    assert report["openvino"] == (True, "OpenVINO's CPU plugin loads")
+    assert select_backend("auto", set())[0] == "ort-cpu"
+    assert select_backend("openvino", set()) == ("openvino", "chosen in the config")
+
+
+@pytest.fixture(scope="module")
+def fp32(onnx_dir, model_dir):
+    with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="fp32") as pipe:
+        yield pipe
+
+
+def test_fp32_is_pinned_and_shapes_are_static_per_bucket(fp32):
+    state = fp32.generate_base(TEST_BASE)
+    fp32.run_tail(state, [TailRow("a blue square", 1.0, 5, TEST_BASE.guidance) for _ in range(3)])
+    step = fp32.graphs["unet_step"]
+    shapes = list(step._compiled.values())
+    assert shapes, "the step graph was never compiled"
+    for compiled in shapes:
+        # OpenVINO's default on a bf16 CPU is bf16: the compiled model must say f32
+        assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+        assert all(i.get_partial_shape().is_static for i in compiled.inputs)
+    rows = sorted({c.input("latents").get_shape()[0] for c in shapes})
+    assert 4 in rows and 3 not in rows, f"3 rows run at the pow2 bucket of 4, not their own shape: {rows}"
+
+
+def test_a_graph_past_the_weights_limit_is_compiled_once_dynamic(onnx_dir, model_dir, monkeypatch):
+    """SD 1.5's UNet would hold a copy of its 3.4 GB of weights per compiled bucket: a graph past
+    the limit is compiled once with its dynamic axes (the step loop then runs exact row counts,
+    as on ort-cpu), and still equals ONNX Runtime."""
+    monkeypatch.setattr(backend_ov.OvGraph, "STATIC_WEIGHTS_LIMIT", 0)
+    rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance), TailRow("a green circle", 0.5, 7, 3.0),
+            TailRow("a blue square", 1.0, 6, TEST_BASE.guidance, seed=11)]  # fmt: skip
+    with EditPipeline(onnx_dir, model_dir, backend="ort-cpu") as ort_pipe:
+        state = ort_pipe.generate_base(TEST_BASE)
+        expected = ort_pipe.run_tail(state, rows)
+    with EditPipeline(onnx_dir, model_dir, backend="openvino") as pipe:
+        ours = pipe.run_tail(state, rows)
+        step = pipe.graphs["unet_step"]
+        assert not step.static and list(step._compiled) == [("dynamic",)]
+        assert pipe.buckets is None  # any row count runs as it comes: no padding, no pow2 E
+        (compiled,) = step._compiled.values()
+        assert not compiled.input("latents").get_partial_shape().is_static
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
+
+
+@needs_bf16
+def test_bf16_keeps_the_guidance_and_sampler_update_fp32(onnx_dir, model_dir):
+    with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="bf16") as pipe:
+        state = pipe.generate_base(TEST_BASE)
+        step = pipe.graphs["unet_step"]
+        (compiled,) = [c for c in step._compiled.values() if c.input("latents").get_shape()[0] == 1]
+        assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'bfloat16'>"
+        model = ov.Core().read_model(str(step.path))
+        outside = {n.get_friendly_name() for n in backend_ov.outside_unet(model)}
+        inside = {n.get_friendly_name() for n in model.get_ordered_ops()} - outside
+        unet, update = _runtime_precisions(compiled, inside), _runtime_precisions(compiled, outside)
+        assert "bf16" in unet["Convolution"] and "bf16" in unet.get("MatMul", set()) | unet.get("FullyConnected", set())
+        arithmetic = {kind: precisions for kind, precisions in update.items() if kind in ("Eltwise", "Subgraph", "Reduce")}
+        assert arithmetic and all("bf16" not in p for p in arithmetic.values()), update
+        assert state.final_latent.dtype == np.float32
+
+
+@needs_bf16
+def test_bf16_stays_near_fp32_on_the_same_base(onnx_dir, model_dir, fp32):
+    exact = fp32.generate_base(TEST_BASE)
+    with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="bf16") as pipe:
+        low = pipe.generate_base(TEST_BASE, noise=fp32.initial_noise(TEST_BASE))
+        rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]
+        tail_low = pipe.run_tail(exact, rows)[0]
+    tail = fp32.run_tail(exact, rows)[0]
+    scale = np.abs(exact.final_latent).max()
+    base_diff = np.abs(low.final_latent - exact.final_latent).max() / scale
+    tail_diff = np.abs(tail_low - tail).max() / scale
+    # bf16 keeps 8 bits of mantissa: really lower precision (not silently fp32) ...
+    assert base_diff > 1e-4 and tail_diff > 1e-5, (base_diff, tail_diff)
+    # ... and near fp32 through 10 chained steps on the tiny model
+    assert base_diff < 0.05 and tail_diff < 0.05, (base_diff, tail_diff)
+
+
+def test_a_pipeline_on_ort_cpu_does_not_load_openvino(onnx_dir, model_dir):
+    """Probing openvino loads its CPU plugin and thread pool into the process: auto (which
+    stops at ort-cpu) and ort-cpu never pay it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline; "
+            f"EditPipeline({str(onnx_dir)!r}, {str(model_dir)!r}, backend='auto').activate(); "
+            "print('openvino' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"], done.stdout
