@@ -211,8 +211,14 @@ def measure_engines(config: Path, ns: Sequence[int] = (1, 4, 16), k: int = 10, r
         engines = [e for e in engines if e[1] != "bf16"]
     scale = load_manifest(cfg.onnx_dir).vae_scale_factor
     latent_hw = (cfg.base.height // scale, cfg.base.width // scale)
-    flops = unet_flops(cfg.require_model_dir(), latent_hw)
-    limit = machine_limit(threads)
+    # counted and measured in a process of their own, as each engine runs: OpenVINO's and torch's
+    # thread pools stay out of the caller's process (a test's, a server's)
+    probe = [sys.executable, "-m", "edit_rt.export.bench.cpu_engines", str(config), "--probe",
+             json.dumps([str(cfg.require_model_dir()), list(latent_hw), threads])]  # fmt: skip
+    done = subprocess.run(probe, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"counting the UNet's FLOPs and the machine's limit failed:\n{done.stderr[-3000:]}")
+    flops, limit = json.loads(done.stdout.strip().splitlines()[-1])
     say(f"bench engines: {flops / 1e9:.1f} GFLOP a UNet row; machine limit {limit['fp32']:.0f} GFLOP/s fp32, "
         f"{limit['bf16']:.0f} bf16 ({threads} threads)")  # fmt: skip
     runs: dict[tuple[str, int], dict[str, Any]] = {}
@@ -296,7 +302,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--base-steps", type=int, default=None, help="the base's steps (default: the config's)")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--probe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe:
+        model_dir, latent_hw, threads = json.loads(args.probe)
+        print(json.dumps([unet_flops(Path(model_dir), tuple(latent_hw)), machine_limit(threads)]))
+        return 0
     if args.child:
         backend, precision, n, k, repeats, threads, state, out, base_steps = json.loads(args.child)
         report = _child(str(args.config), backend, precision, n, k, repeats, threads, Path(state), Path(out), base_steps)
