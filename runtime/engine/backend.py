@@ -49,9 +49,10 @@ _PROVIDERS = {
 
 
 # Every backend in the order ``auto`` tries them: the GPU's fastest first, then the CPU's
-# default, ort-cpu. openvino is chosen by name only: at fp32 it ties ort-cpu (0.86x to 1.15x
-# a tail, measured side by side) in more memory (SD 1.5 at 4 rows: 11.6 GB against 6.7), and
-# its bf16 is not exact (docs/engines.md, The CPU engines).
+# default, ort-cpu. openvino is chosen by name only: at fp32 it ties ort-cpu on the embedded and
+# bench models (1.02x to 1.22x a tail) in twice the memory, and at SD 1.5's size it is 2.5x
+# faster but needs 13.8 GB where ort-cpu needs 6.9; its bf16 is not exact (docs/engines.md,
+# The CPU engines).
 BACKENDS = ("trt", "ort-tensorrt", "ort-cuda", "ort-cpu", "openvino")
 CPU_BACKENDS = frozenset({"openvino", "ort-cpu"})
 

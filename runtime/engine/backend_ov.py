@@ -1,7 +1,7 @@
 """The OpenVINO backend, ``openvino``: the same exported ONNX graphs on OpenVINO's CPU plugin.
 
-No second export: OpenVINO's ONNX frontend reads the ``.onnx`` files the export stage wrote (or
-that `make engines` optimized for ``ort-cpu``: plain ONNX either way). What differs from
+No second export: OpenVINO's ONNX frontend reads the ``.onnx`` files the export stage wrote (not
+`make engines`' ``ort-cpu`` graphs, which hold ONNX Runtime's own fused ops). What differs from
 ``ort-cpu`` (backend_ort.py) is how a graph is compiled:
 
 - **static shapes, one compile per shape**: a bound step call's rows are a bucket (pow2, as on
@@ -196,7 +196,6 @@ class OvGraph:
         self._dtypes: dict[str, np.dtype] = {}
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._loaded = False
-        self.weight_bytes = 0
         # one compile per shape, or one dynamic compile for every shape past STATIC_WEIGHTS_LIMIT:
         # known before the graph is read (its files' size, the weights all but a few kB of it),
         # so that the step loop picks its buckets for it (pow2 where each is a compile)
@@ -216,12 +215,11 @@ class OvGraph:
         except RuntimeError as err:  # OpenVINO raises RuntimeError for an unreadable graph
             raise ArtifactError(f"{self.path}: OpenVINO cannot read it ({str(err).splitlines()[0][:200]}); "
                                 "re-run `make export`") from None  # fmt: skip
-        self.weight_bytes = sum(op.get_byte_size() for op in model.get_ordered_ops() if op.get_type_name() == "Constant")
         self.input_names = [p.get_any_name() for p in model.inputs]
         self.output_names = [r.get_any_name() for r in model.outputs]
         self._dtypes = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in [*model.inputs, *model.outputs]}
         if self.static:
-            self.model = model  # read again for each new shape's compile
+            self.model = model  # cloned and reshaped for each new shape's compile
         else:  # compiled once, now; the graph as read is let go (its weights are mapped from the file)
             self._compiled[("dynamic",)] = self.device.core.compile_model(model, "CPU", self.config())
         self._loaded = True
