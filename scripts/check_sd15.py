@@ -8,7 +8,7 @@ folders take after it):
     build             export/sd_random.write_random_sd: the diffusers folder (UNet 859.5 M, VAE
                       83.7 M, CLIP text 123.1 M parameters, the real CLIP tokenizer)
     single_file       that folder as one .safetensors in the original (ldm) key layout
-    convert           export/checkpoint.diffusers_from_single_file: the file back to a folder
+    convert           export/compile/checkpoint.diffusers_from_single_file: the file back to a folder
     export            edit-rt export of the first folder
     export_converted  edit-rt export of the converted folder; every .onnx / .onnx_data file must
                       be byte-identical to the first folder's (sha256)
@@ -307,7 +307,7 @@ def worker_single_file(layout: Layout, args) -> None:
 
 
 def worker_convert(layout: Layout, args) -> None:
-    from edit_rt.export.compile import checkpoint
+    from edit_rt.export.compile import checkpoint, family_configs
 
     config_dir = None
     if args.scale != 1.0:  # the shipped configs are SD 1.5's widths: a narrower file needs its own
@@ -317,7 +317,7 @@ def worker_convert(layout: Layout, args) -> None:
                 target = layout.configs / path.relative_to(layout.model)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)
-        checkpoint.clip_tokenizer_files(layout.configs / "tokenizer")  # as the shipped path builds it
+        family_configs.clip_tokenizer_files(layout.configs / "tokenizer")  # as the shipped path builds it
         config_dir = layout.configs
     shutil.rmtree(layout.converted, ignore_errors=True)
     checkpoint.diffusers_from_single_file(layout.single_file, layout.converted, config_dir=config_dir)

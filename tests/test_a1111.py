@@ -80,6 +80,7 @@ def test_img2img_with_a_mask_changes_only_inside_it(api, invert):
     text = out.image.text["parameters"]
     assert "Mask blur: 1" in text and "Masked content: original" in text and ("Mask mode" in text) == bool(invert)
     assert out.info["accepted"]["inpainting_fill"].startswith("1 (original") and out.info["sampler_name"] == "DDIM"
+    assert out.info["base_reused"] == [False]  # a foreign picture: inverted into a new base
 
 
 def test_inpainting_an_edit_rt_edit_keeps_that_edit_outside_the_mask(api):
@@ -87,7 +88,7 @@ def test_inpainting_an_edit_rt_edit_keeps_that_edit_outside_the_mask(api):
     is that edit's pixels, not the base's."""
     base = api.txt2img(prompt="a red circle on a blue background", seed=8, width=32, height=32, steps=STEPS)
     edit = api.img2img(images=[base.image], prompt="a green circle", denoising_strength=0.5, width=32, height=32, seed=1)
-    assert edit.info["base_ids"] == [base.info["base_id"]]
+    assert edit.info["base_ids"] == [base.info["base_id"]] and edit.info["base_reused"] == [True]
     white = np.zeros((32, 32), bool)
     white[4:12, 4:14] = True
     again = api.img2img(images=[edit.image], mask_image=Image.fromarray((white * 255).astype(np.uint8)), mask_blur=0,
@@ -197,6 +198,65 @@ def test_samplers_schedulers_options_vae_memory_through_webuiapi(api, server):
     memory = api.get_memory()
     assert 0 < memory["ram"]["used"] < memory["ram"]["total"] and "error" in memory["cuda"]
     assert api.get_scripts() == {"txt2img": [], "img2img": []} and api.skip() == {"skipped": 0}
+
+
+# --- A1111's routes edit-rt has nothing behind --------------------------------------------------
+
+# Every route of A1111's API (AUTOMATIC1111/stable-diffusion-webui 1.10, modules/api/api.py, the
+# server-* ones behind --api-server-stop) with the JSON type its response_model gives a 200 (None:
+# none declared); txt2img and img2img are walked below.
+A1111_ROUTES = {
+    ("POST", "/extra-single-image"): dict, ("POST", "/extra-batch-images"): dict, ("POST", "/png-info"): dict,
+    ("GET", "/progress"): dict, ("POST", "/interrogate"): None, ("POST", "/interrupt"): None, ("POST", "/skip"): None,
+    ("GET", "/options"): dict, ("POST", "/options"): None, ("GET", "/cmd-flags"): dict, ("GET", "/samplers"): list,
+    ("GET", "/schedulers"): list, ("GET", "/upscalers"): list, ("GET", "/latent-upscale-modes"): list,
+    ("GET", "/sd-models"): list, ("GET", "/sd-vae"): list, ("GET", "/hypernetworks"): list, ("GET", "/face-restorers"): list,
+    ("GET", "/realesrgan-models"): list, ("GET", "/prompt-styles"): list, ("GET", "/embeddings"): dict,
+    ("POST", "/refresh-embeddings"): None, ("POST", "/refresh-checkpoints"): None, ("POST", "/refresh-vae"): None,
+    ("POST", "/create/embedding"): dict, ("POST", "/create/hypernetwork"): dict, ("POST", "/train/embedding"): dict,
+    ("POST", "/train/hypernetwork"): dict, ("GET", "/memory"): dict, ("POST", "/unload-checkpoint"): None,
+    ("POST", "/reload-checkpoint"): None, ("GET", "/scripts"): dict, ("GET", "/script-info"): list,
+    ("GET", "/extensions"): list, ("POST", "/server-kill"): None, ("POST", "/server-restart"): None,
+    ("POST", "/server-stop"): None, ("GET", "/loras"): list, ("POST", "/refresh-loras"): None,
+}  # fmt: skip
+
+
+def test_every_a1111_route_is_answered_in_a1111s_shape_never_a_bare_404(server):
+    wrong, http = [], httpx.Client(base_url=server.url, timeout=60)  # one client: its setup costs more than these answers
+    for (method, path), shape in A1111_ROUTES.items():
+        r = http.request(method, f"/sdapi/v1{path}", **({"json": {}} if method == "POST" else {}))
+        if r.status_code == 501:  # A1111's error shape (its api_middleware's), naming the route and why
+            body = r.json()
+            ok = set(body) == {"error", "detail", "body", "errors"} and f"{method} /sdapi/v1{path} is not served by edit-rt: " in body["detail"]
+        elif r.status_code == 200:
+            ok = shape is None or isinstance(r.json(), shape)
+        else:  # refused for its empty body (png-info), as any route is
+            ok = r.status_code == 400 and "error" in r.json()
+        if not ok:
+            wrong.append(f"{method} {path}: {r.status_code} {r.text[:200]}")
+    http.close()
+    assert wrong == []
+    # the guards are the other routes': a cross-site page's post is refused before the route answers
+    r = httpx.post(f"{server.url}/sdapi/v1/interrogate", json={}, headers={"origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin"
+    r = httpx.get(f"{server.url}/sdapi/v1/upscalers", headers={"host": "evil.example"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_host"
+    assert httpx.get(f"{server.url}/sdapi/v1/artists", timeout=30).status_code == 404  # gone from A1111 itself
+
+
+def test_webuiapi_sees_why_a_route_is_not_served(api):
+    assert api.get_upscalers() == [] and api.get_hypernetworks() == [] and api.get_realesrgan_models() == []
+    assert api.get_latent_upscale_modes() == [] and api.get_face_restorers() == [] and api.get_prompt_styles() == []
+    assert api.get_embeddings() == {"loaded": {}, "skipped": {}} and api.get_scripts() == {"txt2img": [], "img2img": []}
+    assert api.refresh_checkpoints() is None  # posted without a body: nothing to rescan, as A1111 answers a rescan
+    for call, route in ((lambda: api.interrogate(_photo()), "/interrogate"), (lambda: api.extra_single_image(_photo()), "/extra-single-image"),
+                        (lambda: api.extra_batch_images([_photo()]), "/extra-batch-images")):  # fmt: skip
+        with pytest.raises(RuntimeError) as err:  # webuiapi raises (status, text) for a non-200
+            call()
+        status, text = err.value.args
+        assert status == 501 and f"POST /sdapi/v1{route} is not served by edit-rt" in json.loads(text)["detail"], text
+    flags = api.get_cmd_flags()  # webuiapi returns the body whatever the status
+    assert "/sdapi/v1/cmd-flags is not served by edit-rt" in flags["detail"] and "/sdapi/v1/options" in flags["detail"]
 
 
 # --- the field walk -----------------------------------------------------------------------------

@@ -93,3 +93,65 @@ def test_the_size_is_counted_without_making_rows():
     rows = spec.rows()
     first = [next(rows) for _ in range(9)]  # lazily: the first rows without the other 471
     assert [i for i, _ in first] == list(range(9)) and first[8][1].adapters == {"b": -2.0}
+
+
+def _counted(totals: dict):
+    """A progress factory that adds up what each bar is advanced by."""
+
+    def bar(total: int, description: str):
+        totals[description] = {"total": total, "advanced": 0}
+
+        def advance(n: int) -> None:
+            totals[description]["advanced"] += n
+
+        return advance
+
+    return bar
+
+
+def _catalogue_files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.endswith((".png", ".json"))}
+
+
+def test_a_tampered_catalogue_resumes_to_exactly_the_rows_of_a_clean_run(tmp_path, model_dir, onnx_dir):
+    """Only a row's own PNG counts as done: a symlink (to a valid PNG of that very row), a
+    damaged PNG, a directory under a row's name are run again without being followed, a stray
+    row number past the last is neither counted nor touched. The reference is a clean run in
+    another folder: the same files, byte for byte, read by the file system and Pillow."""
+    clean = run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE, out="clean"))["catalogue"]
+    reference = _catalogue_files(tmp_path / "clean" / "catalogue")
+    assert clean["run"] == 6 and Image.open(tmp_path / "clean" / "catalogue" / "00000.png").size == (32, 32)
+
+    folder = tmp_path / "tampered" / "catalogue"
+    folder.mkdir(parents=True)
+    (folder / "catalogue.json").write_bytes(reference["catalogue.json"])
+    (folder / "00000.png").write_bytes(reference["00000.png"])  # the one row that is whole
+    outside = tmp_path / "outside.png"  # a valid PNG of row 1: followed, it would count as done
+    outside.write_bytes(reference["00001.png"])
+    (folder / "00001.png").symlink_to(outside)
+    (folder / "00002.png").write_bytes(reference["00002.png"][:-40])  # cut short: no IEND, a bad CRC
+    (folder / "00003.png").mkdir()
+    (folder / "00003.png" / "kept.txt").write_text("inside a directory named like a row")
+    stray = reference["00005.png"]
+    (folder / "00099.png").write_bytes(stray)  # past the last row (6): no row of this catalogue
+
+    totals: dict = {}
+    again = run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE, out="tampered"), progress=_counted(totals))
+    assert again["catalogue"]["resumed"] == 1 and again["catalogue"]["run"] == 5
+    assert totals["catalogue"] == {"total": 6, "advanced": 6}  # never "25/24"
+    files = _catalogue_files(folder)
+    assert files.pop("00099.png") == stray  # left as it was, not counted
+    assert files == reference
+    assert not (folder / "00001.png").is_symlink() and outside.read_bytes() == reference["00001.png"]
+    assert (folder / "00003.png").is_file()
+    index = json.loads(files["catalogue.json"])
+    assert index["rows"] == index["written"] == 6
+
+
+def test_raising_only_max_rows_resumes_the_same_rows(tmp_path, model_dir, onnx_dir):
+    """The resume key is what the rows are, not a limit on them: a catalogue run again with a
+    larger ``max_rows`` (above its 6 rows) skips the rows it wrote."""
+    run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE))
+    (tmp_path / "out" / "catalogue" / "00004.png").unlink()
+    again = run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE + "  max_rows: 50\n"))["catalogue"]
+    assert again["resumed"] == 5 and again["run"] == 1

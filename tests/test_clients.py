@@ -179,7 +179,9 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(server):
         def check(case):
             response = case.call(base_url=server.url, timeout=60)
             calls.append(response.status_code)
-            if response.status_code >= 500 or str(response.status_code) not in operation.definition.raw["responses"]:
+            # 501 only where documented: the A1111 routes edit-rt does not serve answer it by design
+            server_error = response.status_code >= 500 and response.status_code != 501
+            if server_error or str(response.status_code) not in operation.definition.raw["responses"]:
                 failures.append((operation.label, response.status_code, response.text[:200]))
 
         check()

@@ -279,6 +279,54 @@ def test_sdk_create_variation_is_seeded_renoising_of_the_image(client, server):
     assert plain.data[0].model_extra["info"]["seed"] is not None and plain.data[0].model_extra["info"]["strength"] == 0.0
 
 
+# --- an edit-rt PNG re-enters its own base ---------------------------------------------------
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    """A /metrics sample summed over the series whose labels include ``labels`` (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+
+def test_sdk_edit_of_an_edit_rt_png_re_enters_its_base_as_img2img_does(client, server):
+    """images.edit of a PNG this server generated: no inversion, no new base; the edit is the one
+    requested by base id, pixel for pixel; an edit's PNG names the same base (with a mask, the
+    upload's own pixels stay outside it); with the base gone, the image is inverted instead."""
+    gen = client.images.generate(prompt=PROMPT, size="32x32", extra_body={"seed": 21, "steps": STEPS})
+    bid, png = gen.model_extra["id"], base64.b64decode(gen.data[0].b64_json)
+    inversions = lambda: _metric(server, "edit_rt_stage_seconds_count", stage="inversion")  # noqa: E731
+    stored = lambda: _metric(server, "edit_rt_store_entries")  # noqa: E731
+    before = (inversions(), stored())
+    prompt, edit_body = "a green circle on a blue background", {"tail_steps": 3}
+    edit = client.images.edit(image=("base.png", png, "image/png"), prompt=prompt, extra_body={**edit_body, "steps": 50})
+    assert edit.model_extra["base_id"] == bid and edit.model_extra["base_reused"] == [True]
+    assert (inversions(), stored()) == before  # no inversion ran, no base was stored
+    assert edit.model_extra["info"]["accepted"]["steps"].startswith(f"{STEPS} (")  # the base's steps ran, said so
+    by_id = httpx.post(server.url + "/v1/images/edits", json={"base_id": bid, "edits": [{"prompt": prompt, **edit_body}]},
+                       timeout=120).json()  # fmt: skip
+    assert np.array_equal(_pixels(edit.data[0].b64_json), _pixels(by_id["data"][0]["b64_json"]))  # 0 grey levels apart
+    as_json = httpx.post(server.url + "/v1/images/edits", json={"image": gen.data[0].b64_json, "edits": [{"prompt": prompt, **edit_body}]},
+                         timeout=120).json()  # fmt: skip
+    assert as_json["base_id"] == bid and as_json["base_reused"] == [True]
+    assert np.array_equal(_pixels(as_json["data"][0]["b64_json"]), _pixels(by_id["data"][0]["b64_json"]))
+    editable = np.zeros((32, 32), bool)
+    editable[:, :16] = True
+    masked = client.images.edit(image=("edit.png", base64.b64decode(edit.data[0].b64_json), "image/png"), prompt="a yellow square",
+                                mask=("m.png", _mask(editable), "image/png"), extra_body={"tail_steps": 5, "strength": 2.0})  # fmt: skip
+    assert masked.model_extra["base_ids"] == [bid] and masked.model_extra["base_reused"] == [True]
+    got, own = _pixels(masked.data[0].b64_json), _pixels(edit.data[0].b64_json)
+    assert np.array_equal(got[:, 16:], own[:, 16:]) and not np.array_equal(got[:, :14], own[:, :14])
+    assert (inversions(), stored()) == before
+    # the base deleted: the same upload is inverted into a new base (as the A1111 door falls back)
+    assert httpx.delete(f"{server.url}/v1/bases/{bid}", timeout=30).status_code == 200
+    again = client.images.edit(image=("base.png", png, "image/png"), prompt=prompt, extra_body=edit_body)
+    assert again.model_extra["base_reused"] == [False] and again.model_extra["base_id"] != bid
+    assert inversions() == before[0] + 1
+
+
 # --- streaming with the SDK's iterators ------------------------------------------------------
 
 

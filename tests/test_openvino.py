@@ -165,3 +165,18 @@ def test_a_pipeline_on_ort_cpu_does_not_load_openvino(onnx_dir, model_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False"], done.stdout
+
+
+def test_an_export_with_idle_adapter_slots_runs_and_equals_diffusers(adapter_onnx_dir, model_dir, diffusers_pipe):
+    """A generation whose rows use no adapter binds the slots zero wide on ONNX Runtime; OpenVINO
+    cannot compile a zero-wide input, so its rows bind them full width at zero scales."""
+    import torch
+
+    with EditPipeline(adapter_onnx_dir, model_dir, backend="openvino") as pipe:
+        noise = pipe.initial_noise(TEST_BASE)
+        image = pipe.decode(pipe.generate_base(TEST_BASE, noise=noise).final_latent)
+    b = TEST_BASE
+    expected = diffusers_pipe(b.prompt, negative_prompt=b.negative_prompt, num_inference_steps=b.steps,
+                              guidance_scale=b.guidance, height=b.height, width=b.width, eta=0.0,
+                              latents=torch.from_numpy(noise), output_type="np").images  # fmt: skip
+    np.testing.assert_allclose(image, expected, atol=1e-4)

@@ -202,6 +202,8 @@ def test_a_config_sampler_the_model_cannot_run_is_refused_when_its_pipeline_is_b
             self.manifest = SimpleNamespace(data={"model": {"variant": None}}, scheduler_config=cosine)
 
     monkeypatch.setattr(assemble, "EditPipeline", Pipe)
+    monkeypatch.setattr(assemble, "require_model", lambda cfg: None)  # no model or export on disk: the fake above reads none
+    monkeypatch.setattr(assemble, "require_build", lambda cfg: tmp_path)
     cfg = config_from_dict({"model": str(tmp_path), "base": {"prompt": "a cat", "sampler": "DPM++ 2M Karras"}})
     with pytest.raises(ConfigError) as refused:
         assemble.pipeline_of(cfg)

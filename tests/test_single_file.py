@@ -130,11 +130,18 @@ def test_a_conversion_is_done_once_and_again_when_the_file_changes(sd_file, mode
     before = (out / STAMP).stat().st_mtime_ns
     said: list[str] = []
     assert diffusers_from_single_file(path, out, config_dir=model_dir, say=said.append) == out
-    assert said == [] and (out / STAMP).stat().st_mtime_ns == before and conversion_current(path, out, "sd1")
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a new download of the name
-    assert not conversion_current(path, out)
+    assert said == [] and (out / STAMP).stat().st_mtime_ns == before and conversion_current(path, out, "sd1", model_dir)
+    assert not conversion_current(path, out, "sd1")  # converted with other configs than the shipped ones
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # touched: the same bytes
+    assert diffusers_from_single_file(path, out, config_dir=model_dir, say=said.append) == out and said == []
+    blob = sd_file.read_bytes()
+    path.write_bytes(blob[:-4] + bytes(b ^ 0xFF for b in blob[-4:]))  # a new download of the name: other weights
+    assert not conversion_current(path, out, config_dir=model_dir)
     diffusers_from_single_file(path, out, config_dir=model_dir, say=said.append)
-    assert len(said) == 1 and conversion_current(path, out, "sd1")
+    path.write_bytes(blob)  # and the first one again
+    assert not conversion_current(path, out, config_dir=model_dir)
+    diffusers_from_single_file(path, out, config_dir=model_dir, say=said.append)
+    assert len(said) == 2 and conversion_current(path, out, "sd1", model_dir)
     assert not (tmp_path / "m" / "diffusers.old").exists() and not (tmp_path / "m" / "diffusers.partial").exists()
     _same_weights(model_dir, out)
 
@@ -188,8 +195,9 @@ def test_a_file_not_yet_converted_is_refused_naming_the_export(sd_file, tmp_path
 @pytest.mark.slow
 def test_edit_rt_export_and_run_take_a_single_file(sd_file, model_dir, tmp_path):
     """`edit-rt export` on a config naming the file converts it (here beforehand, with the tiny
-    model's configs: the shipped ones are the real families' sizes) and exports the converted
-    folder under build/<stem>/onnx; `edit-rt run` fingerprints that folder."""
+    model's configs, which the config names as checkpoint_config: its 32-wide text encoder is
+    no CLIP width the shapes can describe) and exports the converted folder under
+    build/<stem>/onnx; `edit-rt run` fingerprints that folder."""
     from edit_rt.export.compile.checkpoint import diffusers_from_single_file
     from edit_rt.runtime.engine.manifest import load_manifest, model_fingerprint
 
@@ -197,7 +205,7 @@ def test_edit_rt_export_and_run_take_a_single_file(sd_file, model_dir, tmp_path)
     path.write_bytes(sd_file.read_bytes())
     cfg = {"model": str(path), "build_dir": str(tmp_path / "build"), "output_dir": str(tmp_path / "out"),
            "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
-           "edits": [{"prompt": "a blue circle", "tail_steps": 2}]}  # fmt: skip
+           "edits": [{"prompt": "a blue circle", "tail_steps": 2}], "checkpoint_config": str(model_dir)}  # fmt: skip
     converted = diffusers_from_single_file(path, tmp_path / "build" / "tiny-sd" / "diffusers", config_dir=model_dir)
     exported = _cli(tmp_path, "export", cfg)
     assert exported.returncode == 0, exported.stderr
@@ -207,7 +215,8 @@ def test_edit_rt_export_and_run_take_a_single_file(sd_file, model_dir, tmp_path)
     ran = _cli(tmp_path, "run", cfg)
     assert ran.returncode == 0, ran.stderr
     assert (tmp_path / "out" / "edit_00.png").is_file()
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    blob = path.read_bytes()
+    path.write_bytes(blob[:-4] + bytes(b ^ 0xFF for b in blob[-4:]))  # other weights under the same name
     _refused_by_cli(_cli(tmp_path, "run", cfg), "changed since it was converted", "edit-rt export")
 
 
@@ -282,14 +291,14 @@ def _reference_ids(text: str, vocab_path: Path) -> list[int]:
 def clip_tokenizer(tmp_path_factory):
     from transformers import CLIPTokenizer
 
-    from edit_rt.export.compile.checkpoint import clip_tokenizer_files
+    from edit_rt.export.compile.family_configs import clip_tokenizer_files
 
     return CLIPTokenizer.from_pretrained(str(clip_tokenizer_files(tmp_path_factory.mktemp("tok") / "tokenizer")))
 
 
 @pytest.mark.parametrize("prompt", list(CLIP_IDS))
 def test_the_shipped_vocabulary_gives_clip_ids(clip_tokenizer, prompt):
-    from edit_rt.export.compile.checkpoint import VOCAB
+    from edit_rt.export.compile.family_configs import VOCAB
 
     assert _reference_ids(prompt, VOCAB) == CLIP_IDS[prompt]
     assert clip_tokenizer(prompt).input_ids == CLIP_IDS[prompt]
@@ -299,7 +308,7 @@ def test_the_tokenizer_files_are_clips(clip_tokenizer, tmp_path):
     from tokenizers import Tokenizer
     from transformers import CLIPTokenizer
 
-    from edit_rt.export.compile.checkpoint import clip_tokenizer_files
+    from edit_rt.export.compile.family_configs import clip_tokenizer_files
 
     folder = Path(clip_tokenizer.name_or_path)
     vocab = json.loads((folder / "vocab.json").read_text())

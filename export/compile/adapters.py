@@ -215,12 +215,30 @@ def convert_adapter(model_dir: Path, manifest: Manifest, source: Path, name: str
     return out
 
 
-def convert_adapters(model_dir: Path, manifest: Manifest, sources: dict[str, Path], out_dir: Path) -> dict[str, Path]:
-    """Every configured adapter converted (one pipeline loaded for all); name -> its file."""
-    if not sources:
-        return {}
+def converted_current(manifest: Manifest, source: Path, out: Path, name: str) -> bool:
+    """Whether ``out`` holds ``source`` converted for this export: it loads against the manifest
+    (same model fingerprint, layers that fit the slots) and was converted from these bytes."""
+    from edit_rt.runtime.errors import EditRtError
+    from edit_rt.runtime.model.adapters import load_adapter
+
+    try:
+        adapter = load_adapter(out, name, manifest)
+        return adapter.source_sha256 == sha256_file(lora_source(source))
+    except (EditRtError, OSError):
+        return False
+
+
+def convert_adapters(model_dir: Path, manifest: Manifest, sources: dict[str, Path], out_dir: Path,
+                     skip_current: bool = False) -> dict[str, Path]:  # fmt: skip
+    """Every configured adapter converted (one pipeline loaded for all); name -> its file.
+    ``skip_current``: leave out those whose converted file is current (:func:`converted_current`)."""
     from edit_rt.runtime.model.adapters import adapter_path
 
+    if skip_current:
+        sources = {name: src for name, src in sources.items()
+                   if not converted_current(manifest, src, adapter_path(out_dir, name), name)}  # fmt: skip
+    if not sources:
+        return {}
     pipe = _pipeline(Path(model_dir), manifest.family["family"])
     return {name: convert_adapter(model_dir, manifest, src, name, adapter_path(out_dir, name), pipe)
             for name, src in sources.items()}  # fmt: skip

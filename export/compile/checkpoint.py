@@ -4,15 +4,18 @@ A ``.safetensors`` checkpoint in the original ("ldm") layout, as A1111, ComfyUI 
 SD 1.x, SD 2.x and SDXL, is converted by diffusers' own single-file loaders
 (``StableDiffusionPipeline.from_single_file`` / ``StableDiffusionXLPipeline.from_single_file``)
 with ``config=`` a folder the project ships (``checkpoint_configs/<family>/``: the configs of SD
-1.5, SD 2.1-base, SD 2.1 768-v and SDXL base 1.0) and ``local_files_only``, so nothing is looked
-up on a hub. A single file carries no tokenizer: the CLIP tokenizer is built from CLIP's BPE
+1.5, SD 2.1-base, SD 2.1 768-v and SDXL base 1.0), with what the file's tensor shapes tell (widths,
+depths, vocabulary) written over them (checkpoint_shapes.py), and ``local_files_only``, so nothing
+is looked up on a hub. A single file carries no tokenizer: the CLIP tokenizer is built from CLIP's BPE
 vocabulary shipped in ``vocab/`` (from the open-clip-torch wheel, MIT licence), exactly as
 open_clip's ``SimpleTokenizer`` reads it. What a file is, and every refusal, comes from its header
 (``runtime/model/single_file.py``, which the torch-free runtime shares).
 
 The converted folder is written to ``<out>.partial`` and moved into place (``os.replace``), with a
-``single_file.json`` recording the source's size, mtime and header sha256 and the family: a second
-export of the same file is skipped, a changed file is converted again.
+``single_file.json`` recording the source's size, mtime, ctime, inode and content sha256 and the
+family: a second export of the same file is skipped, a changed file is converted again (one given
+its old mtime back too). Every folder it writes, moves or deletes is ``<out>`` or a sibling of it
+(``.partial``, ``.old``), and ``<out>`` never climbs out of the folder it names (``build/../x``).
 
 ``python -m edit_rt.export.compile.checkpoint FILE.ckpt [OUT.safetensors]`` turns a pickle checkpoint into
 a safetensors one with ``torch.load(weights_only=True)``: only tensors are unpickled, no code runs.
@@ -20,7 +23,6 @@ a safetensors one with ``torch.load(weights_only=True)``: only tensors are unpic
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
@@ -32,69 +34,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from edit_rt.runtime.errors import EditRtError, ModelError
-from edit_rt.runtime.model.single_file import STAMP, checkpoint_family, conversion_current, read_header, source_stamp
+from edit_rt.runtime.model.single_file import (STAMP, checkpoint_family, conversion_configs, conversion_current, read_header,
+                                               source_stamp)  # fmt: skip
+
+from .checkpoint_shapes import configs_from_shapes, conversion_refusal
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).resolve().parent
-CONFIGS = HERE / "checkpoint_configs"
-VOCAB = HERE / "vocab" / "bpe_simple_vocab_16e6.txt.gz"
-# open_clip's SimpleTokenizer keeps the merges after the version line up to this count, so that
-# 256 byte symbols x 2 (bare and word-final) + merges + 2 special tokens = 49408 ids.
-N_MERGES = 49152 - 256 - 2
-# Which pad token each family's tokenizers use: CLIP's end token for OpenAI CLIP as SD 1.x and
-# SDXL's first encoder use it, "!" (id 0) for the OpenCLIP encoders (SD 2.x, SDXL's second),
-# which open_clip pads with zeros. The padded positions' hidden states are K/V the UNet attends to.
-TOKENIZERS = {
-    "sd1": (("tokenizer", "<|endoftext|>"),),
-    "sd2": (("tokenizer", "!"),),
-    "sd2-v": (("tokenizer", "!"),),
-    "sdxl": (("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")),
-}
 _OPENCLIP_XL = "conditioner.embedders.1.model."
-
-
-def clip_vocab(vocab_path: Path = VOCAB) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """CLIP's vocabulary (token -> id) and BPE merges, built as open_clip's SimpleTokenizer builds
-    them: the 256 byte symbols, the same with ``</w>``, one token per merge, the two special tokens."""
-
-    lines = gzip.open(vocab_path).read().decode("utf-8").split("\n")
-    merges = [tuple(line.split()) for line in lines[1 : N_MERGES + 1]]
-    if len(merges) != N_MERGES or any(len(m) != 2 for m in merges):
-        raise ModelError(f"{vocab_path}: not CLIP's BPE vocabulary ({len(merges)} merges, expected {N_MERGES}); "
-                         "reinstall edit-rt")  # fmt: skip
-    symbols = bytes_to_unicode()
-    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, merges
-
-
-def clip_tokenizer_files(out_dir: Path, pad_token: str = "<|endoftext|>") -> Path:
-    """Write the real CLIP tokenizer (vocab.json, merges.txt, tokenizer.json and its config, 77
-    tokens) to ``out_dir`` through transformers' CLIPTokenizer; ``pad_token``: "<|endoftext|>"
-    for SD 1.x and SDXL's first tokenizer, "!" for SD 2.x and SDXL's second."""
-    from transformers import CLIPTokenizer
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vocab, merges = clip_vocab()
-    # the pair the original (slow) CLIPTokenizer and other tools read; tokenizer.json is what
-    # transformers' fast tokenizer and the runtime's `tokenizers` load
-    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token=pad_token)
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
-
-
-def config_folder(family: str, out_dir: Path) -> Path:
-    """The shipped diffusers configs of ``family`` copied to ``out_dir``, with its tokenizer(s):
-    what ``from_single_file(config=...)`` reads instead of a hub repository."""
-    if family not in TOKENIZERS:
-        raise ModelError(f"family: {family!r} is not one of {', '.join(TOKENIZERS)}")
-    shutil.copytree(CONFIGS / family, out_dir)
-    for name, pad in TOKENIZERS[family]:
-        clip_tokenizer_files(Path(out_dir) / name, pad_token=pad)
-    return Path(out_dir)
 
 
 def diffusers_from_single_file(path: Path, out_dir: Path, family: Optional[str] = None, config_dir: Optional[Path] = None,
@@ -104,31 +51,35 @@ def diffusers_from_single_file(path: Path, out_dir: Path, family: Optional[str] 
     holds the conversion of the file as it is now.
 
     ``family``: sd1, sd2, sd2-v or sdxl (default: detected from the keys; SD 2.x must be told).
-    ``config_dir``: a diffusers folder whose configs, tokenizers and scheduler describe the file
-    (default: the family's shipped ones): a model of other sizes than the real families', such as
-    the tests' tiny ones. ``say`` gets one line when a conversion ran.
+    ``config_dir``: a diffusers folder whose configs, tokenizers and scheduler describe the file,
+    used as it is (``checkpoint_config:``); default: the family's shipped ones with what the
+    file's shapes tell written over them (checkpoint_shapes.py). ``say`` gets one line when a
+    conversion ran.
     """
-    path, out_dir = Path(path), Path(out_dir)
+    path, out_dir = Path(path), _checked_destination(Path(out_dir))
     header = read_header(path)
     family = checkpoint_family(path, family, header)
-    if conversion_current(path, out_dir, family):
+    if conversion_current(path, out_dir, family, config_dir):
         log.info("%s: converted already into %s", path, out_dir)
         return out_dir
-    stamp = {"source": str(path.resolve()), **source_stamp(path, header), "family": family}
+    stamp = {"source": str(path.resolve()), **source_stamp(path), "family": family}
     start = time.monotonic()
-    partial = out_dir.with_name(out_dir.name + ".partial")
+    partial = _beside(out_dir, ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s (%s) into %s", path, family, out_dir)
     with tempfile.TemporaryDirectory(prefix="edit-rt-configs-") as tmp:
-        config = Path(config_dir) if config_dir is not None else config_folder(family, Path(tmp) / family)
+        if config_dir is not None:
+            config = Path(config_dir)
+        else:
+            config = configs_from_shapes(path, header, family, Path(tmp) / family)
         pipe = _pipeline_from_file(path, config, family, _stored_dtype(header))
         pipe.save_pretrained(str(partial), safe_serialization=True)
         del pipe
     seconds = time.monotonic() - start
     import diffusers
 
-    stamp.update(config=str(config_dir) if config_dir is not None else f"shipped:{family}",
+    stamp.update(config=conversion_configs(family, config_dir),
                  diffusers=diffusers.__version__, seconds=round(seconds, 1))  # fmt: skip
     (partial / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
     _move_into_place(partial, out_dir)
@@ -140,13 +91,42 @@ def diffusers_from_single_file(path: Path, out_dir: Path, family: Optional[str] 
 
 def _move_into_place(partial: Path, out_dir: Path) -> None:
     """``partial`` becomes ``out_dir``; a stale ``out_dir`` is moved aside first (a folder cannot
-    be replaced while it holds files), so ``out_dir`` is never half written."""
-    old = out_dir.with_name(out_dir.name + ".old")
+    be replaced while it holds files), so ``out_dir`` is never half written. Each path moved or
+    deleted is checked to be ``out_dir`` or its sibling first."""
+    if partial != _beside(out_dir, ".partial"):
+        raise ModelError(f"{partial}: not {out_dir}'s .partial sibling; nothing moved")
+    old = _beside(out_dir, ".old")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
         os.replace(out_dir, old)
     os.replace(partial, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _checked_destination(out_dir: Path) -> Path:
+    """``out_dir``, refused unless it names its folder without climbing out of a folder it named
+    first: ``build/../diffusers`` (a checkpoint named ``...safetensors`` under ``build``) would
+    put the conversion, and the move of whatever is there aside and its deletion, outside build."""
+    parts = out_dir.parts[1:] if out_dir.anchor else out_dir.parts
+    named = list(parts)
+    while named and named[0] == "..":  # a path may start above the working folder (../build)
+        named.pop(0)
+    if not named or ".." in named:
+        raise ModelError(f"{out_dir}: a conversion's folder must not climb out of the folder it names ('..'); "
+                         "give a path without '..' in it, and rename a checkpoint whose stem is dots")  # fmt: skip
+    return out_dir
+
+
+def _beside(out_dir: Path, suffix: str) -> Path:
+    """``out_dir``'s sibling ``<name><suffix>`` (the only other paths the conversion writes,
+    moves or deletes), checked to resolve inside ``out_dir``'s parent: a link there would have
+    the conversion write into, or move aside, a folder elsewhere."""
+    sibling = out_dir.with_name(out_dir.name + suffix)
+    inside = os.path.join(os.path.realpath(out_dir.parent), sibling.name)
+    if os.path.realpath(sibling) != inside:
+        raise ModelError(f"{sibling} resolves to {os.path.realpath(sibling)}, outside {out_dir.parent}; remove that "
+                         "link (the conversion writes its folders beside its destination only)")  # fmt: skip
+    return sibling
 
 
 def _stored_dtype(header: Any) -> Optional[str]:
@@ -179,9 +159,7 @@ def _pipeline_from_file(path: Path, config: Path, family: str, stored: Optional[
         return StableDiffusionPipeline.from_single_file(str(path), safety_checker=None, feature_extractor=None,
                                                         requires_safety_checker=False, **common)  # fmt: skip
     except (ValueError, KeyError, RuntimeError, OSError) as err:  # a layout the configs do not describe
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"{path}: diffusers could not convert it as {family} ({type(err).__name__}: {first[:200]}); "
-                         "if it is another family, set family: (sd1, sd2, sd2-v, sdxl)") from None  # fmt: skip
+        raise conversion_refusal(path, family, err, read_header(path)) from None
 
 
 def _open_clip_encoder(path: Path, config: Path) -> Any:
@@ -207,14 +185,20 @@ def _open_clip_encoder(path: Path, config: Path) -> Any:
 def safetensors_from_pickle(src: Path, dst: Optional[Path] = None) -> Path:
     """The tensors of the pickle checkpoint ``src`` (.ckpt, .pt, .bin) saved as ``dst`` (default:
     ``src`` with the suffix .safetensors). ``torch.load(weights_only=True)`` unpickles tensors and
-    plain containers only: a file that needs more (code) is refused, not run."""
+    plain containers only: a file that needs more (code) is refused, not run. ``dst`` is checked
+    before anything is read, and a failed write leaves nothing behind."""
     import pickle
 
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     src = Path(src)
     dst = Path(dst) if dst is not None else src.with_suffix(".safetensors")
+    if dst.is_dir():
+        raise ModelError(f"{dst} is a folder; give the file to write, e.g. {dst / (src.stem + '.safetensors')}")
+    if not dst.parent.is_dir():
+        raise ModelError(f"{dst}: its folder {dst.parent} does not exist; create it, or give a path in a folder that exists")
     if not src.is_file():
         raise ModelError(f"{src} not found; fix the path")
     try:
@@ -236,8 +220,15 @@ def safetensors_from_pickle(src: Path, dst: Optional[Path] = None) -> Path:
     if not tensors:
         raise ModelError(f"{src}: no tensors in it")
     tmp = dst.with_name(dst.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"converted_from": src.name})
-    os.replace(tmp, dst)
+    try:
+        save_file(tensors, str(tmp), metadata={"converted_from": src.name})
+        os.replace(tmp, dst)
+    except BaseException as err:  # an interrupt too: a half-written file is never left behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, (OSError, SafetensorError)):
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0][:160]
+            raise ModelError(f"{dst}: cannot be written ({why}); free space or choose a path this user can write") from None
+        raise
     log.info("wrote %s: %d tensors from %s", dst, len(tensors), src)
     return dst
 
@@ -262,19 +253,3 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def bytes_to_unicode() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in CLIP's vocabulary order."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    )
-    codes, extra = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in codes]

@@ -34,6 +34,7 @@ from edit_rt.runtime.model.samplers import COEFS
 from edit_rt.runtime.storage.store_files import follow_umask
 
 from . import adapter_slots, family_sd
+from .export_inputs import export_inputs
 from .families import family_module
 from .family import family_of
 from .graphs import (DEEP_BRANCH, KVProjGraph, LatentBlendGraph, UNetShallowStepGraph, UNetStepGraph, VaeDecoderGraph,
@@ -431,6 +432,8 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
             "scheduler": scheduler,
         },
         "family": description,
+        # what `edit-rt export` compares to skip an export that would write the same graphs
+        "export_inputs": export_inputs(opset, external_data_threshold_mb, variant, slots, rank, attention_slicing),
         "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
         # LoRA slots (adapter_slots.py): resident inputs of text_encoder, kv_proj and unet_step
         # (a layer whose output no graph output depends on, the last CLIP layer of a family that

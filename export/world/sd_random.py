@@ -4,7 +4,7 @@
 scheduler/ model_index.json``, safetensors) from the configs the project ships for single-file
 checkpoints (``export/compile/checkpoint_configs/sd1/``: SD 1.5's), so its modules, parameter names and
 shapes are SD 1.5's: UNet 859.5 M, VAE 83.7 M, CLIP text encoder 123.1 M parameters, and the
-real 49408-token CLIP BPE tokenizer (``checkpoint.clip_tokenizer_files``). Only the weights are
+real 49408-token CLIP BPE tokenizer (``family_configs.clip_tokenizer_files``). Only the weights are
 random (seeded; diffusers' and transformers' own initialisation, under which GroupNorm and
 LayerNorm keep the activations in range: a generation is finite noise, not NaN).
 
@@ -25,7 +25,7 @@ from typing import Optional
 
 from edit_rt.runtime.errors import ConfigError, ModelError
 
-from ..compile.checkpoint import CONFIGS  # the configs the project ships for single-file checkpoints
+from ..compile.family_configs import CONFIGS  # the configs the project ships for single-file checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def write_random_sd(out: Path, family: str = "sd15", seed: int = 0, scale: float
     (3.4 GB in fp32 at scale 1.0) plus its serialisation, not the whole model's."""
     import torch
 
-    from ..compile.checkpoint import clip_tokenizer_files
+    from ..compile.family_configs import clip_tokenizer_files
     from ..compile.family import quiet
 
     quiet()  # no "Writing model shards" bars from transformers

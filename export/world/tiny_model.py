@@ -19,7 +19,7 @@ import torch
 
 from edit_rt.runtime.errors import ConfigError
 
-from ..compile.checkpoint import bytes_to_unicode
+from ..compile.family_configs import bytes_to_unicode
 
 log = logging.getLogger(__name__)
 

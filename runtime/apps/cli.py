@@ -40,6 +40,17 @@ from .summaries import print_bench, print_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Batched edit tails for Stable Diffusion.")
 
+# Every number a command takes has both bounds, refused before any work (typer's min/max; the
+# lists by _listed): generous for real use, far below what would exhaust memory or run for days.
+MAX_SEED = 2**63 - 1  # the config's seeds (model/schema.py Seed): torch takes any such int64
+MAX_BENCH_ROWS = 1024  # an edit batch N is one step call's rows: the engines' own bound (config/run_config.py Rows)
+MAX_LISTED = 32  # values of one list option: each is a bench point, every one run --repeats times
+MAX_REPEATS = 100  # past ~10 runs a median moves by noise; each repeat runs every point again
+# Bases and prompts read by quality/gates: 50 and 100 by default, each one a generation and its
+# edits; 10,000 is days on a CPU, past what any of their ratios needs.
+MAX_EVAL_ITEMS = 10_000
+MAX_PORT = 65535  # TCP's ports (0: one the system picks), as serve.port
+
 
 def _version(value: bool) -> None:
     if value:
@@ -88,7 +99,7 @@ def _quiet_third_parties() -> None:
 @app.command()
 def model(
     out: Path = typer.Option(Path("build/models/tiny-sd"), help="Folder to write the diffusers model to."),
-    seed: int = typer.Option(0, help="Seed of the random weights."),
+    seed: int = typer.Option(0, min=0, max=MAX_SEED, help="Seed of the random weights."),
     preset: str = typer.Option("tiny", help="tiny, bench (SD 1.x sizes), tiny-sd2 (SD 2.x switches), tiny-sdxl, sd15 / sd15-small (random SD 1.5: true size / 0.1 of its widths)."),
 ) -> None:
     """Write a small random model (seeded weights): the embedded default and the test families."""
@@ -109,14 +120,29 @@ def model(
 
 
 @app.command()
-def export(config: Path = typer.Argument(..., help="Run config naming `model:` and `build_dir:`.")) -> None:
+def export(config: Path = typer.Argument(..., help="Run config naming `model:` and `build_dir:`."),
+           force: bool = typer.Option(False, "--force", help="Export even when the existing export is current.")) -> None:
     """Export the config's model to ONNX under build_dir/<model>/onnx/ (a single-file
-    checkpoint is first converted, once, into build_dir/<model>/diffusers/)."""
+    checkpoint is first converted, once, into build_dir/<model>/diffusers/). Skipped when that
+    folder already holds the export of the same weights, settings, code and tools."""
+    from ..pipeline.assemble import require_model
+
     cfg = load_config(config)
-    exporter = _export_module("compile.onnx_export")
+    require_model(cfg)  # a wrong path before torch loads
     if cfg.single_file:
-        _export_module("compile.checkpoint").diffusers_from_single_file(cfg.model, cfg.model_dir, family=cfg.family, say=plain)
+        checkpoint = _export_module("compile.checkpoint")
+        checkpoint.diffusers_from_single_file(cfg.model, cfg.model_dir, family=cfg.family, config_dir=cfg.checkpoint_config, say=plain)
     _refuse_what_no_row_fits(cfg)
+    current = _export_module("compile.export_inputs")
+    inputs = current.export_inputs(cfg.export.opset, cfg.export.external_data_threshold_mb, cfg.export.variant,
+                                   cfg.adapter_slots, cfg.export.adapter_rank, cfg.export.attention_slicing)  # fmt: skip
+    if not force and current.why_export(cfg.model_dir, cfg.onnx_dir, inputs) is None:
+        console.print(f"{cfg.onnx_dir} is current (same weights, settings, code and tools): export skipped "
+                      "(--force exports again)")  # fmt: skip
+        if cfg.adapters:
+            _convert_adapters(cfg, skip_current=True)
+        return
+    exporter = _export_module("compile.onnx_export")
     with _progress() as bars:
         manifest = exporter.export_onnx(
             cfg.model_dir, cfg.onnx_dir, opset=cfg.export.opset,
@@ -129,7 +155,7 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     total = sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file())
     console.print(f"wrote {manifest.parent}: {human_bytes(total)} ({sizes}, manifest.json)")
     if cfg.adapters:
-        _convert_adapters(cfg)
+        _convert_adapters(cfg, skip_current=True)
 
 
 def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
@@ -147,7 +173,7 @@ def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
             raise ConfigError(no_row_fits(plan, width, height, plan.latent_hw, plan.native, budget is not None))
 
 
-def _convert_adapters(cfg) -> None:
+def _convert_adapters(cfg, skip_current: bool = False) -> None:
     from edit_rt.runtime.engine.manifest import load_manifest
     from edit_rt.runtime.errors import ModelError
     from edit_rt.runtime.model.adapters import lora_source
@@ -159,9 +185,13 @@ def _convert_adapters(cfg) -> None:
         except OSError as err:
             raise ModelError(f"adapters.{name}: {source}: {err.strerror or err}") from None
         converter.check_safetensors(path)
-    written = converter.convert_adapters(cfg.require_model_dir(), load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir)
+    written = converter.convert_adapters(cfg.require_model_dir(), load_manifest(cfg.onnx_dir), cfg.adapters, cfg.adapters_dir,
+                                         skip_current=skip_current)  # fmt: skip
     for name, path in written.items():
         console.print(f"adapter {name}: wrote {path}")
+    if skip_current and len(written) < len(cfg.adapters):
+        kept = [name for name in cfg.adapters if name not in written]
+        console.print(f"adapters {', '.join(kept)}: current, kept (`edit-rt adapters` converts them again)")
 
 
 @app.command()
@@ -171,6 +201,10 @@ def adapters(config: Path = typer.Argument(..., help="Run config naming `adapter
     if not cfg.adapters:
         # nothing asked of it cannot be done: a usage error, as every other CLI refusal (exit 2)
         raise ConfigError(f"{config}: no adapters: configured (adapters: {{name: path/to/lora.safetensors}})")
+    from ..pipeline.assemble import require_build, require_model
+
+    require_model(cfg)  # then the export they are converted for
+    require_build(cfg)
     _convert_adapters(cfg)
 
 
@@ -180,8 +214,11 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     from ..engine.manifest import load_manifest
     from ..engine.profiles import EditBatchProfile
 
+    from ..pipeline.assemble import require_build, require_model
+
     cfg = load_config(config)
-    cfg.require_model_dir()  # a single file not yet converted is said so, before its missing graphs
+    require_model(cfg)
+    require_build(cfg)  # a single file not yet converted is said so, before its missing graphs
     builder = _export_module("compile.engines")
     manifest = load_manifest(cfg.onnx_dir)
     scale = manifest.vae_scale_factor
@@ -216,33 +253,45 @@ def parity(config: Path = typer.Argument(..., help="Run config: model and build_
         raise EditRtError(f"{report.total - report.passed} parity comparisons failed; see {report.path}")
 
 
+def _listed(text: str, kind: type, valid, what: str) -> tuple:
+    """A comma-separated option's values, each within its bounds and at most MAX_LISTED of them,
+    or a usage error (click names the option) saying what it takes: before any work, as
+    typer's min/max are. Counted before any value is converted: a list of a million costs
+    nothing."""
+    values: tuple = ()
+    if text.count(",") < MAX_LISTED:
+        try:
+            values = tuple(kind(v) for v in text.split(","))
+        except ValueError:  # not a number, or an int of more than 4,300 digits
+            values = ()
+    if not values or not all(valid(v) for v in values):  # nan fails every comparison
+        shown = repr(text) if len(text) <= 64 else f"{text[:48]!r}... ({len(text)} characters)"
+        raise typer.BadParameter(f"{shown} is not a comma-separated list of at most {MAX_LISTED} {what}")
+    return values
+
+
 @app.command()
 def bench(
     config: Path = typer.Argument(..., help="Bench config (configs/bench.yaml)."),
-    ns: str = typer.Option("1,4,16", help="Edit batch sizes N, comma-separated."),
-    fractions: str = typer.Option("0.1,0.2,0.4", help="Tail fractions K/T, comma-separated."),
-    repeats: int = typer.Option(3, min=1, help="Runs per point; the median is reported."),
+    batch_sizes: tuple = typer.Option(
+        "1,4,16", "--ns", metavar="N,...",
+        help=f"Edit batch sizes N, comma-separated (each in [1, {MAX_BENCH_ROWS}], at most {MAX_LISTED}).",
+        parser=lambda text: _listed(text, int, lambda n: 1 <= n <= MAX_BENCH_ROWS, f"integers in [1, {MAX_BENCH_ROWS}], e.g. 1,4,16"),
+    ),
+    tail_fractions: tuple = typer.Option(
+        "0.1,0.2,0.4", "--fractions", metavar="K/T,...",
+        help=f"Tail fractions K/T, comma-separated (each in (0, 1], at most {MAX_LISTED}).",
+        parser=lambda text: _listed(text, float, lambda f: 0 < f <= 1, "numbers in (0, 1], e.g. 0.1,0.2"),
+    ),
+    repeats: int = typer.Option(3, min=1, max=MAX_REPEATS, help="Runs per point; the median is reported."),
 ) -> None:
     """Measure edit throughput against diffusers (full generation and img2img); write bench.json/png."""
-    batch_sizes = _listed("--ns", ns, int, lambda n: n >= 1, "integers >= 1, e.g. 1,4,16")
-    tail_fractions = _listed("--fractions", fractions, float, lambda f: 0 < f <= 1, "numbers in (0, 1], e.g. 0.1,0.2")
     cfg = load_config(config)
     _require_model(cfg)
     bench_module = _export_module("bench.throughput")
     with _progress() as bars:
         report = bench_module.run_bench(cfg, batch_sizes, tail_fractions, repeats, say=plain, progress=bars)
     print_bench(report, cfg.output_dir)
-
-
-def _listed(option: str, text: str, kind: type, valid, what: str) -> tuple:
-    """A comma-separated option's values, or one line naming the option and what it takes."""
-    try:
-        values = tuple(kind(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(valid(v) for v in values):  # nan fails every comparison
-        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of {what}")
-    return values
 
 
 def _require_model(cfg: RunConfig) -> None:
@@ -256,7 +305,7 @@ def _require_model(cfg: RunConfig) -> None:
 @app.command()
 def quality(
     config: Path = typer.Argument(..., help="Config of the shapes model (configs/shapes.yaml)."),
-    bases: int = typer.Option(50, min=1, help="Bases drawn from the shapes world."),
+    bases: int = typer.Option(50, min=1, max=MAX_EVAL_ITEMS, help="Bases drawn from the shapes world."),
     sliders: str = typer.Option("with", help="The concept sliders' section (sliders.json): with, only, or without."),
 ) -> None:
     """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
@@ -309,8 +358,8 @@ def quality(
 @app.command()
 def gates(
     config: Path = typer.Argument(..., help="Config of a shapes model (configs/shapes64.yaml)."),
-    prompts: int = typer.Option(100, min=1, help="Generations read for prompt following."),
-    bases: int = typer.Option(50, min=1, help="Bases of the oracle-mask ceiling and the maps' overlap."),
+    prompts: int = typer.Option(100, min=1, max=MAX_EVAL_ITEMS, help="Generations read for prompt following."),
+    bases: int = typer.Option(50, min=1, max=MAX_EVAL_ITEMS, help="Bases of the oracle-mask ceiling and the maps' overlap."),
 ) -> None:
     """Measure a shapes model's gates (prompt following, the oracle-mask ceiling, the maps'
     overlap with the edited object); write gates.json into the model folder."""
@@ -348,7 +397,7 @@ def _slider_quality(cfg, bases: int) -> None:
 def serve(
     config: Path = typer.Argument(..., help="Config: model, base size and steps, store, serve."),
     host: Optional[str] = typer.Option(None, help="Listen here instead of serve.host."),
-    port: Optional[int] = typer.Option(None, help="Listen here instead of serve.port."),
+    port: Optional[int] = typer.Option(None, min=0, max=MAX_PORT, help="Listen here instead of serve.port."),
     ray: bool = typer.Option(False, "--ray", help="On Ray Serve: serve.ray.replicas workers behind one ingress "
                              "(pip install -e '.[ray]'; joins serve.ray.address or RAY_ADDRESS, else starts Ray)."),
     allow_no_token: bool = typer.Option(False, "--allow-no-token", help="Listen beyond loopback without a token "
@@ -378,14 +427,14 @@ def _token_or_refuse(cfg: RunConfig, config: Path, allow_no_token: bool) -> None
     """A server beyond loopback needs a token (or HTTP Basic users, ``serve.api_auth``): without
     one, anyone who reaches the port drives the engines (a GPU, for as long as they like) and
     fills the store's disk. Refused unless ``--allow-no-token`` says something in front of it
-    checks who connects (then said loudly). ``EDIT_RT_API_AUTH`` is checked here, before anything
-    is said or bound."""
-    from ..web.credentials import api_auth_of
+    checks who connects (then said loudly). ``EDIT_RT_TOKEN`` and ``EDIT_RT_API_AUTH`` are checked
+    here (one no client could send is refused, loopback too), before anything is said or bound."""
+    from ..web.credentials import api_auth_of, token_of
     from ..web.request_checks import LOOPBACK_HOSTS  # the hosts the server treats as loopback
 
     s = cfg.serve
-    api_auth = api_auth_of(s)
-    if s.host in LOOPBACK_HOSTS or os.environ.get("EDIT_RT_TOKEN") or s.token or api_auth:
+    token, api_auth = token_of(s), api_auth_of(s)
+    if s.host in LOOPBACK_HOSTS or token or api_auth:
         return
     if not allow_no_token:
         raise ConfigError(f"serve.host: {s.host} is not loopback and no token is set, so anyone who reaches port "
@@ -399,9 +448,11 @@ def _token_or_refuse(cfg: RunConfig, config: Path, allow_no_token: bool) -> None
 @app.command()
 def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base, edits.")) -> None:
     """Generate the base and run every edit as one batched tail; write PNGs, grid and report."""
+    from ..pipeline.assemble import require_ready
     from .run import run_config
 
     cfg = load_config(config)
+    require_ready(cfg)  # the model, its export, its adapters: in that order, before any folder is made
     with _progress() as bars:
         report = run_config(cfg, progress=bars, stage=bars.stage)
     print_run(report, cfg.output_dir)

@@ -223,11 +223,15 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
     # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,
     # and entry-step reuse skips the unconditional half of a row at its entry step.
+    # A catalogue's rows are rows this run ran: they count in the total and in what regenerating
+    # every image would have cost, as the edits' do.
     before, based, done = counted[:3]
+    last = counted[-1]
     base_rows = based.row_steps - before.row_steps
     tail_rows_run = done.row_steps - based.row_steps
-    total = base_rows + tail_rows_run
-    n = len(rows)
+    catalogue_rows = last.row_steps - done.row_steps
+    total = base_rows + tail_rows_run + catalogue_rows
+    n = len(rows) + (catalogue["run"] if cfg.catalogue is not None else 0)
     report = {
         "edit_rt_version": __version__,
         "config": str(cfg.source) if cfg.source else None,
@@ -246,10 +250,11 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         "unet_rows": {
             "base": base_rows,
             "edit_tails": tail_rows_run,
+            "catalogue": catalogue_rows,
             "total": total,
-            "reference_rows": done.reference_steps - based.reference_steps,
-            "half_rows_skipped": done.uncond_rows_skipped - before.uncond_rows_skipped,
-            "padding_rows": (done.rows_computed - before.rows_computed) - total,
+            "reference_rows": last.reference_steps - based.reference_steps,
+            "half_rows_skipped": last.uncond_rows_skipped - before.uncond_rows_skipped,
+            "padding_rows": (last.rows_computed - before.rows_computed) - total,
             "regenerating_every_edit": T * (n + 1),
             "saving": round(1 - total / (T * (n + 1)), 4),
         },
@@ -262,7 +267,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         "store": store.stats(),
     }
     if cfg.catalogue is not None:
-        report["catalogue"] = {**catalogue, "unet_rows": counted[3].row_steps - done.row_steps}
+        report["catalogue"] = {**catalogue, "unet_rows": catalogue_rows}
     with output_errors(cfg.output_dir):
         (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report

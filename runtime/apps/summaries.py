@@ -101,10 +101,14 @@ def print_run(report: dict, output_dir: Path) -> None:
     out.print(table)
     s, rows = report["seconds"], report["unet_rows"]
     out.print(
-        f"UNet rows run: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}; "
+        f"UNet rows run: {rows['total']} (base {rows['base']} + tails {rows['edit_tails']}"
+        + (f" + catalogue {rows['catalogue']}" if rows.get("catalogue") else "") + "; "
         f"{rows['half_rows_skipped']} unconditional halves taken from the base) vs "
         f"{rows['regenerating_every_edit']} regenerating every edit ({rows['saving']:.0%} fewer)"
     )
     out.print(f"base {report['base_id']}: {report['base_source']}")
     out.print("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
     out.print(f"wrote {output_dir}/ (grid.png, report.json, {len(report['files']) - 1} PNGs)")
+    if "catalogue" in report:
+        c = report["catalogue"]
+        out.print(f"catalogue: {c['rows']} rows ({c['run']} run, {c['resumed']} resumed from their files) in {c['folder']}/")

@@ -6,6 +6,8 @@ is 480 rows. A slider is a :class:`~.sweep.Sweep` (an adapter's scale, a directi
 the edit's own strength); no slider: each edit once. Its size is counted from the spec
 (:meth:`Catalogue.size`), against ``max_rows``, before a single row is made; the rows are then
 made lazily, in order (:meth:`Catalogue.rows`), so a run holds one chunk of them at a time.
+A stopped run resumes when its rows are the same rows (:meth:`Catalogue.key`), whatever its
+limits say.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Annotated, Iterator
+from typing import Annotated, Any, Callable, Iterator
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -56,7 +58,22 @@ class Catalogue:
                     yield index, variant
                     index += 1
 
-    def key(self, base_id: str) -> str:
-        """What a resumed run must match: the base and the spec (not its chunk size)."""
-        spec = dataclasses.asdict(dataclasses.replace(self, chunk=0))
-        return hashlib.sha256(json.dumps({"base": base_id, "spec": spec}, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    def key(self, identity: dict[str, Any], row: Callable[[int, Edit], Any]) -> str:
+        """What a resumed run must match: ``identity`` (the base and the model) and what every
+        row is (``row(index, edit)``: the row as it runs), in order. Limits that leave the rows as
+        they are (``max_rows``, ``chunk``) are not in it, so raising one resumes the same rows.
+        One row at a time, as :meth:`rows` makes them: a pass over 65,536 rows holds one."""
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+        for i, edit in self.rows():
+            made = row(i, edit)
+            fields = dataclasses.asdict(made) if dataclasses.is_dataclass(made) else made
+            digest.update(b"\n" + json.dumps(fields, sort_keys=True, default=_content).encode())
+        return digest.hexdigest()[:24]
+
+
+def _content(value: Any) -> Any:
+    """A row's field that JSON cannot hold, as what it holds: an array (a pixel mask) by its
+    shape, type and bytes' digest, not numpy's repr, which elides the middle of a large one."""
+    if hasattr(value, "tobytes") and hasattr(value, "shape"):
+        return {"shape": list(value.shape), "dtype": str(value.dtype), "sha256": hashlib.sha256(value.tobytes()).hexdigest()}
+    return repr(value)

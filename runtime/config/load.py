@@ -92,8 +92,10 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
             build_dir=_resolve(cfg.build_dir, root),
             output_dir=_resolve(cfg.output_dir, root),
             adapters={name: _resolve(path, root) for name, path in cfg.adapters.items()},
+            checkpoint_config=None if cfg.checkpoint_config is None else _resolve(cfg.checkpoint_config, root),
             source=source,
         )
+        check_adapter_names(cfg)  # with the file's own indices, before sweeps expand them
         if any(edit.sweep is not None for edit in cfg.edits):  # a sweep runs as its rows (model/sweep.py)
             try:
                 cfg = dataclasses.replace(cfg, edits=expand_all(cfg.edits), edit_rows=tuple(rows_of([e]) for e in cfg.edits))
@@ -128,6 +130,24 @@ def check_catalogue(spec: Catalogue) -> None:
             if slider.direction is not None and slider.direction >= len(edit.directions or ()):
                 raise ConfigError(f"catalogue.sliders[{j}].direction: {slider.direction} names no direction of "
                                   f"catalogue.edits[{i}] (it has {len(edit.directions or ())})")  # fmt: skip
+
+
+def check_adapter_names(cfg: RunConfig) -> None:
+    """Every adapter a config names (a row's ``adapters:``, a sweep's or a slider's ``adapter``) is
+    one of its ``adapters:``: refused at load, naming the field, not when the row's tail reaches it."""
+    uses: list[tuple[str, Optional[str]]] = [(f"base.adapters.{n}", n) for n in cfg.base.adapters or {}]
+    catalogue = cfg.catalogue.edits if cfg.catalogue is not None else []
+    for where, edits in (("edits", cfg.edits), ("catalogue.edits", catalogue)):
+        for i, edit in enumerate(edits):
+            uses += [(f"{where}[{i}].adapters.{n}", n) for n in edit.adapters or {}]
+            uses.append((f"{where}[{i}].sweep.adapter", edit.sweep.adapter if edit.sweep is not None else None))
+    for j, slider in enumerate(cfg.catalogue.sliders if cfg.catalogue is not None else []):
+        uses.append((f"catalogue.sliders[{j}].adapter", slider.adapter))
+    for where, name in uses:
+        if name is not None and name not in cfg.adapters:
+            have = ", ".join(sorted(cfg.adapters)) or "none"
+            raise ConfigError(f"{where}: {name!r} is not one of this config's adapters: (it has: {have}); add "
+                              f"`{name}: path/to/lora.safetensors` under adapters:, or name one of those")  # fmt: skip
 
 
 def revalidated(section: Any, where: str) -> Any:

@@ -19,7 +19,7 @@ from pydantic import ConfigDict, StringConstraints, with_config
 from ..errors import ConfigError, EditError, ModelError, PromptSyntaxError
 from ..model.edit import Base, Edit, EditDefaults, Preserve, TailRow, resolve_edit
 from ..model.schema import Bool, DeepCache, Float, Int, StoragePrecision, Str, Strength, UncondMode, between
-from ..model.single_file import checkpoint_family, is_single_file, require_converted
+from ..model.single_file import artifact_name, checkpoint_family, is_single_file, require_converted
 from ..model.weighting import prompt_spans
 from .catalogue import Catalogue
 from .serve import Serve
@@ -30,6 +30,8 @@ Backend = Literal["auto", "ort-cpu", "openvino", "ort-cuda", "ort-tensorrt", "tr
 Precision = Literal["fp16", "bf16", "fp32"]
 Rows = between(Int, 1, 1024)  # rows of one call
 Seconds = between(Float, 0.0, lo_open=True)
+# The rows TensorRT tunes its kernels for when engines.opt_batch is left out (max_batch caps it).
+OPT_BATCH = 8
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ class Engines:
     # than max are split into max-sized calls. 32 rows of SD 1.5 at 512x512 need ~10 GB of
     # activations in fp16 (2x for CFG), which fits a 24 GB card next to the weights.
     min_batch: Rows = 1
-    opt_batch: Rows = 8
+    # Left out: OPT_BATCH within min_batch..max_batch (a config that lowers max_batch to 4 tunes for 4).
+    opt_batch: Optional[Rows] = None
     max_batch: Rows = 32
     # fp16 halves memory and doubles tensor-core throughput; SD's UNet is trained for it.
     precision: Precision = "fp16"
@@ -130,6 +133,14 @@ class Engines:
     # served, and the default): one step loop each, on the same engines where their spatial
     # axes are dynamic (ONNX Runtime); uploads are resized to the base's size.
     sizes: list[Annotated[Str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$")]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.opt_batch is None:  # object.__setattr__: the dataclass is frozen
+            object.__setattr__(self, "opt_batch", self.default_opt_batch())
+
+    def default_opt_batch(self) -> int:
+        """The opt_batch a config that leaves it out gets: OPT_BATCH within min_batch..max_batch."""
+        return min(max(OPT_BATCH, self.min_batch), self.max_batch)
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -165,6 +176,11 @@ class RunConfig:
     # Detected from the file's keys when left out, except SD 2.x, whose two kinds have the same
     # keys: a wrong guess would sample noise-like images, so such a file must say which it is.
     family: Optional[Literal["sd1", "sd2", "sd2-v", "sdxl"]] = None
+    # A single file's diffusers configs, used as they are: a folder with model_index.json, the
+    # parts' config.json and the tokenizer(s), e.g. the diffusers release of the same model. Left
+    # out, the family's shipped configs with what the file's tensor shapes tell (widths, depths)
+    # written over them; this is for what shapes cannot tell (attention heads, activations).
+    checkpoint_config: Optional[Path] = None
     # Artifacts live under <build_dir>/<model name>/{onnx,engines}/ (a folder's name, a file's stem).
     build_dir: Path = Path("build")
     output_dir: Path = Path("out")
@@ -207,8 +223,12 @@ class RunConfig:
 
     @property
     def model_name(self) -> str:
-        """The name artifacts are kept under: the folder's name, or the file's stem."""
-        return self.model.stem if self.single_file else self.model.resolve().name
+        """The name artifacts are kept under: the folder's name, or the file's stem; one plain
+        folder name or a ConfigError, so no path made from it leaves build_dir."""
+        try:
+            return artifact_name(self.model)
+        except ModelError as err:
+            raise ConfigError(f"{f'{self.source}: ' if self.source else ''}model: {err}") from None
 
     @property
     def model_dir(self) -> Path:
@@ -219,7 +239,7 @@ class RunConfig:
     def require_model_dir(self) -> Path:
         """``model_dir``, refusing in one line a single file not yet converted (or changed since)."""
         if self.single_file:
-            return require_converted(self.model, self.model_dir, self.family, str(self.source or "CONFIG"))
+            return require_converted(self.model, self.model_dir, self.family, str(self.source or "CONFIG"), self.checkpoint_config)
         return self.model
 
     @property
@@ -243,9 +263,13 @@ class RunConfig:
     def validate(self, where: str) -> None:
         """What spans fields or needs the disk; each field's own range is declared on its type."""
         e = self.engines
+        if e.min_batch > e.max_batch:
+            raise ConfigError(f"{where}engines.min_batch: {e.min_batch} is above max_batch ({e.max_batch}); lower "
+                              "min_batch or raise max_batch")  # fmt: skip
         if not e.min_batch <= e.opt_batch <= e.max_batch:
-            raise ConfigError(f"{where}engines: need min_batch <= opt_batch <= max_batch, got "
-                              f"{e.min_batch}/{e.opt_batch}/{e.max_batch}")  # fmt: skip
+            raise ConfigError(f"{where}engines.opt_batch: {e.opt_batch} is outside min_batch..max_batch "
+                              f"({e.min_batch}..{e.max_batch}); set opt_batch within them, or leave it out "
+                              f"({e.default_opt_batch()} here)")  # fmt: skip
         thresholds = self.serve.related.thresholds
         for k in range(1, len(thresholds)):
             a, b = thresholds[k - 1], thresholds[k]
@@ -253,8 +277,6 @@ class RunConfig:
                 raise ConfigError(f"{where}serve.related.thresholds[{k}]: similarity {b.similarity:g} / skip {b.skip:g} after "
                                   f"{a.similarity:g} / {a.skip:g}; list them with both similarity and skip ascending "
                                   "(the closer the prompt, the more steps skipped)")  # fmt: skip
-        if self.serve.token is not None and not self.serve.token.strip():
-            raise ConfigError(f"{where}serve.token: empty; set a token, or remove the key to serve without one")
         self._check_model(where)
         if self.base.related is not None:
             raise ConfigError(f"{where}base.related: set by the server for related generations; remove it")
@@ -276,8 +298,25 @@ class RunConfig:
         for i, edit in enumerate(self.edits):
             self.tail_row(edit, f"{where}edits[{i}]")
 
+    def _check_checkpoint_config(self, where: str) -> None:
+        """``checkpoint_config:`` belongs to a single file and names a diffusers config folder."""
+        folder = self.checkpoint_config
+        if folder is None:
+            return
+        if not self.single_file:
+            raise ConfigError(f"{where}checkpoint_config: {folder}, but model: {self.model} is a folder, which holds "
+                              "its own configs; remove checkpoint_config:")  # fmt: skip
+        if not (folder / "model_index.json").is_file():
+            raise ConfigError(f"{where}checkpoint_config: {folder} has no model_index.json; point it at a diffusers "
+                              "folder of that model (model_index.json, unet/, vae/, text_encoder/ configs, tokenizer/)")  # fmt: skip
+
     def _check_model(self, where: str) -> None:
         """``family:`` belongs to a single file; a single file's refusals come from its header."""
+        self._check_checkpoint_config(where)
+        try:  # the name artifacts are kept under, refused at load rather than at first use
+            artifact_name(self.model)
+        except ModelError as err:
+            raise ConfigError(f"{where}model: {err}") from None
         if not self.single_file:
             if self.family is not None:
                 raise ConfigError(f"{where}family: {self.family}, but model: {self.model} is a folder, whose "

@@ -105,6 +105,34 @@ def _checked_api_auth(value: str) -> str:
 ApiAuth = Annotated[Str, AfterValidator(_checked_api_auth)]
 
 
+def token_refusal(value: str, unset: str) -> Optional[str]:
+    """Why no client could ever send ``value`` as its bearer token, or None (``unset``: how to
+    serve without it). An HTTP header value loses its surrounding spaces and tabs on the way
+    (RFC 9110 5.5; h11 strips them), so " " or "abc " never matches what arrives; a control
+    character (a newline) cannot be sent in a header at all."""
+    if not value:
+        return f"empty; set a token of visible characters, or {unset}"
+    if not value.strip():
+        return (f"blank, which no client can send (a header loses surrounding spaces); set a token of visible "
+                f"characters, or {unset}")  # fmt: skip
+    if value != value.strip():
+        return ("starts or ends with whitespace, which a client's Authorization header loses, so no request "
+                "could ever match it; remove the surrounding whitespace")  # fmt: skip
+    if any(ord(c) < 32 and c != "\t" or ord(c) == 127 for c in value):
+        return "holds a control character (a newline?), which no HTTP header can carry; remove it"
+    return None
+
+
+def _checked_token(value: str) -> str:
+    refusal = token_refusal(value, "remove the key to serve without one")
+    if refusal is not None:
+        raise ValueError(refusal)
+    return value
+
+
+Token = Annotated[Str, AfterValidator(_checked_token)]
+
+
 @with_config(STRICT)
 @dataclass(frozen=True)
 class Serve:
@@ -114,7 +142,8 @@ class Serve:
     host: Str = "127.0.0.1"
     port: between(Int, 0, 65535) = 8188
     # Bearer token for /v1/*, /sdapi/* and /metrics; EDIT_RT_TOKEN in the environment overrides it.
-    token: Optional[Str] = None
+    # Refused blank or with surrounding whitespace: a header would never bring it back whole.
+    token: Optional[Token] = None
     # HTTP Basic users for the same paths, as AUTOMATIC1111's --api-auth ("user:password",
     # several comma-separated; webuiapi's set_auth sends them); EDIT_RT_API_AUTH overrides it.
     # With a token too, either gets in.

@@ -63,6 +63,10 @@ class Binding(Protocol):
 
 
 class Graph(Protocol):
+    # Whether an input may be bound with a zero-sized axis (idle LoRA slots); a graph without
+    # the attribute can.
+    binds_zero_width: bool
+
     def activate(self) -> "Graph": ...
     def deactivate(self) -> None: ...
     def infer(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]: ...

@@ -178,6 +178,10 @@ class OvGraph:
     # shape repacks its own copy of the weights, and two copies of SD 1.5's UNet (2 x 3.4 GB)
     # would not fit beside its activations on a 16 GB machine.
     STATIC_WEIGHTS_LIMIT = 512 * 2**20
+    # A zero-wide input (idle LoRA slots) fails OpenVINO's shape inference: the exporter's
+    # Reshape targets hold 0, which OpenVINO reads as "copy that dimension" of an input that has
+    # too few; the step loop binds the slots full width with zero scales instead (exact).
+    binds_zero_width = False
 
     def __init__(self, path: Path, device: Optional[OvDevice] = None, threads: int = 0, precision: str = "fp32",
                  lazy: bool = False):  # fmt: skip

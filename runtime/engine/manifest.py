@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from ..errors import ArtifactError, ModelError
+from ..file_identity import file_stat, sha256_file  # noqa: F401  (sha256_file: callers import it from here)
 
 MANIFEST_VERSION = 11  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step); 10: uncond_slope (the base's u over a tail); 11: deep_out and unet_step_shallow (DeepCache)
 # The files of a diffusers SD directory that decide what the exported graphs compute.
@@ -57,11 +58,7 @@ def _file_stats(model_dir: Path, files: list[Path]) -> dict[str, list[int]]:
     """Size, mtime, ctime and inode per file. A changed file keeps its size and can be given its
     old mtime back (``touch -d``), but its ctime moves whenever its bytes or its mtime change, and
     no user can set it: equal stats mean the bytes the fingerprint hashed."""
-    out = {}
-    for p in files:
-        st = p.stat()
-        out[str(p.relative_to(model_dir))] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-    return out
+    return {str(p.relative_to(model_dir)): file_stat(p) for p in files}
 
 
 def model_fingerprint(model_dir: Path) -> tuple[str, dict[str, list[int]]]:
@@ -75,14 +72,6 @@ def model_fingerprint(model_dir: Path) -> tuple[str, dict[str, list[int]]]:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
     return h.hexdigest(), _file_stats(model_dir, files)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -209,8 +209,11 @@ class RowScheduler:
         self.bindings.limit = limit
 
     def _binding(self, n: int, e: int, m: int, shallow: bool = False) -> Binding:
-        # adapter slots bound only where a row of the call uses one (none: the branch is free)
-        used = self.sig.row_adapters is not None and any(row.adapter_scale is not None for row in self.active)
+        # adapter slots bound only where a row of the call uses one (none: the branch is free),
+        # except on an engine that cannot bind a zero-wide input (OpenVINO's shape inference
+        # reads ONNX Reshape's 0 as "copy this dimension"): its idle rows' scales are zeros
+        used = self.sig.row_adapters is not None and (
+            any(row.adapter_scale is not None for row in self.active) or not getattr(self.graph, "binds_zero_width", True))
         return self.bindings.get((n, e, m, shallow, used), lambda: bind_step(self, n, e, m, shallow, used))
 
     def _shallow(self, b: int, given: int, wants_maps: list) -> bool:

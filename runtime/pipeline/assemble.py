@@ -1,6 +1,8 @@
 """What a run config builds: its pipeline (graphs, backend, profile, size) and its store.
 
-Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the bench.
+Used by every door: `edit-rt run` (run.py), `edit-rt serve` (service.py), the bench. What it needs
+on disk is checked in the order a user can act on it (:func:`require_ready`): the model, then its
+export, then the converted adapters; each refusal names the command that makes what is missing.
 """
 
 from __future__ import annotations
@@ -8,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.run_config import RunConfig
-from ..engine.manifest import sha256_file
-from ..errors import ArtifactError, ConfigError, SamplerError
+from ..engine.manifest import model_files, sha256_file
+from ..errors import ArtifactError, ConfigError, ModelError, SamplerError
 from ..model.adapters import lora_source
 from ..model.samplers import check_sampler
 from ..storage.store import BaseStore
@@ -24,6 +26,38 @@ def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
 
 def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
     return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
+
+
+def require_model(cfg: RunConfig) -> None:
+    """``model:`` itself: a diffusers folder, refused in one line naming the config and the fix
+    when it does not exist or is no diffusers model (a single file's header was read at load).
+    A folder with a ``model_index.json`` is the export's to judge: its refusal names the family
+    (an SD3 or Flux pipeline, a latent-consistency scheduler) where a list of missing parts would not."""
+    if cfg.single_file or (cfg.model / "model_index.json").is_file():
+        return
+    try:
+        model_files(cfg.model)
+    except ModelError as err:
+        where = f"{cfg.source}: " if cfg.source is not None else ""
+        raise ModelError(f"{where}model: {err}") from None
+
+
+def require_build(cfg: RunConfig) -> Path:
+    """The model's diffusers folder once `edit-rt export` has run on it: a single file converted,
+    the graphs' manifest written; else one line naming that command."""
+    model_dir = cfg.require_model_dir()
+    manifest = cfg.onnx_dir / "manifest.json"
+    if not manifest.is_file():  # what the manifest holds is load_manifest's to check
+        raise ArtifactError(f"{manifest} not found; run `make export` (edit-rt export {cfg.source or 'CONFIG'}) first")
+    return model_dir
+
+
+def require_ready(cfg: RunConfig) -> None:
+    """Everything a run needs on disk, in the order a user fixes it: the model, its export, the
+    adapters' conversions (an adapter cannot be converted before the export it is converted for)."""
+    require_model(cfg)
+    require_build(cfg)
+    adapter_files(cfg)
 
 
 def adapter_files(cfg: RunConfig) -> dict[str, Path]:
@@ -51,8 +85,10 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
         precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
         max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9),
     )  # fmt: skip
+    require_model(cfg)
+    model_dir = require_build(cfg)
     options["adapters"] = adapter_files(cfg)
-    pipe = EditPipeline(cfg.onnx_dir, cfg.require_model_dir(), **(options | overrides))
+    pipe = EditPipeline(cfg.onnx_dir, model_dir, **(options | overrides))
     for name, adapter in (pipe.adapter_bank.adapters if pipe.adapter_bank else {}).items():
         if name in cfg.adapters and sha256_file(lora_source(cfg.adapters[name])) != adapter.source_sha256:
             raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "

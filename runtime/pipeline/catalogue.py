@@ -4,18 +4,30 @@ rows streamed through the step loop one chunk (a batched tail) at a time, each i
 
 Memory is bounded by a chunk: its rows, their latents and images (the spec's rows are made
 lazily). A run that is stopped resumes: its base comes back from the store (a disk store keeps
-it across restarts), every row whose PNG is there is skipped (a PNG is written as the store
-writes its files, storage/store_files.py's ``write_atomic``: to a temporary name, fsynced and
-renamed, so one that exists is whole), and the index's key (the base and the spec)
-refuses a folder that holds another catalogue.
+it across restarts), and a row is skipped only when its PNG is there as this run would leave
+it: a regular file (never a symlink followed), a PNG that Pillow verifies, of the base's size,
+named by one of this catalogue's row numbers. Anything else under a row's name (a symlink, a
+directory, a damaged file) is removed without being followed and the row is run again; a
+number past the last row is no row and is left alone. (A PNG is written as the store writes
+its files, storage/store_files.py's ``write_atomic``: to a temporary name, fsynced and renamed,
+so one this run wrote is whole.) The index's key is what the rows are (the base, the model and
+every row as it runs, not limits such as ``max_rows``): it refuses a folder that holds another
+catalogue.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from PIL import Image, UnidentifiedImageError
 
 from ..config.catalogue import Catalogue
 from ..config.run_config import RunConfig
@@ -24,6 +36,9 @@ from ..model.edit import Base, Edit
 from ..storage.store_files import write_atomic
 from .images import png_bytes
 from .pnginfo import edit_fields, parameters_text
+
+log = logging.getLogger(__name__)
+ROW_NAME = re.compile(r"(\d{5})\.png")  # file_name's: five digits cover MAX_ROWS (65,536)
 
 
 def file_name(index: int) -> str:
@@ -36,8 +51,9 @@ def _index(folder: Path, key: str, total: int, entries: Sequence[dict]) -> None:
     write_atomic(folder / "catalogue.json", text.encode())
 
 
-def _done(folder: Path, key: str) -> set[int]:
-    """The rows a previous run of the same catalogue wrote; a folder of another one is refused."""
+def _done(folder: Path, key: str, total: int, size: tuple[int, int]) -> set[int]:
+    """The rows a previous run of the same catalogue wrote whole (:func:`_whole`); anything else
+    under a row's name is removed. A folder of another catalogue is refused."""
     index = folder / "catalogue.json"
     if not index.is_file():
         return set()
@@ -48,7 +64,50 @@ def _done(folder: Path, key: str) -> set[int]:
     if old != key:
         raise ConfigError(f"output_dir: {folder} holds another catalogue (another base or spec); choose another "
                           "output_dir or delete that folder")  # fmt: skip
-    return {int(p.stem) for p in folder.glob("[0-9][0-9][0-9][0-9][0-9].png")}
+    done = set()
+    for entry in os.scandir(folder):
+        match = ROW_NAME.fullmatch(entry.name)
+        if match is None or int(match.group(1)) >= total:
+            continue  # not a row of this catalogue: neither counted nor touched
+        if _whole(Path(entry.path), size):
+            done.add(int(match.group(1)))
+        else:
+            _remove(Path(entry.path))
+    return done
+
+
+def _whole(path: Path, size: tuple[int, int]) -> bool:
+    """Whether ``path`` is a row's PNG as a run writes it: a regular file, opened without
+    following a symlink (O_NOFOLLOW, then fstat: nothing swapped in between), that Pillow
+    verifies (its chunks' CRCs, its end) as a PNG of ``size`` (width, height)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a FIFO does not block
+    except OSError:  # a symlink (ELOOP), gone since
+        return False
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO
+        os.close(fd)
+        return False
+    with os.fdopen(fd, "rb") as file:
+        try:
+            with Image.open(file, formats=["PNG"]) as image:
+                image.verify()
+                return image.size == size
+        except (OSError, SyntaxError, ValueError, UnidentifiedImageError, Image.DecompressionBombError):
+            return False
+
+
+def _remove(path: Path) -> None:
+    """What stands under a row's name and is not its PNG, gone without being followed: a
+    symlink is unlinked (its target left as it is), a directory removed with what it holds
+    (rmtree never follows a link inside it), a damaged file unlinked."""
+    log.warning("catalogue: %s is not a whole row PNG; removing it to write the row again", path)
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
@@ -57,8 +116,9 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
     spec: Catalogue = cfg.catalogue
     folder = cfg.output_dir / "catalogue"
     folder.mkdir(parents=True, exist_ok=True)
-    key, total = spec.key(bid), spec.size()
-    done = _done(folder, key)
+    total = spec.size()
+    key = spec.key({"base": bid, "model": cfg.model_name}, lambda i, edit: cfg.tail_row(edit, f"catalogue row {i}"))
+    done = _done(folder, key, total, (base.width, base.height))
     entries: list[dict] = []
     chunk = spec.chunk or pipe.batcher(state.latents.shape[1:]).scheduler.max_rows
     advance = progress(total, "catalogue")

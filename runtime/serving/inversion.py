@@ -1,4 +1,5 @@
-"""Images a client uploads, read off the event loop, and their inversion into a base.
+"""Images a client uploads, read off the event loop, and their inversion into a base (or the
+stored base an edit-rt PNG names, which the doors' edits re-enter instead: :meth:`Uploads.named_base`).
 
 Decoding runs in the service's image pool (``serve.image_workers`` threads) within
 ``serve.max_image_pixels`` (runtime/pipeline/uploads.py reads and checks); inversion runs on the engine
@@ -24,7 +25,7 @@ from typing import Optional
 from ..errors import EditRtError, ImageInputError
 from ..model.edit import Base
 from ..pipeline.images import png_bytes
-from ..pipeline.pnginfo import base_fields, parameters_text
+from ..pipeline.pnginfo import base_fields, base_id_of, parameters_text
 from ..pipeline.uploads import Upload, image_from_bytes, text_of_image
 from ..storage.store import base_id
 from .http_errors import ApiError, queue_errors, row_error
@@ -49,6 +50,28 @@ class Uploads:
         decoding its pixels, within the same limits as an upload."""
         s = self.cfg.serve
         return await self.in_image_pool(param, text_of_image, data, param, s.max_image_bytes, s.max_image_pixels)
+
+    async def named_base(self, data: bytes, param: str) -> Optional[dict]:
+        """The stored base an uploaded image names, as ``base_info`` gives it (its ``id``, its
+        ``base`` fields), or None: the image names none, or one no longer in the store.
+
+        Every PNG edit-rt writes names its base in its ``parameters`` (``Base id``, pnginfo.py),
+        an edit's PNG the base it was edited from. Its edits re-enter that base's chain, as
+        edits of that base requested by id would, where inverting the pixels would cost an
+        inversion, store a new base and drift from the chain that made them. Where the base is
+        gone (evicted, deleted, another server's) the caller inverts the image instead. Read
+        from the image's text alone (no pixel decode); a damaged base is its 409, not a
+        silent inversion."""
+        parameters = (await self.image_text(data, param)).get("parameters")
+        bid = base_id_of(parameters) if isinstance(parameters, str) else None
+        if bid is None:
+            return None
+        try:
+            return await self.base_info(bid)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            return None
 
     async def in_image_pool(self, param: str, fn, *args):
         """``fn(*args)`` (a decode, a mask, a blur) in the image pool, off the event loop, within

@@ -18,9 +18,9 @@ like work against edit-rt as against A1111.
   later requests; ``sd_model_checkpoint`` (the served model's name or title), ``sd_vae`` (its own
   VAE), ``eta_ddim`` (0) and ``samples_format`` (png) are accepted as they are; any other
   value or key 400 naming it.
-- ``GET /sd-vae``, ``/memory`` (the process's RSS, the host's RAM, from /proc and ``resource``),
-  ``/scripts``, ``/script-info``, ``/prompt-styles``, ``/face-restorers``, ``/embeddings``: what
-  exists (no scripts, styles, face restorers or embeddings; LoRAs: a1111_loras.py).
+- ``GET /sd-vae``, ``/memory`` (the process's RSS, the host's RAM, from /proc and ``resource``).
+  Listings of what edit-rt has none of (scripts, styles, face restorers, embeddings, ...) are
+  a1111_unserved.py's table; LoRAs a1111_loras.py's.
 """
 
 from __future__ import annotations
@@ -121,19 +121,7 @@ def job_routes(service: Service, settings: Settings) -> APIRouter:
     async def memory():
         return memory_report(service.backend)
 
-    for path, empty in (("/scripts", {"txt2img": [], "img2img": []}), ("/script-info", []), ("/prompt-styles", []),
-                        ("/face-restorers", []), ("/embeddings", {"loaded": {}, "skipped": {}})):  # fmt: skip
-        router.add_api_route(path, listing(empty), methods=["GET"], responses=errors(401), summary="What exists here: none")
     return router
-
-
-def listing(value: Any):
-    """A route answering ``value`` (an A1111 listing of what this server has none of)."""
-
-    async def route():
-        return value
-
-    return route
 
 
 def memory_report(backend: str) -> dict[str, Any]:

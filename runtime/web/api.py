@@ -94,7 +94,7 @@ class EditsRequest(BaseModel):
     model_config = STRICT
 
     base_id: Optional[str] = Field(None, min_length=1, max_length=64, description="A stored base (or send image).")
-    image: Optional[str] = Field(None, min_length=1, json_schema_extra=BASE64, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base.")
+    image: Optional[str] = Field(None, min_length=1, json_schema_extra=BASE64, description="An image to edit, base64 (PNG, JPEG, WebP): inverted into a base (an edit-rt PNG: its own stored base, re-entered).")
     source_prompt: str = Field("", description="With image: what the image shows (the inversion's prompt).")
     negative_prompt: Optional[str] = Field(None, description="Omitted or null: the model family's default (SDXL: zeros); \"\" is the empty prompt, encoded. With image: the new base's.")
     edits: list[Edit] = Field(min_length=1, description="The edits: the same schema as a config's edits (edit.py).")
@@ -180,6 +180,9 @@ class EditsResponse(OpenAiReply):
     created: int
     base_id: str = Field(description="The edited base (for an uploaded image: the new base's id, to edit it again).")
     base_ids: Optional[list[str]] = Field(None, description="The form's and variations': each uploaded image's base.")
+    base_reused: Optional[list[bool]] = Field(None, description="Per uploaded image (base_ids' order): true where it was an "
+                                              "edit-rt PNG whose own stored base (its Base id) the edits re-entered, false "
+                                              "where it was inverted into a new base.")  # fmt: skip
     data: list[EditData]
     info: Optional[Ran] = None
 

@@ -5,7 +5,9 @@ work unchanged, and nothing they send is silently dropped (every field: a1111_fi
   first), generated together; ``info`` (a JSON string, as A1111 returns it) has A1111's keys
   (``all_seeds``, ``all_subseeds``, ``infotexts``, ...) and edit-rt's ``base_id(s)``.
 - ``img2img``: edits of a base: the one the init image's ``parameters`` name (every PNG edit-rt
-  writes names its ``Base id``), or, for any other image, the image inverted into a new base;
+  writes names its ``Base id``; the rule is the service's ``named_base``, the OpenAI door's too),
+  or, for any other image or a base no longer stored, the image inverted into a new base
+  (``info.base_reused`` says which, per init image);
   ``denoising_strength`` is the tail fraction K/T, as in img2img, ``prompt`` the edit prompt.
   Image ``j`` of ``batch_size x n_iter`` (several init images are the batch, as in A1111)
   re-enters the chain re-noised with seed ``seed + j``. ``mask`` (white may change; blurred,
@@ -13,7 +15,9 @@ work unchanged, and nothing they send is silently dropped (every field: a1111_fi
   own.
 - LoRA tags in a prompt (``<lora:name:0.8>``) are the bases' (txt2img) or the edits' (img2img)
   adapters; ``GET /loras`` and ``POST /refresh-loras`` list and reload them (a1111_loras.py).
-- ``png-info``, ``sd-models``; job control, options and listings are a1111_jobs.py's.
+- ``png-info``, ``sd-models``; job control, options and listings are a1111_jobs.py's; the
+  routes of A1111's API that edit-rt has nothing behind answer as a1111_unserved.py's table says
+  (an empty listing, null, or 501 naming the route and why), never a bare 404.
 
 A request that ``POST /sdapi/v1/interrupt`` stops answers with the images that finished (its
 ``info.interrupted`` true), or 409 ``interrupted`` when none had.
@@ -37,7 +41,6 @@ from .. import __version__
 from ..errors import CancelledError
 from ..model.edit import Edit
 from ..model.samplers import a1111_label
-from ..pipeline.pnginfo import base_id_of
 from ..serving.generation import watch
 from ..serving.http_errors import ApiError, row_error, validation_error
 from ..serving.job_control import A1111, DOOR
@@ -48,6 +51,7 @@ from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_o
 from .a1111_jobs import job_routes, model_names, vae_names
 from .a1111_loras import PromptLoras, adapters_info, base_adapters, edit_adapters, lora_routes, prompt_loras
 from .a1111_masks import a1111_pixel_mask, mask_from_bytes
+from .a1111_unserved import unserved_routes
 from .api import b64, decode_base64_or_400, errors
 
 
@@ -138,13 +142,13 @@ def a1111_routes(service: Service) -> APIRouter:
         epoch = service.interrupts
         ran = {**inpainting_accepted(body), **stripped}
         bases = []  # per init image: (base id, its Base fields, the init image's pixels when masked)
+        reused = []  # per init image: its PNG's own stored base re-entered (else a new inversion)
         for i, data in enumerate(body.init_images):
             param = f"init_images[{i}]"
             raw = decode_base64_or_400(data, param)
-            parameters = (await service.image_text(raw, param)).get("parameters")
-            bid = base_id_of(parameters) if isinstance(parameters, str) else None
-            if bid is not None and await service.has_base(bid):
-                found = (await service.base_info(bid))["base"]
+            named = await service.named_base(raw, param)  # an edit-rt PNG's own stored base, or None
+            if named is not None:
+                bid, found = named["id"], named["base"]
                 size_of(body, (found["width"], found["height"]), f"this image's base ({bid})")
                 if clip_given and clip_skip != found["clip_skip"]:
                     raise refuse("override_settings.CLIP_stop_at_last_layers", clip_skip + 1, f"this image's base ({bid}) "
@@ -161,6 +165,7 @@ def a1111_routes(service: Service) -> APIRouter:
                          "clip_skip": made.base.clip_skip, "sampler": made.base.sampler, "image": made.base.image}  # fmt: skip
                 bid, pixels = made.id, upload.pixels
             bases.append((bid, found, pixels))
+            reused.append(named is not None)
         # what the edits run: the first image's base's sampler (an uploaded image's: DDIM)
         sampler = bases[0][1].get("sampler") or service.sampler_of(None)
         why = ("an uploaded image is inverted with DDIM, and its edits run DDIM" if bases[0][1].get("image") else
@@ -197,7 +202,7 @@ def a1111_routes(service: Service) -> APIRouter:
                        clip_skip=bases[0][1]["clip_skip"], steps=bases[0][1]["steps"], sampler=sampler,
                        size=(bases[0][1]["width"], bases[0][1]["height"]),
                        accepted_=ran, extra=png_fields if binary is not None else {})  # fmt: skip
-        info.update(base_ids=[b[0] for b in bases], tail_steps=[e.tail_steps for e in made],
+        info.update(base_ids=[b[0] for b in bases], base_reused=reused, tail_steps=[e.tail_steps for e in made],
                     denoising_strength=body.denoising_strength, **({"adapters": adapters_info(loras)} if loras.uses else {}))  # fmt: skip
         keep = None if body.include_init_images else {"init_images", "mask"}
         parameters = {**sent.model_dump(exclude=keep), **({} if keep is None else {"init_images": None, "mask": None})}
@@ -217,6 +222,7 @@ def a1111_routes(service: Service) -> APIRouter:
 
     router.include_router(job_routes(service, settings))
     router.include_router(lora_routes(service))
+    router.include_router(unserved_routes())
     return router
 
 

@@ -3,7 +3,8 @@
 ``POST /v1/images/generations`` (``images.generate``: n bases from consecutive seeds, streamed
 with ``stream`` and ``partial_images``), ``POST /v1/images/edits`` (edits of a stored base as
 JSON, streamed as Server-Sent Events with ``stream``; or OpenAI's ``images.edit`` form:
-forms.py), ``POST /v1/images/variations`` (``images.create_variation``: forms.py),
+forms.py; an uploaded edit-rt PNG re-enters its own stored base, as at the A1111 door:
+openai_uploads.py), ``POST /v1/images/variations`` (``images.create_variation``: forms.py),
 ``POST /v1/bases``, ``GET /v1/models`` and ``/v1/models/{id}``, and edit-rt's ``GET
 /v1/adapters`` (the LoRA adapters rows may name, for the page's sliders). What each of OpenAI's fields
 does here is openai_fields.py's table; the request bodies FastAPI cannot see (the form, the
@@ -31,6 +32,7 @@ from .api import AdapterList, BaseUpload, EditsRequest, EditsResponse, Generatio
 from .edit_counts import rows_asked
 from .forms import edit_upload, seeds_of, variation_upload
 from .openai_fields import Delivery, delivery_of
+from .openai_uploads import found_bases, inverted
 from .openapi_bodies import EDITS_BODY, VARIATIONS_BODY
 from .streams import SSE, EventStream, Renderer, chained, first_of, merged
 
@@ -121,19 +123,20 @@ def openai_routes(service: Service) -> APIRouter:
         if body.partial_images and not body.stream:
             raise ApiError(400, "partial_images: partial images are streamed: send stream true with it, or leave it out",
                            param="partial_images", code="unsupported_value")  # fmt: skip
-        if body.sampler is not None:  # a base's edits run its sampler (an image's: DDIM); another is refused
-            ran = "ddim" if body.image is not None else await base_sampler(service, body.base_id)
-            service.same_sampler(body.sampler, ran, "this image is inverted with DDIM" if body.image is not None else
-                         "this base ran " + sampler_label(ran))  # fmt: skip
-        if body.image is not None:
-            upload = await service.upload(decode_base64_or_400(body.image), "image")
-            made = await service.invert(upload, body.source_prompt, body.negative_prompt)
-            body = body.model_copy(update={"base_id": made.id})
+        if body.sampler is not None and body.image is None:  # a base's edits run its sampler; another is refused
+            ran = await base_sampler(service, body.base_id)
+            service.same_sampler(body.sampler, ran, "this base ran " + sampler_label(ran))
+        uploaded = {}
+        if body.image is not None:  # an edit-rt PNG re-enters its own stored base, any other image is inverted
+            found = await found_bases(service, [decode_base64_or_400(body.image)], ["image"], body.sampler)
+            kept = await inverted(service, found, body.source_prompt, body.negative_prompt, None, None)
+            body = body.model_copy(update={"base_id": found[0].id})
+            uploaded = {"base_reused": [found[0].reused], **({"info": {"accepted": kept}} if kept else {})}
         specs = variations(body.edits, body.n)
         seed_of = lambda i: {"seed": specs[i].seed}  # noqa: E731
         if not body.stream:
             done = await service.edit_base(body.base_id, specs, http)
-            return {"created": int(time.time()), "base_id": body.base_id,
+            return {"created": int(time.time()), "base_id": body.base_id, **uploaded,
                     "data": [{"index": e.index, "b64_json": b64(e.png), "info": {**e.info(), **seed_of(e.index)}} for e in done]}  # fmt: skip
         more = {"previews": body.partial_images} if body.partial_images else {}
         events = service.edit_events(body.base_id, specs, **more)

@@ -20,7 +20,7 @@ import os
 import secrets
 from typing import Optional
 
-from ..config.serve import Serve, api_auth_pairs
+from ..config.serve import Serve, api_auth_pairs, token_refusal
 from ..errors import ConfigError
 
 REALM = "edit-rt"
@@ -36,6 +36,19 @@ def api_auth_of(serve: Serve) -> Optional[str]:
         api_auth_pairs(value)
     except ValueError as err:
         raise ConfigError(f"EDIT_RT_API_AUTH: {err}") from None
+    return value
+
+
+def token_of(serve: Serve) -> Optional[str]:
+    """The bearer token in force: ``EDIT_RT_TOKEN`` over ``serve.token`` (an empty variable is
+    unset), the environment's refused as the config's is (blank, surrounding whitespace: no
+    client could send it), naming the variable and the fix, before the server starts."""
+    value = os.environ.get("EDIT_RT_TOKEN")
+    if not value:
+        return serve.token
+    refusal = token_refusal(value, "unset EDIT_RT_TOKEN (serve.token then applies)")
+    if refusal is not None:
+        raise ConfigError(f"EDIT_RT_TOKEN: {refusal}")
     return value
 
 

@@ -1,10 +1,11 @@
 """OpenAI's multipart forms: ``images.edit`` and ``images.create_variation``.
 
-``images.edit``: each uploaded image is inverted into a base (or found again), then edited with
-``prompt``, ``n`` times (n > 1: seeded variations, seed, seed + 1, ...), the first image with
-``mask`` where one is sent (openai_mask.py); streamed as OpenAI's ``image_edit.*`` events with
-``stream``. ``images.create_variation``: the image's base re-noised ``n`` times, seeded, with the
-base's own prompt over the config's default tail. Every field is read as the JSON bodies' types
+``images.edit``: each uploaded image is inverted into a base (or found again; an edit-rt PNG
+re-enters its own stored base: openai_uploads.py), then edited with ``prompt``, ``n`` times
+(n > 1: seeded variations, seed, seed + 1, ...), the first image with ``mask`` where one is
+sent (openai_mask.py); streamed as OpenAI's ``image_edit.*`` events with ``stream``.
+``images.create_variation``: the image's base re-noised ``n`` times, seeded, with the base's own
+prompt over the config's default tail. Every field is read as the JSON bodies' types
 and ranges (api.py, model/schema.py) and checked before the first image is decoded: a field
 neither OpenAI's nor edit-rt's is refused by name, never ignored; what OpenAI's fields do here
 is openai_fields.py's.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import replace
 from typing import Awaitable, Callable, Literal, Optional
 
 import numpy as np
@@ -28,6 +30,7 @@ from ..serving.service import Service
 from .api import OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
 from .openai_mask import mask_from_bytes
+from .openai_uploads import found_bases, inverted
 from .streams import EventStream, Renderer, chained
 
 Encode = Callable[[Delivery, bytes], Awaitable[bytes]]
@@ -153,13 +156,15 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     if len(masks) > 1:
         raise ApiError(400, "mask: one mask (it applies to the first image, as OpenAI's does)", param="mask", code="too_many")
     size = check_size(service, fields.size)
-    if fields.sampler is not None:
-        service.same_sampler(fields.sampler, "ddim", "an uploaded image is inverted with DDIM")
     cfg = service.cfg
-    steps = fields.steps or cfg.base.steps
-    tail = fields.tail_steps or max(1, round(cfg.cache.default_tail_fraction * steps))
     strength = cfg.cache.default_strength if fields.strength is None else fields.strength
-    delivery = delivery_of(fields, service.model_name, steps, f"{tail} of {steps} steps at strength {strength:g}")
+
+    def delivered(steps: int) -> Delivery:  # what quality and input_fidelity are reported as, at the base's steps
+        tail = fields.tail_steps or max(1, round(cfg.cache.default_tail_fraction * steps))
+        return delivery_of(fields, service.model_name, steps, f"{tail} of {steps} steps at strength {strength:g}")
+
+    steps = fields.steps or cfg.base.steps
+    delivery = delivered(steps)
     seeds = seeds_of(fields.n, fields.seed)
     try:
         specs = [Edit(prompt=fields.prompt, strength=fields.strength, tail_steps=fields.tail_steps, seed=s,
@@ -168,23 +173,32 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
         raise validation_error(err.errors(), Edit) from None
     service.check_edit_count(fields.n * len(images))
     raw = [await f.read() for f in images]
-    uploads = [await service.upload(data, "image" if len(raw) == 1 else f"image[{k}]") for k, data in enumerate(raw)]
+    # an edit-rt PNG re-enters its own stored base, any other image is inverted (openai_uploads.py)
+    found = await found_bases(service, raw, ["image" if len(raw) == 1 else f"image[{k}]" for k in range(len(raw))],
+                              fields.sampler)  # fmt: skip
     pixel_mask = await mask_of(service, await masks[0].read(), raw[0]) if masks else None
-    bids = []
-    for upload in uploads:
-        bids.append((await service.invert(upload, fields.source_prompt, fields.negative_prompt, fields.steps, fields.cfg_scale)).id)
+    kept = await inverted(service, found, fields.source_prompt, fields.negative_prompt, fields.steps, fields.cfg_scale)
+    first, bids = found[0].base, [f.id for f in found]
+    if found[0].reused:  # what runs is that base's: its steps, its size
+        steps, size = first["steps"], f"{first['width']}x{first['height']}"
+        delivery = delivered(steps)
+    delivery.accepted.update(kept)
     # The mask is the first image's (as OpenAI's); outside it the reply is that upload's own
-    # pixels (an inverted base composites onto its source pixels: pipeline.base_image).
-    masked = lambda k: {} if k or pixel_mask is None else {"pixel_masks": [pixel_mask] * len(specs), "mask_param": "mask"}  # noqa: E731
-    ran = {"model": service.model_name, "sampler": sampler_label("ddim"), "steps": steps, "seeds": seeds * len(bids),
-           "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
+    # pixels (an inverted base composites onto its source pixels: pipeline.base_image; a
+    # re-entered one onto the upload, which may be an edit of it).
+    backdrop = {"backdrops": [found[0].upload.pixels] * len(specs)} if found[0].reused else {}
+    masked = lambda k: {} if k or pixel_mask is None else {"pixel_masks": [pixel_mask] * len(specs), "mask_param": "mask",  # noqa: E731
+                                                           **backdrop}  # fmt: skip
+    ran = {"model": service.model_name, "sampler": sampler_label(first["sampler"] or service.default_sampler), "steps": steps,
+           "seeds": seeds * len(bids), "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
     extra = lambda index: {"seed": seeds[index % len(seeds)]}  # noqa: E731
     if delivery.stream:
         return await edit_stream(service, bids, specs, masked, delivery, size, encode, extra)
     out = []
     for k, bid in enumerate(bids):
         out += await service.edit_base(bid, specs, http, **masked(k))
-    return {"created": int(time.time()), "base_id": bids[0], "base_ids": bids, **delivery.reply_fields(size), "info": ran,
+    return {"created": int(time.time()), "base_id": bids[0], "base_ids": bids, "base_reused": [f.reused for f in found],
+            **delivery.reply_fields(size), "info": ran,
             "data": [{"index": i, "b64_json": b64(await encode(delivery, e.png)), "info": {**e.info(), **extra(i)}}
                      for i, e in enumerate(out)]}  # fmt: skip
 
@@ -219,16 +233,15 @@ async def mask_of(service: Service, data: bytes, image: bytes) -> np.ndarray:
 
 async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
     """OpenAI's ``images.create_variation`` form: the image inverted into a base (or found
-    again), then ``n`` seeded re-noisings of it, each an edit with the base's own prompt over
-    ``tail_steps`` (the config's default tail by default)."""
+    again; an edit-rt PNG's own stored base, re-entered), then ``n`` seeded re-noisings of it,
+    each an edit with the base's own prompt over ``tail_steps`` (the config's default tail by
+    default)."""
     files, fields = await read_form(http, VariationForm, VARIATION_FILES)
     images = files.get("image", [])
     if len(images) != 1:
         raise ApiError(400, "image: one file field named image (create_variation takes one image)", param="image",
                        code="missing" if not images else "too_many")  # fmt: skip
     size = check_size(service, fields.size)
-    if fields.sampler is not None:
-        service.same_sampler(fields.sampler, "ddim", "an uploaded image is inverted with DDIM")
     steps = fields.steps or service.cfg.base.steps
     delivery = delivery_of(fields, service.model_name, steps)
     if delivery.stream:
@@ -242,11 +255,16 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
     except ValidationError as err:
         raise validation_error(err.errors(), Edit) from None
     service.check_edit_count(fields.n)
-    upload = await service.upload(await images[0].read(), "image")
-    made = await service.invert(upload, fields.source_prompt, fields.negative_prompt, fields.steps, fields.cfg_scale)
-    done = await service.edit_base(made.id, specs, http)
-    ran = {"model": service.model_name, "sampler": sampler_label("ddim"), "steps": steps, "seeds": seeds,
-           "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
-    return {"created": int(time.time()), "base_id": made.id, "base_ids": [made.id], **delivery.reply_fields(size), "info": ran,
+    (found,) = await found_bases(service, [await images[0].read()], ["image"], fields.sampler)
+    delivery.accepted.update(await inverted(service, [found], fields.source_prompt, fields.negative_prompt, fields.steps,
+                                            fields.cfg_scale))  # fmt: skip
+    if found.reused:  # a stored base re-entered: its own prompt (its K/V), its steps, its size
+        specs = [replace(spec, prompt=VARIATION_PROMPT, strength=0.0) for spec in specs]
+        steps, size = found.base["steps"], f"{found.base['width']}x{found.base['height']}"
+    done = await service.edit_base(found.id, specs, http)
+    ran = {"model": service.model_name, "sampler": sampler_label(found.base["sampler"] or service.default_sampler),
+           "steps": steps, "seeds": seeds, "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
+    return {"created": int(time.time()), "base_id": found.id, "base_ids": [found.id], "base_reused": [found.reused],
+            **delivery.reply_fields(size), "info": ran,
             "data": [{"index": e.index, "b64_json": b64(await encode(delivery, e.png)), "info": {**e.info(), "seed": seeds[e.index]}}
                      for e in done]}  # fmt: skip

@@ -24,8 +24,8 @@ here (DNS rebinding) can read the answers too. So, in this order:
   ``multipart/form-data`` only on ``POST /v1/images/edits`` and ``/v1/images/variations``
   (OpenAI's images.edit and images.create_variation forms),
   and there only past the origin check; no body at all only on the routes that read none
-  (A1111's ``/sdapi/v1/interrupt``, ``/skip`` and ``/refresh-loras``, which its clients post
-  empty). Else 415. Not on a path no route serves: nothing would read the body (404).
+  (A1111's ``/sdapi/v1/interrupt``, ``/skip``, ``/refresh-loras`` and a1111_unserved.py's POST
+  routes, which its clients post empty). Else 415. Not on a path no route serves: nothing would read the body (404).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from ..serving.http_errors import ApiError
+from .a1111_unserved import BODYLESS as UNSERVED_POSTS
 from .route_table import Routed
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -45,8 +46,9 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # as host_port gi
 SINGLE_HEADERS = (b"host", b"authorization", b"origin", b"content-type", b"sec-fetch-site")
 FORM_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})  # POST routes that take multipart/form-data (OpenAI's forms)
 API_PREFIXES = ("/v1/", "/sdapi/")
-# POST routes that read no body: webuiapi's interrupt() and skip() send none, and no type
-BODYLESS_ROUTES = frozenset({"/sdapi/v1/interrupt", "/sdapi/v1/skip", "/sdapi/v1/refresh-loras"})
+# POST routes that read no body: webuiapi's interrupt(), skip() and refresh_checkpoints() send
+# none, and no type (the A1111 routes edit-rt has nothing behind read none either)
+BODYLESS_ROUTES = frozenset({"/sdapi/v1/interrupt", "/sdapi/v1/skip", "/sdapi/v1/refresh-loras"}) | UNSERVED_POSTS
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 

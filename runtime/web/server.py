@@ -39,7 +39,7 @@ from ..serving.service import Service
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .api_a1111 import a1111_routes
 from .api_openai import openai_routes
-from .credentials import Credentials, api_auth_of
+from .credentials import Credentials, api_auth_of, token_of
 from .docs import docs_routes
 from .json_depth import JsonDepthLimit
 from .openapi_bodies import body_schemas
@@ -112,7 +112,7 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
         return _error_response(ApiError(500, "internal error; see the server log", "server_error"))
 
     loopback = cfg.serve.host in ("127.0.0.1", "localhost", "::1")
-    credentials = Credentials(service.token, api_auth_of(cfg.serve))
+    credentials = Credentials(token_of(cfg.serve), api_auth_of(cfg.serve))
 
     def refused_before_routing(request: HttpRequest, routed: Routed) -> Optional[Response]:
         """The answer to a request the router never sees; None: route it."""
