@@ -40,9 +40,13 @@ CATALOGUE = (f"  edits: [{{prompt: {EDITS[0]}, tail_steps: 4}}, {{prompt: {EDITS
 
 
 def test_a_catalogue_writes_every_row_and_each_equals_the_edit_alone(tmp_path, model_dir, onnx_dir, pipeline):
-    report = run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE))["catalogue"]
+    whole = run_config(_config(tmp_path, model_dir, onnx_dir, CATALOGUE))
+    report = whole["catalogue"]
     assert report["rows"] == 6 and report["run"] == 6 and report["resumed"] == 0 and report["chunk"] == 4
     assert report["unet_rows"] == 6 * 4  # two chunks (4 + 2 rows) of 4-step tails
+    rows = whole["unet_rows"]  # the run's own count takes them in, and what regenerating them would cost
+    assert rows["catalogue"] == 6 * 4 and rows["total"] == rows["base"] + rows["edit_tails"] + 6 * 4
+    assert rows["regenerating_every_edit"] == TEST_BASE.steps * (len(whole["edits"]) + 6 + 1)
     folder = tmp_path / "out" / "catalogue"
     index = json.loads((folder / "catalogue.json").read_text())
     assert index["rows"] == index["written"] == 6 and [e["file"] for e in index["entries"]] == [f"{i:05d}.png" for i in range(6)]
