@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-looks quality64 sliders check-sd15 redteam test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-looks quality64 sliders train-lcm check-sd15 redteam test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -27,6 +27,7 @@ help:
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
 	@echo "make train-looks train issue 36's model, its scenes' looks drawn at random (CPU, pieces of 85 min; resumes)"
 	@echo "make sliders train + measure the concept sliders of SLIDERS_MODEL: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
+	@echo "make train-lcm distil the shapes model's LCM-LoRA (4-step; CPU, 60 min in pieces of 45; resumes)"
 	@echo "make train64 train the 64x64 two-object shapes model (world 2; CPU, ~70 min on 2 cores; resumes if cut)"
 	@echo "make gates64 measure its gates (prompt following, oracle-mask ceiling, maps' overlap; ~15 min)"
 	@echo "make quality64 make quality on it (out/quality64/)"
@@ -128,6 +129,12 @@ SLIDERS_MODEL ?= export/models/shapes-looks-sd
 sliders: setup
 	$(BIN)/python scripts/train_sliders.py --model $(SLIDERS_MODEL) --out $(SLIDERS_MODEL)/sliders \
 		--work build/sliders-work/$(notdir $(SLIDERS_MODEL)) --minutes-per-slider 6 --seed 0 --bases 24
+
+# The embedded model's few-step LCM-LoRA (issue 51): each run steps for at most a piece, saves its
+# state to export/checkpoints/shapes-lcm/ and resumes from it; the LoRA and its card go to lcm-lora/
+train-lcm: setup
+	$(BIN)/python scripts/train_lcm.py --model export/models/shapes-sd --out export/models/shapes-sd/lcm-lora \
+		--checkpoint export/checkpoints/shapes-lcm --minutes 60 --piece-minutes 45 --seed 0 --bases 50
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

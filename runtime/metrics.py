@@ -96,6 +96,10 @@ class SchedulerCollector:
              total("rows_computed") - total("row_steps")),
             ("edit_rt_unet_uncond_halves_skipped", "Unconditional halves of rows not computed: an edit's entry step "
              "takes its base's", total("uncond_rows_skipped")),
+            ("edit_rt_unet_unguided_rows", "Of the UNet rows, unguided ones (guidance <= 1: the conditional "
+             "prediction alone)", total("unguided_row_steps")),
+            ("edit_rt_unet_unguided_halves_skipped", "Unconditional halves of unguided rows not computed (one "
+             "row of a call computes one)", total("unguided_rows_skipped")),
         ):  # fmt: skip
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)

@@ -182,7 +182,7 @@ def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops
 
 
 def test_samplers_schedulers_options_vae_memory_through_webuiapi(api, server):
-    assert sorted(api.util_get_sampler_names()) == ["DDIM", "DPM++ 2M", "Euler", "Euler a", "UniPC"]
+    assert sorted(api.util_get_sampler_names()) == ["DDIM", "DPM++ 2M", "Euler", "Euler a", "LCM", "TCD", "UniPC"]
     assert api.get_samplers()[0]["aliases"] == ["ddim"]
     assert sorted(api.util_get_scheduler_names()) == ["automatic", "karras", "uniform"]
     models = api.util_get_model_names()

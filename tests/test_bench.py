@@ -56,6 +56,9 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
     entry = report["entry_reuse"]  # 2 rows joined at once: one takes u from the base
     assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
+    unguided = report["interactive"]["unguided_vs_guided"]  # 2 rows x 2 steps: one u computed a call, vs 2N less an entry's
+    assert unguided["n"] == 2 and unguided["unet_rows_unguided"] == 2 * 2 + 2 and unguided["unet_rows_guided"] == 2 * 2 * 2 - 1
+    assert unguided["ratio"] > 0 and unguided["seconds_unguided"] > 0
     move = report["slider_move"]  # one row, its prompt encoded: the move against its UNet calls
     assert move["tail_steps"] == 2 and move["move_over_unet"] >= 1.0 and move["seconds_move_unet"] > 0
     inv = report["inversion"]
@@ -72,7 +75,7 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
 
     print_bench(report, tmp_path)
     printed = " ".join(capsys.readouterr().out.split())
-    for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "preserve: auto", "structure keeping, 1 rows",
+    for line in ("server, 2 concurrent", "entry-step reuse", "a slider move (1 row x 2 steps", "a base from an image", "interactive: 2 unguided rows x 2 steps", "preserve: auto", "structure keeping, 1 rows",
                  "LoRA slots (2 x rank 4)", "base.deepcache 3: a generation", "catalogues (2-step tails, PNGs written): 2 rows"):
         assert line in printed, line
 

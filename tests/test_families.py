@@ -401,10 +401,8 @@ def _transformer_folder(out: Path, pipeline_class: str, scheduler: str) -> Path:
 
 
 REFUSALS = {
-    "lcm": ({"scheduler": {"_class_name": "LCMScheduler"}}, "LCMScheduler"),
-    "tcd": ({"scheduler": {"_class_name": "TCDScheduler"}}, "TCDScheduler"),
-    "turbo": ({"scheduler": {"_class_name": "EulerAncestralDiscreteScheduler", "timestep_spacing": "trailing"}},
-              "Turbo-style"),
+    # (LCM, TCD and Turbo folders run: tests/test_few_step.py)
+    "flow-scheduler": ({"scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler"}}, "FlowMatchEulerDiscreteScheduler"),
     "sd3": (("StableDiffusion3Pipeline", "FlowMatchEulerDiscreteScheduler"), "StableDiffusion3Pipeline"),
     "flux": (("FluxPipeline", "FlowMatchEulerDiscreteScheduler"), "FluxPipeline"),
     "pixart": (("PixArtAlphaPipeline", "DPMSolverMultistepScheduler"), "PixArtAlphaPipeline"),
@@ -413,7 +411,7 @@ REFUSALS = {
 
 
 # two kinds in the default run (a scheduler class, a pipeline class); every kind in make test-all
-@pytest.mark.parametrize("kind", [k if k in ("lcm", "sd3") else pytest.param(k, marks=pytest.mark.slow) for k in REFUSALS])
+@pytest.mark.parametrize("kind", [k if k in ("flow-scheduler", "sd3") else pytest.param(k, marks=pytest.mark.slow) for k in REFUSALS])
 def test_unsupported_families_are_refused_in_one_line(kind, model_dir, tmp_path):
     spec, named = REFUSALS[kind]
     out = tmp_path / kind

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                       EulerDiscreteScheduler, UniPCMultistepScheduler)  # fmt: skip
+                       EulerDiscreteScheduler, LCMScheduler, TCDScheduler, UniPCMultistepScheduler)  # fmt: skip
 
 from edit_rt.runtime.errors import SamplerError
 from edit_rt.runtime.model import samplers
 from edit_rt.runtime.model.sampler_dpmpp import DPM_DEFAULTS
 from edit_rt.runtime.model.sampler_euler import EULER_A_DEFAULTS, EULER_DEFAULTS
+from edit_rt.runtime.model.sampler_lcm import LCM_DEFAULTS
+from edit_rt.runtime.model.sampler_tcd import TCD_DEFAULTS
 from edit_rt.runtime.model.sampler_unipc import UNIPC_DEFAULTS
 from edit_rt.runtime.model.samplers import (COEFS, SAMPLER_NAMES, a1111_label, a1111_sampler, a1111_samplers,
                                             a1111_schedulers, check_sampler, default_sampler, parse_sampler,
@@ -52,7 +54,12 @@ REFERENCE = {
                                             use_karras_sigmas=False)),
     "unipc_karras": (UniPCMultistepScheduler, dict(solver_type="bh2", predict_x0=True, solver_order=2,
                                                    disable_corrector=[], use_karras_sigmas=True)),
+    "lcm": (LCMScheduler, {}),
+    "tcd": (TCDScheduler, {}),
 }  # fmt: skip
+# the step() arguments each takes besides the generator: TCD's gamma is its step's default eta
+STEP_KW = {DDIMScheduler: dict(eta=0.0), TCDScheduler: dict(eta=0.3)}
+NOISY = (EulerAncestralDiscreteScheduler, LCMScheduler, TCDScheduler)  # draw per-step noise
 
 SHAPE = (1, 4, 8, 8)
 _rng = np.random.default_rng(1234)
@@ -97,9 +104,7 @@ def run_diffusers(name, config, steps, seed=0):
         seen.append(float(t))
         vps.append(model_input.numpy().copy())
         out = torch.from_numpy(toy_model(model_input.numpy(), float(t)))
-        kw = dict(generator=gen) if cls is EulerAncestralDiscreteScheduler else {}
-        if cls is DDIMScheduler:
-            kw = dict(eta=0.0)
+        kw = dict(STEP_KW.get(cls, {}), **(dict(generator=gen) if cls in NOISY else {}))
         latents = ref.step(out, t, latents, **kw).prev_sample
     final = latents.numpy()
     if hasattr(ref, "sigmas") and cls in (EulerDiscreteScheduler, EulerAncestralDiscreteScheduler):
@@ -162,6 +167,13 @@ CASES = (
         ("euler", "1 step", SD15, 1),
         ("unipc", "2 steps", SD15, 2),
         ("dpmpp_2m", "2 steps", SD15, 2),
+        # the few-step schedules (docs/samplers.md): LCM and TCD at 1-8 steps, Turbo's trailing Euler (a)
+        *[(n, "few", SD15, steps) for n in ("lcm", "tcd") for steps in (1, 2, 4, 8)],
+        ("lcm", "clip", dict(SD15, clip_sample=True, clip_sample_range=0.5, prediction_type="sample"), 4),
+        ("lcm", "original 20, scaling 5", dict(SD15, original_inference_steps=20, timestep_scaling=5.0), 4),
+        ("tcd", "v", dict(SD2V, original_inference_steps=30), 4),
+        *[(n, "turbo", dict(SD15, timestep_spacing="trailing", steps_offset=0), steps)
+          for n in ("euler_a", "euler") for steps in (1, 4)],
     ]
 )  # fmt: skip
 MAX_DIFF: dict = {}
@@ -219,7 +231,8 @@ def test_ddim_coefs_reproduce_the_fused_formula_bit_for_bit():
 @pytest.mark.parametrize("cls,defaults", [(EulerDiscreteScheduler, EULER_DEFAULTS),
                                           (EulerAncestralDiscreteScheduler, EULER_A_DEFAULTS),
                                           (DPMSolverMultistepScheduler, DPM_DEFAULTS),
-                                          (UniPCMultistepScheduler, UNIPC_DEFAULTS)])  # fmt: skip
+                                          (UniPCMultistepScheduler, UNIPC_DEFAULTS), (LCMScheduler, LCM_DEFAULTS),
+                                          (TCDScheduler, TCD_DEFAULTS)])  # fmt: skip
 def test_defaults_are_diffusers_signatures(cls, defaults):
     """from_config fills what a config lacks with the target's own defaults: these are diffusers'."""
     sig = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
@@ -230,9 +243,10 @@ def test_schedule_attributes():
     for name in SAMPLER_NAMES:
         s = schedule_for(name, SD15, 10)
         assert s.name == name and s.num_inference_steps == 10 and len(s.timesteps) == 10
-        assert s.ancestral == (name == "euler_a")
+        assert s.ancestral == (name in ("euler_a", "lcm", "tcd"))
         assert s.history == {"dpmpp_2m": 1, "dpmpp_2m_karras": 1, "unipc": 2, "unipc_karras": 2}.get(name, 0)
-        assert (s.alpha_prev[-1] == 1.0) == (name != "ddim") and np.all(np.diff(s.alpha_t) > 0)
+        # the last step's output: clean, but for DDIM's (set_alpha_to_one false) and TCD's (at t = 0)
+        assert (s.alpha_prev[-1] == 1.0) == (name not in ("ddim", "tcd")) and np.all(np.diff(s.alpha_t) > 0)
         assert isinstance(s, samplers.Schedule)
     lin = schedule_for("euler", dict(SD15, timestep_spacing="linspace"), 10)
     assert 0.99 < lin.init_sigma < 1.0  # init_noise_sigma = sigma_max there, not sqrt(sigma_max^2 + 1)
@@ -245,6 +259,12 @@ def test_schedule_attributes():
         for name in SAMPLER_NAMES:
             with pytest.raises(ValueError):
                 schedule_for(name, SD15, bad)
+    # a consistency model's steps come from its distillation schedule: at most original_inference_steps
+    for name in ("lcm", "tcd"):
+        assert len(schedule_for(name, SD15, 50).timesteps) == 50
+        with pytest.raises(ValueError, match="original_inference_steps"):
+            schedule_for(name, SD15, 51)
+        assert schedule_for(name, SD15, 1).ancestral is False  # one step: no noise
 
 
 # ----------------------------------------------------------------------------- registry
@@ -257,6 +277,7 @@ def test_schedule_attributes():
     ("DPMSolverMultistepScheduler", "dpmpp_2m"), ("EulerDiscreteScheduler", "euler"),
     ("EulerAncestralDiscreteScheduler", "euler_a"), ("UniPCMultistepScheduler", "unipc"),
     ("DDIMScheduler", "ddim"), ("unipc_karras", "unipc_karras"), ("Euler Karras", "euler_karras"),
+    ("LCM", "lcm"), ("LCMScheduler", "lcm"), ("TCDScheduler", "tcd"), ("tcd", "tcd"),
 ])  # fmt: skip
 def test_parse_sampler(given, want):
     assert parse_sampler(given) == want
@@ -303,7 +324,7 @@ def test_a1111_sampler_refusals_name_the_field(name, scheduler, field):
 
 def test_a1111_lists_and_labels_round_trip():
     names = [s["name"] for s in a1111_samplers()]
-    assert names == ["DDIM", "Euler", "Euler a", "DPM++ 2M", "UniPC"]
+    assert names == ["DDIM", "Euler", "Euler a", "DPM++ 2M", "UniPC", "LCM", "TCD"]
     dpm = next(s for s in a1111_samplers() if s["name"] == "DPM++ 2M")
     assert dpm["options"] == {"scheduler": "karras"} and "k_dpmpp_2m" in dpm["aliases"]
     scheds = {s["name"]: s for s in a1111_schedulers()}
@@ -351,6 +372,9 @@ def test_default_sampler():
     assert default_sampler(dict(SD15, _class_name="UniPCMultistepScheduler", solver_type="bh1")) == "ddim"
     assert default_sampler(dict(SD15, _class_name="LMSDiscreteScheduler")) == "ddim"
     assert default_sampler(dict(SDXL_EULER, use_exponential_sigmas=True)) == "ddim"
+    assert default_sampler(dict(SD15, _class_name="LCMScheduler")) == "lcm"
+    assert default_sampler(dict(SD15, _class_name="TCDScheduler")) == "tcd"
+    assert default_sampler(dict(SD15, _class_name="LCMScheduler", thresholding=True)) == "ddim"
 
 
 @pytest.mark.parametrize("name,config,option", [
@@ -368,6 +392,9 @@ def test_default_sampler():
     ("unipc", dict(SD15, rescale_betas_zero_snr=True), "rescale_betas_zero_snr"),
     ("unipc", dict(SD15, lower_order_final=False), "lower_order_final"),
     ("euler", dict(SD15, timestep_spacing="karras"), "timestep_spacing"),
+    ("lcm", dict(SD15, thresholding=True), "thresholding"),
+    ("tcd", dict(SD15, rescale_betas_zero_snr=True), "rescale_betas_zero_snr"),
+    ("lcm", dict(SD15, prediction_type="flow_prediction"), "prediction_type"),
 ])  # fmt: skip
 def test_check_sampler_refusals(name, config, option):
     with pytest.raises(SamplerError) as e:

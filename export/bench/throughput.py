@@ -50,6 +50,7 @@ from .side import (bucket_cost, catalogue_cost, entry_reuse, inversion_cost, pre
                    slider_move, structure_cost, _timed)  # fmt: skip
 from .cpu_engines import measure_engines
 from .cpu_engines import print_table as print_engines
+from .interactive import interactive
 from .sliders import slider_cost
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,8 @@ def run_bench(
     move = report["slider_move"]
     move.update({"page_drag_seconds": report["server_vs_run"]["page_drag_seconds"],
                  "page_drag_over_unet": report["server_vs_run"]["page_drag_seconds"] / move["seconds_move_unet"]})  # fmt: skip
+    say("bench: interactive: an unguided tail against a guided one")
+    report["interactive"] = interactive(rt, state, prompts[: max(ns)], min(ks.values()), repeats)
     say("bench: inverting an image into a base, against generating one")
     report["inversion"] = inversion_cost(rt, base, repeats)
     advance(1)

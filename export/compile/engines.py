@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import onnxruntime as ort
 
 from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, graph_precision, upcasts, write_engines_json
+from edit_rt.runtime.engine.engines import EngineSet, graph_precision, graphs_of, upcasts, write_engines_json
 from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.engine.manifest import Manifest, load_manifest
 from edit_rt.runtime.engine.profiles import EditBatchProfile
@@ -46,7 +46,7 @@ def ort_cpu_engines(manifest: Manifest, out: Path, profile: EditBatchProfile,
     them anyway (docs/engines.md)."""
     staging = _fresh(out)
     graphs = {}
-    for graph in GRAPHS:
+    for graph in graphs_of(manifest):
         source = manifest.path(graph)
         if manifest.data["graphs"][graph].get("weight_bytes", 0) > COPY_LIMIT:
             graphs[graph] = {**_entry(manifest, graph, os.path.relpath(source, out)), "optimized": False}
@@ -89,7 +89,7 @@ def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precis
     staging = _fresh(out)
     timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
     graphs = {}
-    for graph in GRAPHS:
+    for graph in graphs_of(manifest):
         inputs = manifest.graphs[graph].inputs
         trt_profiles = []
         for size in profile.latent_sizes() if spatial(inputs) else profile.latent_sizes()[:1]:

@@ -8,7 +8,8 @@ at SD 1.5's size). What is compared:
 - the model's files, as the runtime compares them (``Manifest.check_model``: size, mtime, ctime
   and inode of every file, and the content sha256 when any of them differs);
 - the export settings (opset, external data threshold, variant, adapter slots and rank,
-  attention slicing);
+  attention slicing, and the content of ``export.tiny_vae``'s files: a model folder's own
+  ``vae_tiny/`` is one of the model's files);
 - the sha256 of the exporting code (every ``.py`` of this package) and the manifest version;
 - the versions of torch, diffusers, transformers, onnx and onnxruntime, read from the installed
   distributions' metadata, so that this check imports none of them;
@@ -47,15 +48,28 @@ def _tool_version(name: str) -> Optional[str]:
         return None
 
 
+def tiny_vae_sha256(path: Optional[Path]) -> Optional[str]:
+    """sha256 over the names and bytes of the tiny autoencoder's files at ``path`` (a folder or
+    a file; a few MB), None without one."""
+    if path is None or not Path(path).exists():
+        return None
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else sorted(path.parent.glob(path.name.replace("_decoder.", "_*coder.")))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
 def export_inputs(opset: int, external_data_threshold_mb: float, variant: Optional[str], adapter_slots: int,
-                  adapter_rank: int, attention_slicing: Union[str, int]) -> dict:  # fmt: skip
+                  adapter_rank: int, attention_slicing: Union[str, int], tiny_vae: Optional[Path] = None) -> dict:  # fmt: skip
     """Everything besides the model's weights that the exported graphs depend on (recorded in the
     manifest as ``export_inputs``)."""
     return {
         "settings": {"opset": int(opset), "external_data_threshold_mb": float(external_data_threshold_mb),
                      "variant": variant, "adapter_slots": int(adapter_slots),
                      "adapter_rank": int(adapter_rank) if adapter_slots else 0,
-                     "attention_slicing": attention_slicing},  # fmt: skip
+                     "attention_slicing": attention_slicing, "tiny_vae": tiny_vae_sha256(tiny_vae)},  # fmt: skip
         "code_sha256": _code_sha256(),
         "tools": {name: _tool_version(name) for name in TOOLS},
     }

@@ -6,12 +6,15 @@ from), the per-row conditioning the UNet takes besides cross-attention K/V (SDXL
 embedding and size ids: how an edit mixes them with its strength), and VAE specifics. The export
 writes its description into the manifest; the runtime reads the step's per-row inputs from there.
 
+A ``LatentConsistencyModelPipeline`` folder is an SD (or SDXL) folder whose UNet may take a
+guidance embedding (``time_cond_proj_dim``: :func:`guidance_conds`); its ``LCMScheduler`` runs as
+edit-rt's ``lcm`` sampler, a ``TCDScheduler`` as ``tcd``, a Turbo model's trailing Euler (a) as
+itself (runtime/model/samplers.py).
+
 Everything else is refused in one line that names what was found and what is supported: other
-pipeline classes (SD3 and Flux are flow-matching transformers, PixArt a DiT, ...), and schedulers
-whose sampling is not DDIM's (LCM and TCD are consistency-distilled; "Turbo" models are trained
-for a trailing one-to-four-step schedule; flow-matching schedulers are another ODE). Schedulers
-that are other solvers of the same epsilon or v model (PNDM, Euler, DPM-Solver, UniPC, ...) are
-run as DDIM with their betas.
+pipeline classes (SD3 and Flux are flow-matching transformers, PixArt a DiT, ...), and
+flow-matching schedulers (another ODE). Schedulers that are other solvers of the same epsilon or
+v model (PNDM, LMS, ...) and that edit-rt has no sampler of run as DDIM with their betas.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any, Optional
 from edit_rt.runtime.engine.manifest import model_files
 from edit_rt.runtime.errors import ModelError
 
-SUPPORTED = "StableDiffusionPipeline (SD 1.x, 2.x) and StableDiffusionXLPipeline (SDXL)"
+SUPPORTED = ("StableDiffusionPipeline (SD 1.x, 2.x), StableDiffusionXLPipeline (SDXL) and "
+             "LatentConsistencyModelPipeline (an LCM of either)")
 # What the pipelines users most often try are, for the one-line refusal.
 REFUSED_PIPELINES = {
     "StableDiffusion3Pipeline": "a flow-matching transformer (MMDiT), no UNet",
@@ -34,13 +38,10 @@ REFUSED_PIPELINES = {
     "StableDiffusionInpaintPipeline": "a 9-channel inpainting UNet",
     "StableDiffusionXLInpaintPipeline": "a 9-channel inpainting UNet",
     "StableDiffusionXLImg2ImgPipeline": "the SDXL refiner: one text encoder, aesthetic-score conditioning",
-    "LatentConsistencyModelPipeline": "a latent-consistency model with its own few-step sampler",
     "StableCascadeCombinedPipeline": "a Würstchen cascade, no single UNet",
 }
 # Schedulers whose own sampling the model needs: DDIM on their betas would be wrong.
 REFUSED_SCHEDULERS = {
-    "LCMScheduler": "a latent-consistency model needs its own few-step sampler",
-    "TCDScheduler": "a trajectory-consistency-distilled model needs its own sampler",
     "FlowMatchEulerDiscreteScheduler": "a flow-matching model is not a DDPM",
     "FlowMatchHeunDiscreteScheduler": "a flow-matching model is not a DDPM",
 }
@@ -64,6 +65,8 @@ def family_of(model_dir: Path) -> str:
         model_files(model_dir)  # a folder that lacks a part is told which
         raise ModelError(f"{model_dir}/model_index.json names no pipeline (_class_name); edit-rt exports {SUPPORTED}")
     family = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl"}.get(found)
+    if found == "LatentConsistencyModelPipeline":  # an SD or SDXL folder: SDXL's has a second encoder
+        family = "sdxl" if "text_encoder_2" in index else "sd"
     if family is None:
         why = f" ({REFUSED_PIPELINES[found]})" if found in REFUSED_PIPELINES else ""
         raise ModelError(f"{model_dir}: a {found} folder{why}; edit-rt exports {SUPPORTED}")
@@ -71,11 +74,19 @@ def family_of(model_dir: Path) -> str:
     name = scheduler.get("_class_name", "")
     if name in REFUSED_SCHEDULERS:
         raise ModelError(f"{model_dir}/scheduler: {name} ({REFUSED_SCHEDULERS[name]}); edit-rt samples with DDIM, "
-                         "which needs a DDPM-trained epsilon or v model (DDIM, PNDM, Euler, DPM-Solver, ... schedulers)")  # fmt: skip
-    if name == "EulerAncestralDiscreteScheduler" and scheduler.get("timestep_spacing") == "trailing":
-        raise ModelError(f"{model_dir}/scheduler: {name} with trailing timesteps, a Turbo-style one-to-four-step "
-                         "model; edit-rt's DDIM tails need a model trained for many-step sampling")  # fmt: skip
+                         "which needs a DDPM-trained epsilon or v model (DDIM, PNDM, Euler, DPM-Solver, LCM, TCD, "
+                         "... schedulers)")  # fmt: skip
     return family
+
+
+def guidance_conds(unet: Any) -> list[dict]:
+    """A UNet with ``time_cond_proj_dim`` (a full LCM, distilled with guidance) takes its CFG scale
+    as an embedding (``timestep_cond``, runtime/model/guidance_embedding.py): a per-row cond that
+    the host computes from the row's guidance, the same for both halves (its rows run unguided)."""
+    dim = unet.config.get("time_cond_proj_dim")
+    if not dim:
+        return []
+    return [{"name": "timestep_cond", "dim": int(dim), "source": "guidance", "mix": False, "uncond": "row"}]
 
 
 def weights_variant(model_dir: Path, part: str, variant: Optional[str]) -> None:

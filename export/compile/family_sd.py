@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .family import Components, load_family
+from .family import Components, guidance_conds, load_family
 
 CLIP_SKIPS = 4  # clip_skip 0 (none), 1, 2, 3
 
@@ -48,13 +48,13 @@ def text_outputs() -> list[str]:
 
 
 def conds(components: Components) -> list[dict]:
-    """Per-row conditioning besides K/V: none for SD 1.x / 2.x."""
-    return []
+    """Per-row conditioning besides K/V: none for SD 1.x / 2.x, but a full LCM's guidance embedding."""
+    return guidance_conds(components.unet)
 
 
 def description(components: Components) -> dict:
     return {"family": "sd", "tokenizers": ["tokenizer.json"], "clip_skips": min(CLIP_SKIPS, components.text_encoders[0].config.num_hidden_layers),
-            "zero_empty_negative": False, "negative_clip_skip": False, "conds": [],
+            "zero_empty_negative": False, "negative_clip_skip": False, "conds": conds(components),
             # StableDiffusionPipeline never upcasts its VAE (AutoencoderKL's config says
             # force_upcast by default, but only the SDXL pipelines read it)
             "vae_force_upcast": False}  # fmt: skip

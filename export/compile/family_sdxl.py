@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .family import Components, load_family
+from .family import Components, guidance_conds, load_family
 
 CLIP_SKIPS = 3  # clip_skip 0 (the penultimate layer), 1, 2
 
@@ -59,7 +59,8 @@ def conds(components: Components) -> list[dict]:
     set; ``time_ids``: six numbers per row, the same for both halves."""
     pooled = components.text_encoders[1].config.projection_dim
     return [{"name": "text_embeds", "dim": pooled, "source": "pooled", "mix": True, "uncond": "set"},
-            {"name": "time_ids", "dim": 6, "source": "time_ids", "mix": False, "uncond": "row"}]  # fmt: skip
+            {"name": "time_ids", "dim": 6, "source": "time_ids", "mix": False, "uncond": "row"},
+            *guidance_conds(components.unet)]  # fmt: skip
 
 
 def description(components: Components) -> dict:

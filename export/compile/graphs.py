@@ -19,6 +19,8 @@
   steps.
 - :class:`VaeDecoderGraph`: ``latents -> images`` in [0, 1].
 - :class:`VaeEncoderGraph`: ``images -> latents`` (an uploaded image's, to invert it).
+- ``taesd_decoder`` is :class:`VaeDecoderGraph` around diffusers' ``AutoencoderTiny`` (same
+  ``decode`` call, same latents in, same [0, 1] out); :class:`TinyVaeEncoderGraph` its encoder.
 """
 
 from __future__ import annotations
@@ -331,12 +333,15 @@ class UNetStepGraph(nn.Module):
         ref_u = self_ref[:nu]
         ref_u = torch.where(ref_u < nu, ref_u, torch.arange(nu, device=latents.device))
         self.context.self_index = torch.cat([ref_u, self_ref + nu])
-        added, k = {}, 0
+        added, k, timestep_cond = {}, 0, None
         for cond in self.conds:  # the UNet's added conditioning, rows [uncond; cond]
             if cond["uncond"] == "set":
                 cond_value, sets = rest[k], rest[k + 1]
                 added[cond["name"]] = torch.cat([sets.index_select(0, uncond_index[:nu]), cond_value])
                 k += 2
+            elif cond.get("source") == "guidance":  # a full LCM's guidance embedding (family.guidance_conds)
+                timestep_cond = torch.cat([rest[k][:nu], rest[k]])
+                k += 1
             else:
                 added[cond["name"]] = torch.cat([rest[k][:nu], rest[k]])
                 k += 1
@@ -353,7 +358,8 @@ class UNetStepGraph(nn.Module):
         t = torch.cat([timestep[:nu], timestep])
         # The processors read the context; encoder_hidden_states only has to exist.
         dummy_text = latents.new_zeros(x.shape[0], 1, self.cross_attention_dim)
-        out = self.unet(x, t, encoder_hidden_states=dummy_text, added_cond_kwargs=added or None, return_dict=False)[0]
+        out = self.unet(x, t, encoder_hidden_states=dummy_text, timestep_cond=timestep_cond,
+                        added_cond_kwargs=added or None, return_dict=False)[0]
         out_uncond = torch.cat([out[:nu], uncond_given + uncond_slope.view(-1, 1, 1, 1) * latents[nu:]])
         out_cond = out[nu:]
         # 2. classifier-free guidance (Ho & Salimans 2022, eq. 6), per-row scale
@@ -438,7 +444,10 @@ def attention_map_layers(unet: nn.Module) -> tuple[frozenset[int], int]:
 
 
 class VaeDecoderGraph(nn.Module):
-    """``latents [N,c,h,w]`` -> ``images [N,3,H,W]`` in [0, 1], as the pipeline post-processes."""
+    """``latents [N,c,h,w]`` -> ``images [N,3,H,W]`` in [0, 1], as the pipeline post-processes:
+    ``decode(latents / scaling_factor)``, as diffusers' pipelines call any ``vae``. An
+    ``AutoencoderTiny`` (``taesd_decoder``) has ``scaling_factor`` 1.0 (TAESD decodes the latents
+    the UNet produces as they are) and returns [-1, 1] like the VAE, so the same graph serves it."""
 
     def __init__(self, vae: nn.Module):
         super().__init__()
@@ -462,6 +471,20 @@ class VaeEncoderGraph(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         posterior = self.vae.encode(images * 2 - 1, return_dict=False)[0]
         return posterior.mode() * self.scaling_factor
+
+
+class TinyVaeEncoderGraph(nn.Module):
+    """``images [N,3,H,W]`` in [0, 1] -> ``latents [N,c,h,w]`` through ``AutoencoderTiny``: its
+    encoder gives the latent itself (no posterior), scaled by its ``scaling_factor`` (1.0: TAESD
+    works on the latents the UNet sees), as diffusers' img2img's ``retrieve_latents`` takes it."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        self.scaling_factor = float(vae.config.scaling_factor)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.vae.encode(images * 2 - 1, return_dict=False)[0] * self.scaling_factor
 
 
 class LatentBlendGraph(nn.Module):

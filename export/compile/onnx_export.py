@@ -39,6 +39,8 @@ from .families import family_module
 from .family import family_of
 from .graphs import (DEEP_BRANCH, KVProjGraph, LatentBlendGraph, UNetShallowStepGraph, UNetStepGraph, VaeDecoderGraph,
                      VaeEncoderGraph, attention_map_layers, cross_attention_layers)  # fmt: skip
+from .graphs import TinyVaeEncoderGraph
+from .tiny_vae import checked_for, load_tiny_vae, tiny_vae_source
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,7 @@ def slice_heads_for(unet: torch.nn.Module, attention_slicing: Union[str, int]) -
 def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_threshold_mb: float = 1900.0,
                 progress: Optional[Callable[[ExportEvent], None]] = None, variant: Optional[str] = None,
                 adapter_slots_n: int = 0, adapter_rank: int = 16,
-                attention_slicing: Union[str, int] = "auto") -> Path:  # fmt: skip
+                attention_slicing: Union[str, int] = "auto", tiny_vae: Optional[Path] = None) -> Path:  # fmt: skip
     """Export ``model_dir`` to ``out_dir`` and write ``manifest.json``; return the manifest path.
 
     ``progress`` is called as each graph starts and when it is done (:class:`ExportEvent`,
@@ -269,13 +271,16 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
     cast to fp32 for the graphs); ``adapter_slots_n`` > 0 gives the text encoder, kv_proj and
     step graphs that many resident LoRA slots of rank up to ``adapter_rank``
     (export/compile/adapter_slots.py); 0: none; ``attention_slicing`` the step graph's self-attention
-    slicing (:func:`slice_heads_for`)."""
+    slicing (:func:`slice_heads_for`); ``tiny_vae`` the tiny autoencoder (export.tiny_vae; None: the
+    model folder's ``vae_tiny/`` if any), exported as ``taesd_decoder`` (and ``taesd_encoder``)."""
     report = progress or (lambda event: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     family = family_module(family_of(model_dir))  # refuses what edit-rt cannot run, in one line
     components = family.load_components(model_dir, variant)
     fingerprint, file_stats = model_fingerprint(model_dir)
     unet, vae, scheduler = components.unet, components.vae, components.scheduler
+    tiny_source = tiny_vae_source(model_dir, tiny_vae)
+    tiny = None if tiny_source is None else checked_for(load_tiny_vae(tiny_source), vae)
     if scheduler.get("thresholding"):
         raise ModelError(f"{model_dir}/scheduler: thresholding=true is not supported by edit-rt")
     prediction_type = scheduler.get("prediction_type", "epsilon")
@@ -309,6 +314,10 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         "vae_decoder": _parameters(vae.decoder, getattr(vae, "post_quant_conv", None)) * max(1, h * vae_scale // 64),
         "vae_encoder": _parameters(vae.encoder, getattr(vae, "quant_conv", None)) * max(1, h * vae_scale // 64),
     }
+    if tiny is not None:  # a few convolutions at full image size, 64 channels wide
+        weights["taesd_decoder"] = _parameters(tiny.module.decoder) * max(1, h * vae_scale // 64)
+        if tiny.encoder:
+            weights["taesd_encoder"] = _parameters(tiny.module.encoder) * max(1, h * vae_scale // 64)
     total = sum(weights.values())
 
     def export_stage(graph: str, export: Callable[[], dict]) -> None:
@@ -392,6 +401,21 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         ["images"], ["latents"],
         {"images": {0: "N", 2: "IH", 3: "IW"}, "latents": {0: "N", 2: "H", 3: "W"}}, opset, threshold,
     ))  # fmt: skip
+    if tiny is not None:
+        log.info("exporting taesd_decoder (%s)", tiny.source)
+        export_stage("taesd_decoder", lambda: _export_graph(
+            VaeDecoderGraph(tiny.module), (torch.randn(n2, vae.config.latent_channels, h, w),),
+            staging / "taesd_decoder.onnx", ["latents"], ["images"],
+            {"latents": {0: "N", 2: "H", 3: "W"}, "images": {0: "N", 2: "IH", 3: "IW"}}, opset, threshold,
+        ))  # fmt: skip
+        graphs["taesd_decoder"]["source"] = str(tiny.source)
+        if tiny.encoder:
+            export_stage("taesd_encoder", lambda: _export_graph(
+                TinyVaeEncoderGraph(tiny.module), (torch.rand(n2, 3, h * scale, w * scale),),
+                staging / "taesd_encoder.onnx", ["images"], ["latents"],
+                {"images": {0: "N", 2: "IH", 3: "IW"}, "latents": {0: "N", 2: "H", 3: "W"}}, opset, threshold,
+            ))  # fmt: skip
+            graphs["taesd_encoder"]["source"] = str(tiny.source)
     description = family.description(components)
     # diffusers' upcast_attention (SD 2.x): scores past fp16's range; fp16 engines keep them fp32
     description["upcast_attention"] = bool(unet.config.get("upcast_attention", False))
@@ -433,7 +457,7 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
         },
         "family": description,
         # what `edit-rt export` compares to skip an export that would write the same graphs
-        "export_inputs": export_inputs(opset, external_data_threshold_mb, variant, slots, rank, attention_slicing),
+        "export_inputs": export_inputs(opset, external_data_threshold_mb, variant, slots, rank, attention_slicing, tiny_vae),
         "layers": [{"name": l.name, "heads": l.heads, "inner_dim": l.inner_dim} for l in layers],
         # LoRA slots (adapter_slots.py): resident inputs of text_encoder, kv_proj and unet_step
         # (a layer whose output no graph output depends on, the last CLIP layer of a family that

@@ -112,11 +112,12 @@ def parameter_counts(configs: dict[str, dict]) -> dict[str, int]:
 
 
 def write_random_sd(out: Path, family: str = "sd15", seed: int = 0, scale: float = 1.0,
-                    config_dir: Optional[Path] = None) -> Path:  # fmt: skip
+                    config_dir: Optional[Path] = None, tiny_vae: bool = True) -> Path:  # fmt: skip
     """Write the random ``family`` model at ``scale`` to ``out`` (a diffusers folder); return ``out``.
 
     One part at a time is built, saved and freed, so the peak memory is the UNet's weights
-    (3.4 GB in fp32 at scale 1.0) plus its serialisation, not the whole model's."""
+    (3.4 GB in fp32 at scale 1.0) plus its serialisation, not the whole model's. ``tiny_vae``:
+    a random TAESD-size tiny autoencoder in ``vae_tiny/`` too."""
     import torch
 
     from ..compile.family_configs import clip_tokenizer_files
@@ -143,6 +144,11 @@ def write_random_sd(out: Path, family: str = "sd15", seed: int = 0, scale: float
     # A random model has nothing to censor, and no image processor ships with it.
     index.update(safety_checker=[None, None], feature_extractor=[None, None], requires_safety_checker=False)
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if tiny_vae:  # TAESD's true architecture (no weights offline): the preview decoder's true cost
+        from .tiny_model import write_tiny_vae
+
+        write_tiny_vae(out / "vae_tiny", seed=seed + len(PARTS), factor=2 ** (len(configs["vae"]["block_out_channels"]) - 1),
+                       latent_channels=int(configs["vae"]["latent_channels"]))  # fmt: skip
     log.info("wrote %s: random %s at scale %g, seed %d (%s)", out, family, scale, seed,
              ", ".join(f"{part} {n / 1e6:.1f} M" for part, n in counts.items()))  # fmt: skip
     return out

@@ -5,7 +5,9 @@ tokenizer/ vae/ scheduler/ model_index.json``) that ``StableDiffusionPipeline.fr
 loads offline, so everything downstream runs the same code as for a real SD 1.5 folder. The
 weights are random (seeded), so images are noise-like; the point is the architecture: a UNet
 with cross-attention at two resolutions and in the mid block, a CLIP text encoder and a CLIP
-byte-level tokenizer built locally (no download).
+byte-level tokenizer built locally (no download). The ``bench`` preset also holds a random tiny
+autoencoder in ``vae_tiny/`` (:func:`write_tiny_vae`: TAESD's architecture at the VAE's factor),
+so that the tiny decoder's graphs are exported and measured like a real one's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class TinyModelSpec:
     upcast_attention: bool = False
     prediction_type: str = "epsilon"
     text_hidden_act: str = "quick_gelu"
+    # A random tiny autoencoder in vae_tiny/ of this width (TAESD's: 64); 0: none. No TAESD
+    # weights exist offline; its cost, not its pictures, is what a random one shows.
+    tiny_vae_channels: int = 0
 
 
 PRESETS = {
@@ -65,6 +70,7 @@ PRESETS = {
         text_layers=4,
         text_heads=4,
         norm_num_groups=32,
+        tiny_vae_channels=64,
     ),
     # SD 2.x's architecture switches at tiny sizes (tests: upcast_attention, v-prediction)
     "tiny-sd2": TinyModelSpec(
@@ -213,9 +219,38 @@ def write_tiny_model(out: Path, seed: int = 0, preset: str = "tiny") -> Path:
         requires_safety_checker=False,
     )
     pipe.save_pretrained(str(out), safe_serialization=True)
+    if spec.tiny_vae_channels:
+        write_tiny_vae(out / "vae_tiny", seed=seed, factor=2 ** (len(spec.vae_block_out_channels) - 1),
+                       channels=spec.tiny_vae_channels)  # fmt: skip
     n_params = sum(p.numel() for p in unet.parameters())
     log.info("wrote %s: UNet %.2f M parameters, seed %d", out, n_params / 1e6, seed)
     return out
+
+
+def tiny_vae_module(factor: int = 8, channels: int = 64, latent_channels: int = 4, seed: int = 0):
+    """A random diffusers ``AutoencoderTiny`` of TAESD's architecture decoding latents ``factor``
+    times smaller than the image: log2(factor) + 1 stages of ``channels``, the decoder's with 3
+    blocks but the last (1), the encoder's with 3 but the first (1), as TAESD's (64 channels,
+    (3, 3, 3, 1) and (1, 3, 3, 3) at factor 8)."""
+    from diffusers import AutoencoderTiny
+
+    stages = factor.bit_length()  # log2(factor) + 1 for a power of two
+    if 2 ** (stages - 1) != factor:
+        raise ValueError(f"factor {factor} is not a power of two")
+    torch.manual_seed(seed)
+    return AutoencoderTiny(
+        latent_channels=latent_channels, encoder_block_out_channels=(channels,) * stages,
+        decoder_block_out_channels=(channels,) * stages, num_encoder_blocks=(1,) + (3,) * (stages - 1),
+        num_decoder_blocks=(3,) * (stages - 1) + (1,),
+    ).eval()  # fmt: skip
+
+
+def write_tiny_vae(out: Path, seed: int = 0, factor: int = 8, channels: int = 64, latent_channels: int = 4) -> Path:
+    """Save :func:`tiny_vae_module`'s autoencoder as a diffusers folder (``vae_tiny/``)."""
+    module = tiny_vae_module(factor, channels, latent_channels, seed)
+    module.save_pretrained(str(out), safe_serialization=True)
+    log.info("wrote %s: random tiny autoencoder, %.2f M parameters", out, sum(p.numel() for p in module.parameters()) / 1e6)
+    return Path(out)
 
 
 # SDXL base 1.0's scheduler_config.json: Euler, which edit-rt runs as DDIM on the same betas
@@ -274,4 +309,24 @@ def write_tiny_sdxl(out: Path, seed: int = 0) -> Path:
     index["scheduler"] = ["diffusers", "EulerDiscreteScheduler"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
     log.info("wrote %s: tiny SDXL, UNet %.2f M parameters, seed %d", out, sum(p.numel() for p in unet.parameters()) / 1e6, seed)
+    return out
+
+
+def write_tiny_lcm(out: Path, seed: int = 0, time_cond_proj_dim: int | None = 32) -> Path:
+    """A tiny random full LCM (a ``LatentConsistencyModelPipeline`` folder): the ``tiny`` model's
+    parts, its UNet taking a guidance embedding of ``time_cond_proj_dim`` (None: none, as an SD
+    model to run with an LCM-LoRA has), and ``LCMScheduler`` on SD's betas."""
+    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
+
+    out = Path(out)
+    write_tiny_model(out, seed=seed)
+    # the same UNet with the guidance embedding's projection (seeded apart from the rest)
+    config = dict(UNet2DConditionModel.load_config(str(out / "unet")), time_cond_proj_dim=time_cond_proj_dim)
+    torch.manual_seed(seed + 1)
+    UNet2DConditionModel.from_config(config).save_pretrained(str(out / "unet"), safe_serialization=True)
+    LCMScheduler.from_pretrained(str(out), subfolder="scheduler").save_pretrained(str(out / "scheduler"))
+    index = json.loads((out / "model_index.json").read_text())
+    index.update({"_class_name": LatentConsistencyModelPipeline.__name__, "scheduler": ["diffusers", "LCMScheduler"]})
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    log.info("wrote %s: tiny LCM, time_cond_proj_dim %s, seed %d", out, time_cond_proj_dim, seed)
     return out

@@ -135,7 +135,8 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     _refuse_what_no_row_fits(cfg)
     current = _export_module("compile.export_inputs")
     inputs = current.export_inputs(cfg.export.opset, cfg.export.external_data_threshold_mb, cfg.export.variant,
-                                   cfg.adapter_slots, cfg.export.adapter_rank, cfg.export.attention_slicing)  # fmt: skip
+                                   cfg.adapter_slots, cfg.export.adapter_rank, cfg.export.attention_slicing,
+                                   cfg.export.tiny_vae)  # fmt: skip
     if not force and current.why_export(cfg.model_dir, cfg.onnx_dir, inputs) is None:
         console.print(f"{cfg.onnx_dir} is current (same weights, settings, code and tools): export skipped "
                       "(--force exports again)")  # fmt: skip
@@ -148,7 +149,7 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
             cfg.model_dir, cfg.onnx_dir, opset=cfg.export.opset,
             external_data_threshold_mb=cfg.export.external_data_threshold_mb, progress=bars.export_event,
             variant=cfg.export.variant, adapter_slots_n=cfg.adapter_slots, adapter_rank=cfg.export.adapter_rank,
-            attention_slicing=cfg.export.attention_slicing,
+            attention_slicing=cfg.export.attention_slicing, tiny_vae=cfg.export.tiny_vae,
         )  # fmt: skip
     graphs = json.loads(manifest.read_text())["graphs"]
     sizes = ", ".join(f"{name} {human_bytes(g['file_bytes'])}" for name, g in graphs.items())
@@ -228,11 +229,11 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
                                tuple((h // scale, w // scale) for w, h in cfg.served_sizes()[1:]),
                                manifest.adapters["slots"], manifest.adapters["rank"])  # fmt: skip
     from ..engine.backend_trt import trt_unavailable_reason
-    from ..engine.engines import GRAPHS
+    from ..engine.engines import graphs_of
 
     reason = trt_unavailable_reason()
     with _progress() as bars:
-        advance = bars(len(GRAPHS) * (1 if reason else 2), "engines")
+        advance = bars(len(graphs_of(manifest)) * (1 if reason else 2), "engines")
         built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=plain,
                                       trt_reason=reason, progress=lambda name: advance(1))  # fmt: skip
     for backend, engine_set in built.items():

@@ -151,6 +151,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         base = dataclasses.replace(base, image=upload.key, sampler="ddim")
     with timer.stage("load"):
         pipe = pipeline_of(cfg)
+        pipe.check_decoder(cfg.decoder)  # decoder: taesd on an export without one, before any step
         # what can be refused is, before the graphs' seconds of loading: the size, its memory
         shape = pipe.latent_shape(base)  # and the rows per call that fit at it
         with stage("loading the graphs"):
@@ -190,11 +191,11 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
             fingerprint = state.fingerprint
             with stage("decoding base.png"):
-                images.append(pipe.base_image(state))
+                images.append(pipe.base_image(state, cfg.decoder))
                 save_png(cfg.output_dir / "base.png", images[0],
                          parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
             # masked and preserve: auto edits show the base's own pixels outside their masks
-            decoded = pipe.render_each(state, rows, results) if rows else iter(())
+            decoded = pipe.render_each(state, rows, results, cfg.decoder) if rows else iter(())
             for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
                 name = f"edit_{k:02d}.png"
                 with stage(f"decoding {name}"):
@@ -254,6 +255,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
             "total": total,
             "reference_rows": last.reference_steps - based.reference_steps,
             "half_rows_skipped": last.uncond_rows_skipped - before.uncond_rows_skipped,
+            # rows at guidance <= 1 (the conditional prediction alone): their row-steps, and the
+            # unconditional halves of those the UNet did not run (the rest: one per call computes)
+            "unguided_rows": last.unguided_row_steps - before.unguided_row_steps,
+            "unguided_halves_skipped": last.unguided_rows_skipped - before.unguided_rows_skipped,
             "padding_rows": (last.rows_computed - before.rows_computed) - total,
             "regenerating_every_edit": T * (n + 1),
             "saving": round(1 - total / (T * (n + 1)), 4),
@@ -261,6 +266,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         # what this process held at its peak, and the rows a call ran at (engine/memory.py)
         "memory": {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    "step_rows_per_call": rows_per_call, "images_per_decode": images_per_decode},  # fmt: skip
+        "decoder": cfg.decoder,  # what decoded the images (pipeline/decoders.py)
         "base_state_bytes": state.nbytes,
         "base_id": bid,
         "base_source": base_source,

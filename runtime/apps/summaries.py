@@ -86,6 +86,20 @@ def print_bench(report: dict, output_dir: Path) -> None:
     for key, line in extras.items():
         if report.get(key):
             out.print(line(report[key]))
+    interactive = {  # bench.json's interactive section, one line per measurement it has
+        "unguided_vs_guided": lambda d: (
+            f"interactive: {d['n']} unguided rows x {d['tail_steps']} steps {d['seconds_unguided']:.2f} s vs "
+            f"{d['seconds_guided']:.2f} s at guidance {d['guidance']:g} ({d['ratio']:.2f}x, spread "
+            f"{d['ratio_spread'][0]:.2f}-{d['ratio_spread'][1]:.2f}; UNet rows {d['unet_rows_unguided']} vs "
+            f"{d['unet_rows_guided']}, {d['unet_rows_ratio']:.2f}x)"),
+        "taesd_vs_vae": lambda d: (
+            f"interactive: a {d['image_size'][0]}x{d['image_size'][1]} decode by the tiny decoder "
+            f"{d['seconds_taesd'] * 1e3:.1f} ms vs the VAE {d['seconds_vae'] * 1e3:.1f} ms ({d['ratio']:.3f}x, spread "
+            f"{d['ratio_spread'][0]:.3f}-{d['ratio_spread'][1]:.3f})"),
+    }  # fmt: skip
+    for key, line in interactive.items():
+        if key in report.get("interactive", {}):
+            out.print(line(report["interactive"][key]))
     out.print(f"wrote {output_dir}/bench.json and bench.png")
 
 

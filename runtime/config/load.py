@@ -103,6 +103,8 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
                 raise ConfigError(str(err)) from None
         if cfg.catalogue is not None:
             check_catalogue(cfg.catalogue)
+        if cfg.export.tiny_vae is not None:
+            cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, tiny_vae=_resolve(cfg.export.tiny_vae, root)))
         if cfg.store.disk_dir is not None:
             cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_dir=_resolve(cfg.store.disk_dir, root)))
         if cfg.base.image is not None:

@@ -28,6 +28,7 @@ STRICT = ConfigDict(extra="forbid")
 
 Backend = Literal["auto", "ort-cpu", "openvino", "ort-cuda", "ort-tensorrt", "trt"]
 Precision = Literal["fp16", "bf16", "fp32"]
+Decoder = Literal["vae", "taesd"]  # pipeline/decoders.py
 Rows = between(Int, 1, 1024)  # rows of one call
 Seconds = between(Float, 0.0, lo_open=True)
 # The rows TensorRT tunes its kernels for when engines.opt_batch is left out (max_batch caps it).
@@ -95,6 +96,11 @@ class Export:
     # 256 MiB (SD 1.5 and SDXL: 512 and 640 MiB a row; the shapes models: a few MiB, unsliced);
     # 0 never; n: n heads per slice. docs/performance.md measures memory against speed.
     attention_slicing: Union[Literal["auto"], between(Int, 0, 64)] = "auto"
+    # The tiny autoencoder (TAESD for SD 1.x/2.x, TAESDXL for SDXL): a diffusers AutoencoderTiny
+    # folder or its authors' taesd_decoder.safetensors (export/compile/tiny_vae.py). None: the
+    # model folder's vae_tiny/ if it has one, else no tiny decoder. It decodes a preview at ~6%
+    # of the VAE's cost (docs/engines.md measures it); finals stay the VAE's by default.
+    tiny_vae: Optional[Path] = None
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -188,6 +194,11 @@ class RunConfig:
     backend: Backend = "ort-cpu"
     # ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.
     threads: between(Int, 0, 1024) = 0
+    # What decodes the final images of a run (and the server's default for a request that names
+    # none): the VAE (exact: what diffusers' pipeline gives) or the tiny decoder (taesd: an
+    # approximation at ~6% of the VAE's cost at 512x512 on a CPU; the export needs one, export.tiny_vae).
+    # Previews go through the tiny decoder whenever the export has one.
+    decoder: Decoder = "vae"
     cache: Cache = field(default_factory=Cache)
     tail: Tail = field(default_factory=Tail)
     preserve: Preserve = field(default_factory=Preserve)

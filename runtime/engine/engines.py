@@ -16,12 +16,17 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import ArtifactError
-from .manifest import Manifest
+from .manifest import OPTIONAL_GRAPHS, Manifest
 from .profiles import EditBatchProfile
 
 ENGINES_VERSION = 1
 GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "latent_blend", "vae_decoder", "vae_encoder")
 REBUILD = "re-run `make engines` (edit-rt engines CONFIG)"
+
+
+def graphs_of(manifest: Manifest) -> tuple[str, ...]:
+    """The graphs an export has, each needing an engine: GRAPHS and the optional ones it holds."""
+    return GRAPHS + tuple(g for g in OPTIONAL_GRAPHS if manifest.has(g))
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def load_engines(
             f"{REBUILD} with this config's sizes (base and engines.sizes)"
         )
     sources = manifest.data["graphs"]
-    for graph in GRAPHS:
+    for graph in graphs_of(manifest):
         entry = engines.graphs.get(graph)
         if entry is None or "file" not in entry or not engines.path(graph).is_file():
             raise ArtifactError(f"{path}: the {graph} engine is missing; {REBUILD}")

@@ -21,7 +21,7 @@ import onnxruntime as ort
 from ..errors import ConfigError
 from .backend import Graph, select_backend
 from .backend_ort import OrtDevice, OrtGraph
-from .engines import GRAPHS, graph_precision, load_engines, upcasts
+from .engines import graph_precision, graphs_of, load_engines, upcasts
 from .manifest import Manifest
 from .profiles import EditBatchProfile, ort_trt_profile_options
 
@@ -61,7 +61,7 @@ def engine_tools(backend: str) -> dict[str, str]:
 
 # Graphs only some requests need (an upload's encoding), made on first use on the CPU: a GPU
 # backend makes every graph up front, on the thread that owns the device.
-LAZY = frozenset({"vae_encoder"})
+LAZY = frozenset({"vae_encoder", "taesd_encoder"})
 
 
 def engine_device(backend: str) -> str:
@@ -108,7 +108,7 @@ def graphs_from_artifacts(
 
         engines = load_engines(Path(engines_dir) / "trt", manifest, "trt", engine_tools("trt"), engine_device("trt"),
                                profile.latent_sizes())  # fmt: skip
-        files = {g: engines.path(g) for g in GRAPHS}
+        files = {g: engines.path(g) for g in graphs_of(manifest)}
         device = TrtDevice()
         graphs = {g: TrtGraph(f, device, cuda_graphs=cuda_graphs and stepping(g)) for g, f in files.items()}
         return GraphSet(chosen, reason, graphs, files, engines.profile, device)
@@ -119,7 +119,7 @@ def graphs_from_artifacts(
         computes = resolve_precision(precision)
         # the export's ONNX graphs, not `make engines`' ort-cpu ones: those hold ONNX Runtime's
         # own fused ops (com.microsoft domain), which are ONNX Runtime's, not the model's
-        files = {g: manifest.path(g) for g in GRAPHS}
+        files = {g: manifest.path(g) for g in graphs_of(manifest)}
         device = OvDevice()
         graphs = {g: OvGraph(f, device, threads, computes if graph_precision(manifest, g, "bf16") == "bf16" else "fp32",
                              lazy=g in LAZY) for g, f in files.items()}  # fmt: skip
@@ -130,13 +130,13 @@ def graphs_from_artifacts(
                           "fp32); set backend: openvino, or engines.precision: fp32")  # fmt: skip
     if chosen == "ort-cpu" and "ort-cpu" in built:
         engines = load_engines(Path(engines_dir) / "ort-cpu", manifest, "ort-cpu", engine_tools("ort-cpu"), cpu_name())
-        files = {g: engines.path(g) for g in GRAPHS}
+        files = {g: engines.path(g) for g in graphs_of(manifest)}
         device = OrtDevice(gpu=False)
         graphs = {g: OrtGraph(f, "ort-cpu", threads, optimized=engines.graphs[g].get("optimized", True), device=device,
                               lazy=g in LAZY, arena=arena) for g, f in files.items()}  # fmt: skip
         return GraphSet(chosen, reason + "; optimized engines from `make engines`", graphs, files, profile, device)
 
-    files = {g: manifest.path(g) for g in GRAPHS}
+    files = {g: manifest.path(g) for g in graphs_of(manifest)}
     graphs = {}
     device = OrtDevice(gpu=chosen != "ort-cpu")
     for g, f in files.items():

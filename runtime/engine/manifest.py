@@ -27,7 +27,7 @@ from ..file_identity import file_stat, sha256_file  # noqa: F401  (sha256_file: 
 MANIFEST_VERSION = 11  # 2: K/V layout, step roles, entry reuse, maps; 3: families, vae_encoder; 4: self_ref; 5: latent_blend; 6: roles name their attribute; 7: adapter slots; 8: samplers (coefs, history, noise); 9: one step graph (maps an output of unet_step); 10: uncond_slope (the base's u over a tail); 11: deep_out and unet_step_shallow (DeepCache)
 # The files of a diffusers SD directory that decide what the exported graphs compute.
 _MODEL_PARTS = ("unet", "text_encoder", "vae", "tokenizer", "scheduler")
-_EXTRA_PARTS = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
+_EXTRA_PARTS = ("text_encoder_2", "tokenizer_2", "vae_tiny")  # SDXL's second text encoder; a tiny autoencoder
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt")
 
 
@@ -148,6 +148,10 @@ class Manifest:
     def scheduler_config(self) -> dict[str, Any]:
         return self.data["model"]["scheduler"]
 
+    def has(self, graph: str) -> bool:
+        """Whether the export holds ``graph`` (an OPTIONAL_GRAPHS one may be absent)."""
+        return graph in self.data["graphs"]
+
     def path(self, graph: str) -> Path:
         return self.root / self.data["graphs"][graph]["file"]
 
@@ -182,7 +186,7 @@ def load_manifest(onnx_dir: Path) -> Manifest:
         )
     _check_keys(path, data)
     manifest = Manifest(onnx_dir, data)
-    for name in _GRAPHS:
+    for name in (*_GRAPHS, *(g for g in OPTIONAL_GRAPHS if g in data["graphs"])):
         if not manifest.path(name).is_file():
             raise ArtifactError(f"{onnx_dir}: graph {name!r} is missing; re-run `make export`")
     for name in data["family"].get("tokenizers", ["tokenizer.json"]):
@@ -194,6 +198,9 @@ def load_manifest(onnx_dir: Path) -> Manifest:
 # What the runtime reads from a manifest, with its types: anything missing or of another type
 # is refused up front (pydantic), not as a KeyError or TypeError deep in a request.
 _GRAPHS = ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow", "latent_blend", "vae_decoder", "vae_encoder")
+# Graphs an export has only where the model has what they need: the tiny autoencoder's (TAESD,
+# export.tiny_vae). A manifest without them is a model without a tiny decoder, not a stale one.
+OPTIONAL_GRAPHS = ("taesd_decoder", "taesd_encoder")
 _OPEN = ConfigDict(extra="allow", strict=True)  # the runtime reads these keys; others are the export's
 
 

@@ -55,7 +55,7 @@ class EditBatchProfile:
 
     def rows(self, which: str, graph: str = "") -> int:
         rows = getattr(self, f"{which}_batch")
-        if graph.startswith("vae_"):
+        if graph.startswith(("vae_", "taesd_")):
             rows = min(rows, self.vae_max_batch)
         return rows
 

@@ -67,6 +67,7 @@ class Request:
     # the decoded prediction of the final image (DDIM's x_0 estimate), from the engine thread
     on_preview: Optional[Callable[[int, int, int, np.ndarray], None]] = None
     decode: bool = True  # images for the results (the server); latents only otherwise
+    decoder: str = "vae"  # what decodes them: vae or taesd (pipeline/decoders.py); previews pick their own
     cancelled: threading.Event = field(default_factory=threading.Event)
     pending: deque = field(default_factory=deque)
     door: str = ""  # the door it came in by (serving/job_control.py DOOR): whose interrupt stops it

@@ -19,6 +19,7 @@ imports neither the pipeline nor the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -57,11 +58,14 @@ class Model(Protocol):
     def kv_from_prompts(self, prompts: Sequence[str], clip_skip: int = 0, negative: bool = False,
                         scales: Optional[tuple[np.ndarray, np.ndarray]] = None) -> KV: ...  # fmt: skip
     def row_conds(self, base: Any, kv: KV) -> dict[str, np.ndarray]: ...
+    def guidance_conds(self, guidance: float) -> dict[str, np.ndarray]: ...  # {}: guidance is CFG's
     def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Any, str]: ...
     def keep_mask(self, mask: Any, latent_shape: Sequence[int]) -> Optional[np.ndarray]: ...
     def pixel_keep(self, pixel_mask: np.ndarray, latent_shape: Sequence[int]) -> np.ndarray: ...
-    def decode(self, latents: np.ndarray) -> np.ndarray: ...
-    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray: ...
+    def decode(self, latents: np.ndarray, decoder: str = "vae") -> np.ndarray: ...
+    def decode_preview(self, latents: np.ndarray) -> np.ndarray: ...  # the tiny decoder where there is one
+    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray],
+                  decoder: str = "vae") -> np.ndarray: ...  # fmt: skip
 
 
 # The K/V of recently encoded prompts (no text adapters), least recently used first out past this
@@ -159,7 +163,7 @@ class RowResolver:
             if isinstance(kv.get(key), Exception):
                 err = kv[key]
                 raise RowError(f"the prompt {key[0][:40]!r} cannot be encoded ({type(err).__name__}: {err})")
-        row = self._row_kv(job, kv, ad)
+        row = self._embedded_guidance(self._row_kv(job, kv, ad))
         row.adapter_scale, row.adapter_slots, row.base_adapter_scale = ad.unet_scale, ad.slots, ad.base_unet_scale
         return row
 
@@ -230,6 +234,12 @@ class RowResolver:
             deepcache=tail.deepcache,
         )  # fmt: skip
 
+    def _embedded_guidance(self, row: Row) -> Row:
+        """``row`` on a model that takes its guidance as an embedding (a full LCM): the embedding
+        of its guidance among its conds, and unguided (its UNet runs the conditional half only)."""
+        extra = self.model.guidance_conds(row.guidance)
+        return dataclasses.replace(row, conds={**row.conds, **extra}, unguided=True) if extra else row
+
     def _mixed(self, job: Job, kv: dict, cond_base: KV, text: tuple) -> KV:
         """An edit row's K/V: ``cond_base`` plus each of its terms' difference, token by aligned
         token (the first tokenizer's ids: SDXL's second tokenizes the same words alike)."""
@@ -258,6 +268,7 @@ class RowResolver:
                   conds=self.model.row_conds(state.base, state.cond_kv), stop=row.structure_end, reference=True,
                   history=None if row.history is None else state.history(row.step), noise_seed=row.noise_seed,
                   deepcache=row.deepcache)  # fmt: skip
+        ref = self._embedded_guidance(ref)
         # the base's own adapters (resident: its edit's row placed them with its own)
         ref.adapter_scale, ref.adapter_slots = row.base_adapter_scale, row.adapter_slots
         return ref
@@ -266,7 +277,7 @@ class RowResolver:
 
     def previews(self, rows: list[Row]) -> list[np.ndarray]:
         """The decoded x_0 estimates of rows that just ran a preview step, [H, W, 3] each."""
-        return list(self.model.decode(np.stack([row.preview for row in rows])))
+        return list(self.model.decode_preview(np.stack([row.preview for row in rows])))
 
     def results(self, jobs: list[Job]) -> list[RowResult]:
         """What each finished job gives back: its latent, its image (decoded, with the base's
@@ -274,11 +285,13 @@ class RowResolver:
         decode = [job for job in jobs if job.request.decode]
         image_of = {}
         if decode:
-            images = self.model.decode(np.stack([job.scheduled.latent for job in decode]))
-            for job, image in zip(decode, images):
-                if job.state is not None:  # outside its mask an edit shows the base's own pixels
-                    image = self.model.with_base(image, job.state, job.row, job.scheduled.keep)
-                image_of[id(job)] = image
+            for decoder in dict.fromkeys(job.request.decoder for job in decode):  # one call per decoder
+                chosen = [job for job in decode if job.request.decoder == decoder]
+                images = self.model.decode(np.stack([job.scheduled.latent for job in chosen]), decoder)
+                for job, image in zip(chosen, images):
+                    if job.state is not None:  # outside its mask an edit shows the base's own pixels
+                        image = self.model.with_base(image, job.state, job.row, job.scheduled.keep, decoder)
+                    image_of[id(job)] = image
         out = []
         for job in jobs:
             row = job.scheduled
@@ -299,8 +312,10 @@ class RowResolver:
         if record.x0 is not None:
             before = np.zeros((2, *record.x0.shape[1:]), np.float32) if job.state is None else job.state.history(k)[::-1]
             x0 = np.concatenate([before, record.x0[k:]])
+        # an unguided generation computed no u: its edits compute their own (guided ones need it)
+        uncond_out = None if record.uncond is None else record.uncond[k:]
         return BaseState(job.base, self.model.manifest.fingerprint, k, record.latents[k:], cond, row.uncond,
-                         record.uncond[k:], x0=x0)
+                         uncond_out, x0=x0)
 
 
 def entry_latent(state: BaseState, row: TailRow, schedule: Schedule) -> np.ndarray:

@@ -21,7 +21,7 @@ class Recording:
     for a multistep sampler, the x_0 each step predicted (its edits' solver history)."""
 
     latents: np.ndarray  # [T + 1, c, h, w]
-    uncond: np.ndarray  # [T, c, h, w]
+    uncond: Optional[np.ndarray]  # [T, c, h, w]; None: an unguided row computes no u
     x0: Optional[np.ndarray] = None  # [T, c, h, w]
 
 
@@ -32,7 +32,7 @@ class Row:
     schedule: Schedule  # its sampler's timesteps and coefficients (a row never switches sampler)
     step: int  # the step this row runs next (its entry step until it has run one)
     latent: np.ndarray  # [c, h, w]: x at ``step`` on admission; x_T when it finishes
-    guidance: float
+    guidance: float  # the step's CFG scale: 1 for an unguided row (below)
     kv: Sequence[np.ndarray]  # the row's K/V, one per step-graph K/V input, batch axis dropped
     uncond: KV  # its negative prompt's K/V (B = 1)
     entry_uncond: Optional[np.ndarray] = None  # [c, h, w]: u at the entry step, when the base kept it
@@ -72,9 +72,19 @@ class Row:
     preview: Optional[np.ndarray] = field(default=None, init=False, repr=False)
     previewed: int = field(default=-1, init=False)
     entry: int = field(default=0, init=False)  # the step it entered at
+    # Unguided: the conditional prediction alone, as diffusers does at guidance <= 1 (and a
+    # model without CFG, e.g. an LCM whose guidance is an embedding in ``conds``: its row is made
+    # with ``unguided=True``). Fixed at construction: the row is given u = 0 at every step (the
+    # always-given suffix, slots.py) and runs at CFG scale 1, so ``u + 1 (c - u)`` is c exactly
+    # and the UNet runs its conditional half only. Its recording keeps no u: it computed none.
+    unguided: bool = False
 
     def __post_init__(self) -> None:
-        self.guidance = max(self.guidance, 1.0)  # <= 1: no CFG (diffusers), the cond prediction alone
+        self.unguided = self.unguided or self.guidance <= 1.0
+        if self.unguided:
+            self.guidance = 1.0
+            if self.record is not None:
+                self.record.uncond = None
         self.entry = self.step
 
     def preview_due(self) -> bool:
@@ -94,7 +104,12 @@ class SchedulerStats:
     map_calls: int = 0  # calls whose maps were read (some row still collecting its auto mask)
     reference_steps: int = 0  # reference rows advanced (structure keeping's extra rows)
     row_steps: int = 0  # rows advanced by one step, summed over calls
-    uncond_rows_skipped: int = 0  # half-rows not computed thanks to entry-step reuse
+    uncond_rows_skipped: int = 0  # half-rows not computed: the base's u taken (entry step, tail.uncond)
+    # Unguided rows (Row.unguided): their row-steps, and of those the ones whose unconditional
+    # half the UNet did not run (the rest computed one they did not need: the call's one
+    # computing row, or a GPU bucket's E rounded down to a power of two)
+    unguided_row_steps: int = 0
+    unguided_rows_skipped: int = 0
     rows_computed: int = 0  # rows the calls ran, padding of a bucket included
     syncs: int = 0  # host waits on the backend (one per step at most, plus maps steps)
     bindings_made: int = 0

@@ -22,7 +22,9 @@ Where things live (docs/engines.md, "The step loop", says why):
   (bindings.py);
 - a row at its entry step takes its base's unconditional prediction as given (``entry_uncond``);
   a row whose tail takes it at every step (``tail.uncond``: uncond_reuse.py) is given it at every
-  step: such rows are kept as the active rows' suffix (a joining row that computes takes the
+  step, and an unguided row (``Row.unguided``: guidance <= 1, or a model without CFG) is given
+  zeros at every step (at CFG scale 1 the update takes c exactly, so its UNet runs one half):
+  such rows are kept as the active rows' suffix (a joining row that computes takes the
   first one's slot, which moves to the end; a leaving row's hole is filled from its own part),
   and while any is placed, a row at its entry step computes its prediction;
 - ``preserve: auto`` rows collecting maps read the step's ``attn_maps`` output back (every step computes it);
@@ -72,6 +74,7 @@ class RowScheduler:
         max_sets: int,
         text_len: int,
         reuse_entry: bool = True,
+        skip_unguided: bool = True,
         max_bindings: int = 64,
         map_hw: tuple[int, int] = (0, 0),
         blend_graph: Graph = None,
@@ -87,7 +90,9 @@ class RowScheduler:
         ``buckets`` the row counts calls run at (None: exactly the active rows); ``adapters``
         the resident LoRA slots (an export with adapter slots), whose matrices the step graph
         reads from backend memory, rewritten when a slot is loaded; ``shallow`` the DeepCache
-        step graph and its signature (None: every call full)."""
+        step graph and its signature (None: every call full). ``skip_unguided`` False: unguided
+        rows compute their unconditional half as guided ones do (the bench's and the tests'
+        two-halves reference; at scale 1 it changes c by float rounding only)."""
         self.graph = graph
         self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
@@ -100,6 +105,7 @@ class RowScheduler:
         self.max_sets = max_sets
         self.text_len = text_len
         self.reuse_entry = reuse_entry
+        self.skip_unguided = skip_unguided
         self.buckets = tuple(sorted(b for b in set(buckets) if b <= max_rows)) if buckets else None
         if self.buckets and self.buckets[-1] != max_rows:
             self.buckets += (max_rows,)
@@ -107,7 +113,7 @@ class RowScheduler:
         self.active: list[Row] = []
         self.pending: list[Row] = []
         self.entry_rows = 0  # trailing active rows whose u is given at this step
-        self.persistent = 0  # trailing active rows given u at every step (row.given)
+        self.persistent = 0  # trailing active rows given u at every step (_always_given)
         # The rows the current step placed (a failed step's suspects, batcher.py), and whether
         # its graph ran: before that a failed step has changed no row's latent or step.
         self.joined: list[Row] = []
@@ -273,10 +279,10 @@ class RowScheduler:
         self.stats.last_joined = len(self.pending)
         # Rows whose u is given go last: the graph takes them as the call's last E rows. Rows
         # given it at every step stay last; while any is placed, entry rows compute theirs.
-        always = self.persistent > 0 or any(row.given is not None for row in self.pending)
+        always = self.persistent > 0 or any(self._always_given(row) for row in self.pending)
         # (a DeepCache row computes it: its next steps reuse that half's deep features)
         given = lambda row: self.reuse_entry and row.entry_uncond is not None and not always and row.deepcache <= 1  # noqa: E731
-        self.pending.sort(key=lambda row: (row.given is not None, given(row)))
+        self.pending.sort(key=lambda row: (self._always_given(row), given(row)))
         self.joined.clear()  # in place: a step allocates nothing
         self.joined.extend(self.pending)
         if self.pending:
@@ -293,7 +299,7 @@ class RowScheduler:
             self.uncond.join(row)
             r = len(self.active)
             self.active.append(row)
-            if row.given is not None:
+            if self._always_given(row):
                 self.persistent += 1
             elif self.persistent:  # the first always-given row moves to the end, this row takes its slot
                 self._move(r - self.persistent, r)
@@ -318,6 +324,11 @@ class RowScheduler:
             self.dev["add"].write(self.zero_latent, offset=r * latent)
         self.entry_rows = sum(1 for row in self.joined if given(row))
 
+    def _always_given(self, row: Row) -> bool:
+        """Whether ``row`` is in the always-given suffix (fixed while it is placed: ``skip_unguided``
+        is read when it joins, so set it only while the loop is idle)."""
+        return row.given is not None or (row.unguided and self.skip_unguided)
+
     def _write_keep(self, row: Row) -> None:
         keep = self.zero_keep if row.keep is None else row.keep.astype(np.float32)
         self.dev["keep"].write(keep, offset=row.slot * self.row_elems["keep"])
@@ -339,7 +350,7 @@ class RowScheduler:
         r, last = row.slot, len(self.active) - 1
         if r < 0:
             return
-        if row.given is not None:  # from the always-given suffix
+        if self._always_given(row):  # from the always-given suffix
             if r != last:
                 self._move(last, r)
             self.persistent -= 1
@@ -458,11 +469,15 @@ class RowScheduler:
         first_given = b - given
         self._prepare_rows(n, b, m)
         sig = self.sig
+        unguided_given = 0
         if given:
             self.slopes[:given] = 0  # padding rows: any finite prediction, no slope
             for r in range(max(first_given, n - e), n):
                 row = self.active[r]
-                if row.given is None:  # at its entry step
+                if row.unguided and self.skip_unguided:  # no u: at scale 1 the update is c exactly
+                    u, slope = self.zero_latent, 0.0
+                    unguided_given += 1
+                elif row.given is None:  # at its entry step
                     u, slope = row.entry_uncond, 0.0
                 else:
                     u, slope = row.given.at(row.step, row.schedule.alpha_t[row.step])
@@ -504,7 +519,8 @@ class RowScheduler:
         reads = 0
         for r, row in enumerate(self.active):
             if row.record is not None:
-                self.dev[sig.uncond_out].read_async(row.record.uncond[row.step], offset=r * latent)
+                if row.record.uncond is not None:
+                    self.dev[sig.uncond_out].read_async(row.record.uncond[row.step], offset=r * latent)
                 self.dev[sig.latents].read_async(row.record.latents[row.step + 1], offset=r * latent)
                 if row.record.x0 is not None:
                     self.solver.read_x0(row, row.record.x0[row.step])
@@ -535,7 +551,10 @@ class RowScheduler:
         self.stats.map_calls += maps
         self.stats.row_steps += n
         self.stats.rows_computed += b
-        self.stats.uncond_rows_skipped += max(0, n - max(first_given, n - e))
+        self.stats.uncond_rows_skipped += max(0, n - max(first_given, n - e)) - unguided_given
+        self.stats.unguided_rows_skipped += unguided_given
+        for row in self.active:
+            self.stats.unguided_row_steps += row.unguided
         self.stats.last_rows = n
         references = self.references  # reference rows advanced by this call
         finished = [row for row in self.active if row.step == row.end]

@@ -30,7 +30,9 @@ batch. So a lone row saves nothing, and a row's numbers depend on whether it was
 
 A row computes as today whenever the base's prediction is not the one it would compute: a
 row with another negative prompt, guidance, adapters or seed than its base (its chain is not
-the base's), a generation, an inversion, a related generation, a structure reference row.
+the base's), a generation, an inversion, a related generation, a structure reference row. A base
+generated unguided (guidance <= 1, rows.py) computed no prediction and keeps none: its edits
+compute theirs. An unguided row takes none at all (zeros at scale 1, slots.py), whatever its mode.
 """
 
 from __future__ import annotations

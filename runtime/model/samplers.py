@@ -10,6 +10,11 @@ computes its timesteps, alphas and coefficients exactly as diffusers 0.42.1's sc
     euler_a                       sampler_euler.py    EulerAncestralDiscreteScheduler
     dpmpp_2m, dpmpp_2m_karras     sampler_dpmpp.py    DPMSolverMultistepScheduler (dpmsolver++, 2)
     unipc, unipc_karras           sampler_unipc.py    UniPCMultistepScheduler (bh2, 2, corrector)
+    lcm                           sampler_lcm.py      LCMScheduler
+    tcd                           sampler_tcd.py      TCDScheduler (gamma = eta 0.3)
+
+The few-step models run with these too: LCM and TCD models (and LCM-LoRA) with ``lcm`` / ``tcd``,
+Turbo models with ``euler_a`` (or ``euler``) on their own ``timestep_spacing: trailing``.
 
 ``schedule_for(name, scheduler_config, steps)`` means ``Target.from_config(scheduler_config,
 **what the name fixes)``: the model's betas, prediction type, spacing and offset carry over.
@@ -23,7 +28,9 @@ from typing import Any, Mapping, Optional
 from ..errors import ModelError, SamplerError
 from .sampler_dpmpp import DPM_DEFAULTS, DPMSolverPPSchedule
 from .sampler_euler import EULER_A_DEFAULTS, EULER_DEFAULTS, EulerSchedule
+from .sampler_lcm import LCM_DEFAULTS, LCMSchedule
 from .sampler_sigmas import read_config
+from .sampler_tcd import TCD_DEFAULTS, TCDSchedule
 from .sampler_unipc import UNIPC_DEFAULTS, UniPCSchedule
 from .scheduler_ddim import COEFS, DDIMConfig, DDIMSchedule, Schedule
 
@@ -32,7 +39,8 @@ __all__ = ["COEFS", "SAMPLER_NAMES", "Schedule", "SamplerError", "a1111_label", 
 
 log = logging.getLogger(__name__)
 
-SAMPLER_NAMES = ("ddim", "euler", "euler_karras", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "unipc_karras")
+SAMPLER_NAMES = ("ddim", "euler", "euler_karras", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "unipc_karras",
+                 "lcm", "tcd")
 
 
 # name -> (diffusers class, its __init__ defaults, what the name fixes)
@@ -51,6 +59,8 @@ _TARGETS: dict = {
     "unipc_karras": ("UniPCMultistepScheduler", UNIPC_DEFAULTS,
                      dict(solver_type="bh2", predict_x0=True, solver_order=2, disable_corrector=[], solver_p=None,
                           use_karras_sigmas=True)),
+    "lcm": ("LCMScheduler", LCM_DEFAULTS, {}),
+    "tcd": ("TCDScheduler", TCD_DEFAULTS, {}),
 }  # fmt: skip
 
 # ----------------------------------------------------------------------------- names
@@ -62,10 +72,12 @@ _A1111 = [
     ("Euler a", ["k_euler_a", "k_euler_ancestral"], {"uses_ensd": "True"}, "euler_a", None),
     ("DPM++ 2M", ["k_dpmpp_2m"], {"scheduler": "karras"}, "dpmpp_2m", "dpmpp_2m_karras"),
     ("UniPC", ["unipc"], {}, "unipc", "unipc_karras"),
+    ("LCM", ["lcm"], {}, "lcm", None),
+    ("TCD", ["tcd"], {}, "tcd", None),  # not A1111's own: Forge's name for it
 ]
 # A1111's samplers edit-rt does not run (refused by name)
 _A1111_OTHER = ("LMS", "Heun", "DPM2", "DPM2 a", "DPM++ 2S a", "DPM++ SDE", "DPM++ 2M SDE", "DPM++ 2M SDE Heun",
-                "DPM++ 3M SDE", "DPM fast", "DPM adaptive", "Restart", "DDIM CFG++", "PLMS", "LCM", "LMS Karras",
+                "DPM++ 3M SDE", "DPM fast", "DPM adaptive", "Restart", "DDIM CFG++", "PLMS", "LMS Karras",
                 "Heun Karras", "DPM2 Karras", "DPM2 a Karras", "DPM++ 2S a Karras", "DPM++ SDE Karras")  # fmt: skip
 # A1111's schedulers (sd_schedulers.py): name, label, aliases, default_rho, need_inner_model
 _SCHEDULERS = [
@@ -101,6 +113,7 @@ _NAMES.update({
     "k_dpmpp_2m_ka": "dpmpp_2m_karras",
     "ddimscheduler": "ddim", "eulerdiscretescheduler": "euler", "eulerancestraldiscretescheduler": "euler_a",
     "dpmsolvermultistepscheduler": "dpmpp_2m", "unipcmultistepscheduler": "unipc",
+    "lcmscheduler": "lcm", "tcdscheduler": "tcd",
 })  # fmt: skip
 
 
@@ -228,6 +241,8 @@ _PREDICTIONS = {
     "EulerAncestralDiscreteScheduler": ("epsilon", "v_prediction"),
     "DPMSolverMultistepScheduler": ("epsilon", "v_prediction", "sample"),
     "UniPCMultistepScheduler": ("epsilon", "v_prediction", "sample"),
+    "LCMScheduler": ("epsilon", "v_prediction", "sample"),
+    "TCDScheduler": ("epsilon", "v_prediction", "sample"),
 }
 # options a target takes that edit-rt does not run: option -> the value that runs
 _OFF = {
@@ -240,7 +255,13 @@ _OFF = {
     "UniPCMultistepScheduler": dict(thresholding=False, use_exponential_sigmas=False, use_beta_sigmas=False,
                                     use_flow_sigmas=False, rescale_betas_zero_snr=False, use_dynamic_shifting=False,
                                     shift_terminal=None),
+    "LCMScheduler": dict(thresholding=False, rescale_betas_zero_snr=False),
+    "TCDScheduler": dict(thresholding=False, rescale_betas_zero_snr=False),
 }  # fmt: skip
+
+
+# the consistency samplers: their timesteps come from original_inference_steps, not timestep_spacing
+_CONSISTENCY = ("LCMScheduler", "TCDScheduler")
 
 
 def _problem(name: str, cfg: Mapping[str, Any]) -> Optional[str]:
@@ -262,7 +283,7 @@ def _problem(name: str, cfg: Mapping[str, Any]) -> Optional[str]:
         return f"beta_schedule {c['beta_schedule']!r} is not supported by {cls}"
     if c["prediction_type"] not in _PREDICTIONS[cls]:
         return f"prediction_type {c['prediction_type']!r} is not one of {', '.join(_PREDICTIONS[cls])} ({cls})"
-    if c["timestep_spacing"] not in ("linspace", "leading", "trailing"):
+    if c["timestep_spacing"] not in ("linspace", "leading", "trailing") and cls not in _CONSISTENCY:
         return f"timestep_spacing {c['timestep_spacing']!r} is not one of linspace, leading, trailing"
     for key, ok in _OFF[cls].items():
         if c[key] != ok and not (ok is False and not c[key]):
@@ -312,6 +333,10 @@ def schedule_for(name: str, scheduler_config: Mapping, steps: int) -> Schedule:
         return EulerSchedule(c, steps, name=name)
     if cls == "EulerAncestralDiscreteScheduler":
         return EulerSchedule(c, steps, ancestral=True, name=name)
+    if cls == "LCMScheduler":
+        return LCMSchedule(c, steps, name=name)
+    if cls == "TCDScheduler":
+        return TCDSchedule(c, steps, name=name)
     if cls == "DPMSolverMultistepScheduler":
         return DPMSolverPPSchedule(c, steps, name=name)
     return UniPCSchedule(c, steps, name=name)
@@ -351,6 +376,11 @@ def default_sampler(scheduler_config: Mapping) -> str:
                 why, name = f"{name}: {why}", "ddim"
         else:
             name = "ddim"
+    elif cls in _CONSISTENCY:
+        name = {"LCMScheduler": "lcm", "TCDScheduler": "tcd"}[cls]
+        why = _problem(name, scheduler_config)
+        if why is not None:
+            why, name = f"{name}: {why}", "ddim"
     elif cls not in ("DDIMScheduler", None):
         why = f"{cls} runs as DDIM on its betas" if cls == "PNDMScheduler" else f"edit-rt does not run {cls}"
     if why is not None:

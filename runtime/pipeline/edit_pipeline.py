@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -39,6 +39,7 @@ from ..model.samplers import Schedule, default_sampler, schedule_for
 from ..model.scheduler_ddim import DDIMConfig
 from ..model.state import KV, BaseState
 from ..model.weighting import SpanTokenizer
+from .decoders import Decoding
 from .images import to_uint8
 from .preserve import Preservation
 from .text import PromptEncoding
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int], None]  # called with the number of row-steps just completed
 
 
-class EditPipeline(PromptEncoding, Preservation):
+class EditPipeline(PromptEncoding, Preservation, Decoding):
     """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
     def __init__(
@@ -340,7 +341,8 @@ class EditPipeline(PromptEncoding, Preservation):
                 for k, i in enumerate(steps)]  # fmt: skip
         results = self._run(jobs, request, shape, progress)
         stepped = np.stack([r.latent for r in results])
-        uncond_out = np.stack([r.record.uncond[i] for r, i in zip(results, steps)])
+        # unguided rows compute no u (rows.py): the image's base keeps none, as a generated one
+        uncond_out = None if results[0].record.uncond is None else np.stack([r.record.uncond[i] for r, i in zip(results, steps)])
         return dataclasses.replace(partial, uncond_out=uncond_out, corrections=inverted[1:] - stepped, source=to_uint8(image))
 
     def run_tail(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None) -> np.ndarray:
@@ -354,10 +356,10 @@ class EditPipeline(PromptEncoding, Preservation):
         return np.stack([r.latent for r in results])
 
     def edit(self, state: BaseState, rows: Sequence[TailRow], progress: Optional[Progress] = None,
-             decode: bool = True, errors: bool = False) -> list:  # fmt: skip
+             decode: bool = True, errors: bool = False, decoder: str = "vae") -> list:  # fmt: skip
         """Run ``rows`` as one batched tail: a RowResult each (images composited with the base
-        outside their masks when ``decode``); ``errors``: a failed row's exception in its place
-        (the others run on) instead of raising the first."""
+        outside their masks when ``decode``, by ``decoder``: decoders.py); ``errors``: a failed
+        row's exception in its place (the others run on) instead of raising the first."""
         T = state.base.steps
         for r, row in enumerate(rows):
             if not state.window_start <= row.start_step <= T - 1:
@@ -368,25 +370,7 @@ class EditPipeline(PromptEncoding, Preservation):
         if not rows:
             return []
         shape = tuple(state.latents.shape[1:])
-        request = Request(uuid.uuid4().hex, decode=decode)
+        request = Request(uuid.uuid4().hex, decode=decode, decoder=self.check_decoder(decoder))
         jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
         return self._run(jobs, request, shape, progress, errors)
 
-    def decode_rows(self, latent_shape: Sequence[int]) -> int:
-        """Images per VAE call at ``latent_shape``: the VAE's own profile, fewer where memory
-        holds fewer (one at a time for SD 1.5 at 512x512 in a small budget)."""
-        profile = self.profile.rows("max", "vae_decoder")
-        return min(profile, self._fitting.get(tuple(latent_shape), (0, profile))[1] or profile)
-
-    @timed("decode")
-    def decode(self, latents: np.ndarray) -> np.ndarray:
-        """Final latents [N, c, h, w] -> images [N, H, W, 3] in [0, 1], float32."""
-        return np.concatenate(list(self.decode_each(latents)))
-
-    def decode_each(self, latents: np.ndarray) -> Iterator[np.ndarray]:
-        """:meth:`decode` a VAE call at a time (:meth:`decode_rows` images each), each call's
-        images [n, H, W, 3] as soon as they are decoded."""
-        chunk = self.decode_rows(latents.shape[1:])
-        for lo in range(0, len(latents), chunk):
-            (part,) = self.graphs["vae_decoder"].infer({"latents": np.ascontiguousarray(latents[lo : lo + chunk])})
-            yield part.transpose(0, 2, 3, 1)

@@ -76,39 +76,42 @@ class Preservation:
             return upsample_weight(~keep[0], image_hw)
         return weight
 
-    def base_image(self, state: BaseState) -> np.ndarray:
+    def base_image(self, state: BaseState, decoder: str = "vae") -> np.ndarray:
         """The base's image [H, W, 3] in [0, 1]: an inverted base's own source pixels (not their
-        VAE round trip), a generation's decoded final latent (kept for the last few bases)."""
+        VAE round trip), a generation's final latent decoded by ``decoder`` (kept for the last few
+        bases; an edit decoded by the tiny decoder shows the base by the same one, seamless)."""
         if state.source is not None:
             return state.source.astype(np.float32) / 255.0
         # the base's fields as text: a Base with adapters holds a dict, which cannot be hashed
-        key = (state.fingerprint, repr(sorted(dataclasses.asdict(state.base).items())), state.window_start)
+        key = (state.fingerprint, repr(sorted(dataclasses.asdict(state.base).items())), state.window_start, decoder)
         if key not in self._base_images:
-            self._base_images[key] = self.decode(state.final_latent)[0]
+            self._base_images[key] = self.decode(state.final_latent, decoder)[0]
             while len(self._base_images) > 16:
                 self._base_images.popitem(last=False)
         self._base_images.move_to_end(key)
         return self._base_images[key]
 
-    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray]) -> np.ndarray:
+    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray],
+                  decoder: str = "vae") -> np.ndarray:  # fmt: skip
         """``image``, an edit of ``state``, with the base's own pixels outside its mask (or the
         row's backdrop's, when it brings one)."""
         weight = self.pixel_weight(row, keep, image.shape[:2])
         if weight is None:
             return image
-        return composite(image, self.base_image(state) if row.backdrop is None else row.backdrop, weight)
+        return composite(image, self.base_image(state, decoder) if row.backdrop is None else row.backdrop, weight)
 
-    def render(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> list[np.ndarray]:
-        """Decode the edits' latents (``edit(..., decode=False)``'s results), each with the
-        base's pixels outside its mask."""
-        return list(self.render_each(state, rows, results))
+    def render(self, state: BaseState, rows: Sequence[TailRow], results: Sequence, decoder: str = "vae") -> list[np.ndarray]:
+        """Decode the edits' latents (``edit(..., decode=False)``'s results) by ``decoder``, each
+        with the base's pixels outside its mask."""
+        return list(self.render_each(state, rows, results, decoder))
 
-    def render_each(self, state: BaseState, rows: Sequence[TailRow], results: Sequence) -> Iterator[np.ndarray]:
+    def render_each(self, state: BaseState, rows: Sequence[TailRow], results: Sequence,
+                    decoder: str = "vae") -> Iterator[np.ndarray]:  # fmt: skip
         """:meth:`render`, each image as soon as its VAE call is done (a caller writes it then:
         a run killed while decoding keeps the images decoded before)."""
-        images = self.decode_each(np.stack([r.latent for r in results]))
+        images = self.decode_each(np.stack([r.latent for r in results]), decoder)
         k = 0
         for part in images:
             for image in part:
-                yield self.with_base(image, state, rows[k], results[k].keep)
+                yield self.with_base(image, state, rows[k], results[k].keep, decoder)
                 k += 1

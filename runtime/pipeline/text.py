@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from ..errors import ConfigError
 from ..metrics import timed
 from ..model.edit import Base
+from ..model.guidance_embedding import guidance_embedding
 from ..model.state import KV
 from ..model.weighting import WeightedIds, emphasize, encoder_widths, prompt_spans
 
@@ -137,3 +138,9 @@ class PromptEncoding:
             elif cond["source"] == "time_ids":
                 out[cond["name"]] = np.array(base.time_ids(), dtype=np.float32)
         return out
+
+    def guidance_conds(self, guidance: float) -> dict[str, np.ndarray]:
+        """A full LCM's guidance embedding of a row at ``guidance`` (its UNet's ``timestep_cond``:
+        model/guidance_embedding.py); {} for a model whose guidance is CFG's."""
+        return {cond["name"]: guidance_embedding(guidance, int(cond["dim"]))
+                for cond in self.conds if cond["source"] == "guidance"}  # fmt: skip

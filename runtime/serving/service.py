@@ -40,6 +40,7 @@ from .generation import Generation
 from .http_errors import (ApiError, base_errors, check_base_id, disk_full, queue_errors, row_error,
                           store_busy, until_done)  # fmt: skip
 from .inversion import Uploads
+from .decoder_choice import DECODER
 from .job_control import DOOR, JobControl
 from .related import RelatedGenerations
 from .sampler_fields import SamplerFields
@@ -85,6 +86,7 @@ class Service(Generation, Edits, RelatedGenerations, SamplerFields, Uploads, Job
             cfg, base = self.cfg, self.cfg.base
             pipe = pipeline_of(cfg).activate()
             pipe.metrics = self.metrics  # the pipeline's stages (text encode, decode, inversion) time themselves here
+            pipe.check_decoder(cfg.decoder)  # the server's default decoder (taesd needs the export's tiny one)
             self.store = store_of(cfg, pipe.manifest.fingerprint)
             # the stored bases by prompt (serving/related.py), compared by the configured embedding
             self.related_index = RelatedIndex(cfg.store.disk_dir, cfg.serve.related.embedding)
@@ -216,7 +218,8 @@ class Service(Generation, Edits, RelatedGenerations, SamplerFields, Uploads, Job
     # --- work ---------------------------------------------------------------------------------
 
     def _new_request(self) -> Request:
-        return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s, door=DOOR.get())
+        return Request(uuid.uuid4().hex, deadline=time.monotonic() + self.cfg.serve.request_timeout_s, door=DOOR.get(),
+                       decoder=DECODER.get() or self.cfg.decoder)  # fmt: skip
 
     def submit(self, request: Request, jobs: list[Job]) -> None:
         with queue_errors():

@@ -46,9 +46,14 @@ def model_names(service: Service) -> tuple[str, ...]:
     return (service.model_name, f"{service.model_name} [{service.fingerprint[:10]}]")
 
 
-def vae_names(service: Service) -> tuple[str, ...]:
-    """A1111's names for "the model's own VAE" (``Automatic``, ``None``) and its sd-vae entry."""
-    return ("Automatic", "None", f"{service.model_name}/vae")
+# ``override_settings.sd_vae`` naming the tiny decoder: that request's images by it (decoder_choice.py)
+TINY_VAE_NAME = "taesd"
+
+
+def vae_names(service: Service, tiny: bool = False) -> tuple[str, ...]:
+    """A1111's names for "the model's own VAE" (``Automatic``, ``None``) and its sd-vae entry;
+    ``tiny``: with the tiny decoder's (a request's ``override_settings.sd_vae`` may name it)."""
+    return ("Automatic", "None", f"{service.model_name}/vae") + ((TINY_VAE_NAME,) if tiny else ())
 
 
 def job_routes(service: Service, settings: Settings) -> APIRouter:

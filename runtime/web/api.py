@@ -31,6 +31,10 @@ SAMPLER = (f"The sampler: {SAMPLERS}, or AUTOMATIC1111's name for one (\"DPM++ 2
            "server's (its config's base.sampler, else the model's scheduler) if omitted. A base's edits run its sampler.")
 
 
+DECODER = ("What decodes the images: vae (exact) or taesd (the tiny decoder, about 6% of the VAE's cost, approximate; "
+           "400 where the model has none); the server's (its config's decoder, else vae) if omitted. Previews use taesd where there is one.")
+
+
 class OpenAiOptions(BaseModel):
     """OpenAI's fields on how an image is made or delivered, with the vocabularies of the
     ``openai`` SDK's own types (so a value outside them is refused like any bad value); what
@@ -77,6 +81,7 @@ class GenerationRequest(OpenAiOptions):
     crop_top: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's top.")
     crop_left: Optional[SizeCond] = Field(None, description="SDXL: the crop conditioning's left.")
     adapters: Optional[Adapters] = Field(None, description="LoRA adapters of the base, {name: scale} (GET /v1/adapters lists them); its edits start from these.")
+    decoder: Optional[Literal["vae", "taesd"]] = Field(None, description=DECODER)
 
 
 class BaseUpload(BaseModel):
@@ -102,6 +107,7 @@ class EditsRequest(BaseModel):
     stream: bool = Field(False, description="Server-Sent Events: queue, progress, image_edit.partial_image, image_edit.completed, done.")
     partial_images: int = Field(0, ge=0, le=3, description="With stream: that many decoded previews per edit (image_edit.partial_image events).")
     sampler: Optional[str] = Field(None, max_length=100, description="The base's sampler runs its edits (an image's: ddim); another is refused. Omit it, or send the base's (its info.sampler).")
+    decoder: Optional[Literal["vae", "taesd"]] = Field(None, description=DECODER)
 
 
 # --- responses -----------------------------------------------------------------------------------

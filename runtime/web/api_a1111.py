@@ -48,7 +48,8 @@ from ..serving.results import Edited
 from ..serving.service import Service
 from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_off, eta_of, override, prompts_of, refuse,
                            requested_sampler)  # fmt: skip
-from .a1111_jobs import job_routes, model_names, vae_names
+from ..serving.decoder_choice import choose_decoder
+from .a1111_jobs import TINY_VAE_NAME, job_routes, model_names, vae_names
 from .a1111_loras import PromptLoras, adapters_info, base_adapters, edit_adapters, lora_routes, prompt_loras
 from .a1111_masks import a1111_pixel_mask, mask_from_bytes
 from .a1111_unserved import unserved_routes
@@ -75,9 +76,15 @@ def a1111_routes(service: Service) -> APIRouter:
         """(diffusers' clip_skip, whether the request itself set it): A1111's
         ``CLIP_stop_at_last_layers`` n is clip_skip n - 1; None: the served config's."""
         names = model_names(service)
-        given = override(body, names, vae_names(service)).get("CLIP_stop_at_last_layers")
+        given = override(body, names, vae_names(service, tiny=True)).get("CLIP_stop_at_last_layers")
         stop = given if given is not None else settings.clip_stop
         return (None if stop is None else stop - 1), given is not None
+
+    def decoder_of(body: Common) -> None:
+        """``override_settings.sd_vae: taesd``: this request's images by the tiny decoder (400
+        where the export has none); its previews take it anyway when there is one."""
+        if (body.override_settings or {}).get("sd_vae") == TINY_VAE_NAME:
+            choose_decoder(service.pipe, "taesd", "override_settings.sd_vae")
 
     def size_of(body: Common, served: tuple[int, int], what: str) -> tuple[int, int]:
         """``width`` x ``height``: ``served`` (their default) or refused naming the field."""
@@ -91,6 +98,7 @@ def a1111_routes(service: Service) -> APIRouter:
     async def txt2img(body: Txt2Img, http: HttpRequest):
         check_off(body)
         sent, body, stripped, loras = as_run(body)
+        decoder_of(body)
         clip_skip, _ = clip_skip_of(body)
         want = served_size(body, service.cfg.served_sizes())
         epoch = service.interrupts
@@ -131,6 +139,7 @@ def a1111_routes(service: Service) -> APIRouter:
                          f"batch_size images): send batch_size {k} (or 1)")  # fmt: skip
         per_iter = body.batch_size if k == 1 else k
         service.check_edit_count(per_iter * body.n_iter)  # before any image is decoded
+        decoder_of(body)
         clip_skip, clip_given = clip_skip_of(body)
         blur = (body.mask_blur, body.mask_blur) if body.mask_blur is not None else (body.mask_blur_x, body.mask_blur_y)
         binary = None

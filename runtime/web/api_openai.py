@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..model.sweep import expand_all, rows_of
+from ..serving.decoder_choice import choose_decoder
 from ..serving.http_errors import ApiError, validation_error
 from ..serving.related import related_header
 from ..serving.sampler_fields import sampler_label
@@ -53,6 +54,7 @@ def openai_routes(service: Service) -> APIRouter:
     @router.post("/v1/images/generations", response_model=GenerationResponse, summary="Generate a base (and keep its state for edits)",
                  responses={200: {"content": SSE}, **errors(*COMMON_ERRORS)})  # fmt: skip
     async def generations(body: GenerationRequest, http: HttpRequest, response: Response):
+        choose_decoder(service.pipe, body.decoder)
         size = None if body.size == "auto" else body.size
         sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
@@ -109,6 +111,7 @@ def openai_routes(service: Service) -> APIRouter:
         return await json_edits(body, http)
 
     async def json_edits(body: EditsRequest, http: HttpRequest):
+        choose_decoder(service.pipe, body.decoder)
         service.check_edit_count(rows_of(body.edits) * body.n)  # counted before any sweep expands
         if any(edit.sweep is not None for edit in body.edits):  # a sweep is its rows (model/sweep.py)
             try:
