@@ -20,6 +20,8 @@ import yaml
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
+from .step_feeds import count_step_calls
+
 EDITS = [
     {"prompt": "a green circle", "strength": 0.5, "tail_steps": 4},
     {"prompt": "a green circle", "strength": 1.5, "tail_steps": 4},
@@ -78,25 +80,7 @@ def test_report_counts_the_rows_the_step_graph_ran(tmp_path, model_dir, onnx_dir
     from edit_rt.runtime.apps import run as run_module
     from edit_rt.runtime.config.load import config_from_dict
 
-    calls: list[tuple[int, int]] = []
-    real = run_module.pipeline_of
-
-    def spied(cfg, **overrides):
-        pipe = real(cfg, **overrides)
-        step = pipe.graphs["unet_step"]
-        bind = step.bind
-
-        def counting_bind(inputs, outputs):
-            binding = bind(inputs, outputs)
-            n, e = inputs["latents"].shape[0], inputs["uncond_given"].shape[0]
-            run = binding.run
-            binding.run = lambda: (calls.append((n, e)), run())[1]
-            return binding
-
-        step.bind = counting_bind
-        return pipe
-
-    monkeypatch.setattr(run_module, "pipeline_of", spied)
+    calls = count_step_calls(monkeypatch, run_module)
     cfg = _config(tmp_path, model_dir, onnx_dir)
     cfg["edits"] = [*EDITS, {"prompt": "a cat", "structure": 0.5}]  # a reference row rides along
     report = run_module.run_config(config_from_dict(cfg, tmp_path / "config.yaml"))

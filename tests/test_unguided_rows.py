@@ -22,6 +22,7 @@ import torch
 from edit_rt.runtime.model.edit import Mask, TailRow
 
 from .conftest import TEST_BASE
+from .step_feeds import count_step_calls
 from .test_gpu_rules import _trt, gpu, trt_dirs  # noqa: F401 (the simulated GPU's fixtures)
 
 EDIT = "a green circle on a blue background"
@@ -204,25 +205,7 @@ def test_report_counts_the_unguided_halves_the_step_graph_skipped(tmp_path, mode
     from edit_rt.runtime.apps import run as run_module
     from edit_rt.runtime.config.load import config_from_dict
 
-    calls: list[tuple[int, int]] = []
-    real = run_module.pipeline_of
-
-    def spied(cfg, **overrides):
-        pipe = real(cfg, **overrides)
-        step = pipe.graphs["unet_step"]
-        bind = step.bind
-
-        def counting_bind(inputs, outputs):
-            binding = bind(inputs, outputs)
-            n, e = inputs["latents"].shape[0], inputs["uncond_given"].shape[0]
-            run = binding.run
-            binding.run = lambda: (calls.append((n, e)), run())[1]
-            return binding
-
-        step.bind = counting_bind
-        return pipe
-
-    monkeypatch.setattr(run_module, "pipeline_of", spied)
+    calls = count_step_calls(monkeypatch, run_module)
     cfg = {"model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path / "out"),
            "base": {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 5, "steps": 8, "guidance": 7.5,
                     "width": 32, "height": 32},
