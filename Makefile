@@ -8,10 +8,11 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-looks quality64 sliders train-lcm check-sd15 redteam test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
+	@echo "make demo-lcm the few-step demo: the LCM-LoRA as an adapter, 4-step base, 1- and 2-step edits (out/demo-lcm/)"
 	@echo "make test    set up and run the test suite"
 	@echo "make engines build the engines this machine can run (ONNX Runtime CPU; TensorRT with a GPU)"
 	@echo "make parity  compare every graph on every built backend against PyTorch (build/<model>/parity.md)"
@@ -24,6 +25,7 @@ help:
 	@echo "make loadtest-ray  the same on Ray Serve at 1 vs 2 replicas, and its routers (out/loadtest/loadtest-ray.json)"
 	@echo "make quality edit success/preservation vs img2img on the shapes model (out/quality/)"
 	@echo "make quality-bf16 the same with the UNet in bf16 on OpenVINO (out/quality-bf16/)"
+	@echo "make quality-lcm the same for the LCM-LoRA's 4 steps, 1- and 2-step tails, vs img2img + LCMScheduler (out/quality-lcm/)"
 	@echo "make train   retrain the shapes model from its seed (CPU, ~50 min on 2 cores)"
 	@echo "make train-looks train issue 36's model, its scenes' looks drawn at random (CPU, pieces of 85 min; resumes)"
 	@echo "make sliders train + measure the concept sliders of SLIDERS_MODEL: saturation, stroke, blur (CPU, ~25 min on 2 cores)"
@@ -60,6 +62,12 @@ parity: engines
 demo: engines
 	$(BIN)/edit-rt run $(CONFIG)
 
+# The few-step demo (configs/demo-lcm.yaml; `edit-rt export` converts its adapters, the LCM-LoRA among them)
+demo-lcm: setup model
+	$(BIN)/edit-rt export configs/demo-lcm.yaml
+	$(BIN)/edit-rt engines configs/demo-lcm.yaml
+	$(BIN)/edit-rt run configs/demo-lcm.yaml
+
 serve: engines
 	$(BIN)/edit-rt serve $(CONFIG)
 
@@ -87,6 +95,14 @@ quality: setup export/models/shapes-sd/model_index.json
 quality-bf16: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt quality configs/shapes-bf16.yaml
+
+# make quality for the few-step model (issue 51): the LCM-LoRA at its 4 LCM steps, 1- and 2-step tails,
+# on make quality's bases, against img2img with LCMScheduler and the LoRA (out/quality-lcm/; ~4 min).
+# `edit-rt export` converts the config's adapters too (the export is configs/demo-lcm.yaml's)
+quality-lcm: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes-lcm.yaml
+	$(BIN)/edit-rt engines configs/shapes-lcm.yaml
+	$(BIN)/edit-rt quality configs/shapes-lcm.yaml --few-step
 
 # make quality on DPM++ 2M Karras bases at the steps that match DDIM's 30 (docs/samplers.md)
 quality-dpmpp: setup export/models/shapes-sd/model_index.json

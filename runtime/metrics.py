@@ -98,8 +98,9 @@ class SchedulerCollector:
              "takes its base's", total("uncond_rows_skipped")),
             ("edit_rt_unet_unguided_rows", "Of the UNet rows, unguided ones (guidance <= 1: the conditional "
              "prediction alone)", total("unguided_row_steps")),
-            ("edit_rt_unet_unguided_halves_skipped", "Unconditional halves of unguided rows not computed (one "
-             "row of a call computes one)", total("unguided_rows_skipped")),
+            ("edit_rt_unet_unguided_halves_skipped", "Unconditional halves of unguided rows not computed (all of "
+             "them but a GPU bucket's rounding; an export older than step_all_given computes one a call)",
+             total("unguided_rows_skipped")),
         ):  # fmt: skip
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)

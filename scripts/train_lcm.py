@@ -244,7 +244,10 @@ def _card(training: dict) -> str:
                   f"| the teacher read as a consistency function (LoRA off) | {gaps['teacher_1_step']:.4f} | {gaps['teacher_2_step']:.4f} |",
                   f"| with the LCM-LoRA | {gaps['lora_1_step']:.4f} | {gaps['lora_2_step']:.4f} |"]  # fmt: skip
     lines += ["", f"Seconds per image: diffusers on this machine, batched {ev['bases']} at once (ratios within the run count, not the values).", "",
-              "Bases of the first ten prompts, one row per method (in the table's order):", "", "![grid](lcm-grid.png)", ""]  # fmt: skip
+              "Bases of the first ten prompts, one row per method (in the table's order):", "", "![grid](lcm-grid.png)", "",
+              "Edits through edit-rt (`make quality-lcm`: `make quality`'s bases and edit prompts, the LoRA as an adapter,",
+              "1- and 2-step tails, against img2img with `LCMScheduler` and this LoRA): `quality.json` here, the table beside the",
+              "30-step default's and what a few-step tail keeps and loses in docs/quality.md, \"The few-step model\".", ""]  # fmt: skip
     lines += training.get("verdict", [])
     return "\n".join(lines) + "\n"
 

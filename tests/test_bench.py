@@ -54,10 +54,10 @@ def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     assert report["base_state_bytes"] > 0 and report["machine"]["threads"] >= 1
     serve = report["server_vs_run"]  # 2 concurrent requests to the in-process server vs one tail
     assert serve["n"] == 2 and serve["server_edits_per_s"] > 0 and serve["run_edits_per_s"] > 0
-    entry = report["entry_reuse"]  # 2 rows joined at once: one takes u from the base
-    assert entry["half_rows_skipped"] == 1 and entry["half_rows"] == 2 * 2 * 2
-    unguided = report["interactive"]["unguided_vs_guided"]  # 2 rows x 2 steps: one u computed a call, vs 2N less an entry's
-    assert unguided["n"] == 2 and unguided["unet_rows_unguided"] == 2 * 2 + 2 and unguided["unet_rows_guided"] == 2 * 2 * 2 - 1
+    entry = report["entry_reuse"]  # 2 rows joined at once: both take u from the base
+    assert entry["half_rows_skipped"] == 2 and entry["half_rows"] == 2 * 2 * 2
+    unguided = report["interactive"]["unguided_vs_guided"]  # 2 rows x 2 steps: no u computed, vs 2N less the entry's
+    assert unguided["n"] == 2 and unguided["unet_rows_unguided"] == 2 * 2 and unguided["unet_rows_guided"] == 2 * 2 * 2 - 2
     assert unguided["ratio"] > 0 and unguided["seconds_unguided"] > 0
     move = report["slider_move"]  # one row, its prompt encoded: the move against its UNet calls
     assert move["tail_steps"] == 2 and move["move_over_unet"] >= 1.0 and move["seconds_move_unet"] > 0
@@ -101,9 +101,9 @@ def test_cpu_engines_side_by_side(tmp_path, model_dir, onnx_dir):
     points = {p["engine"]: p for p in report["points"]}
     assert set(points) == set(names) and all(p["n"] == 2 and p["tail_steps"] == 2 for p in points.values())
     assert report["gflop_per_unet_row"] > 0 and report["machine_limit_gflops"]["fp32"] > 0
-    # 2 rows x 2 steps: the entry step runs 2 conditional rows and 1 unconditional (the other
-    # row's came from the base), the next step both halves of both: 3 + 4 UNet rows a tail
-    assert all(p["unet_rows_per_tail"] == 7 for p in report["points"])
+    # 2 rows x 2 steps: the entry step runs 2 conditional rows and no unconditional one (both
+    # came from the base), the next step both halves of both: 2 + 4 UNet rows a tail
+    assert all(p["unet_rows_per_tail"] == 6 for p in report["points"])
     ort, ov = points["ort-cpu"], points["openvino fp32"]
     assert ort["max_abs_diff_step_vs_ort"] == 0 and ort["speedup_vs_ort"] == 1.0
     scale = ort["latent_scale"]

@@ -102,7 +102,8 @@ def test_check_sd15_at_a_tenth_of_the_width(tmp_path):
     report = json.loads((out / "check-sd15.json").read_text())
 
     assert report["ok"] is True
-    assert list(report["stages"]) == ["build", "single_file", "convert", "export", "export_converted", "engines", "run"]
+    assert list(report["stages"]) == ["build", "single_file", "convert", "export", "export_converted", "engines", "cpu_engines",
+                                       "interactive", "run"]
     for name, stage in report["stages"].items():
         assert stage["ok"] and stage["error"] is None and stage["skipped"] is None, (name, stage)
         assert stage["seconds"] > 0 and stage["peak_rss_bytes"] > 10 * MB, (name, stage)

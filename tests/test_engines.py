@@ -48,7 +48,7 @@ def test_cpu_engines_and_engines_json(engines_dir, onnx_dir):
     assert data["backend"] == "ort-cpu" and data["device"] == cpu_name()
     assert data["profile"] == {"min_batch": 1, "opt_batch": 4, "max_batch": 8, "latent_height": 16, "latent_width": 16,
                                "max_sets": 4, "vae_scale": 1, "vae_max_batch": 8, "extra_sizes": [],
-                               "adapter_slots": 0, "adapter_rank": 0}  # fmt: skip
+                               "adapter_slots": 0, "adapter_rank": 0, "step_all_given": True}  # fmt: skip
     assert data["tools"] == engine_tools("ort-cpu")
     for graph, entry in data["graphs"].items():
         assert entry["source_sha256"] == manifest.data["graphs"][graph]["sha256"]
@@ -146,7 +146,8 @@ def test_every_shape_the_loop_binds_lies_inside_the_polygraphy_profile(onnx_dir,
 
     manifest = load_manifest(onnx_dir)
     profile = Profile()
-    for name, (lo, opt, hi) in PROFILE.shapes(manifest.graphs["unet_step"].inputs, "unet_step").items():
+    built = dataclasses.replace(PROFILE, step_all_given=manifest.step_all_given)  # as build_engines takes it
+    for name, (lo, opt, hi) in built.shapes(manifest.graphs["unet_step"].inputs, "unet_step").items():
         profile.add(name, min=lo, opt=opt, max=hi)
     bound = []
     with EditPipeline(onnx_dir, batch_profile=(1, 4, 8), buckets="pow2") as pipe:

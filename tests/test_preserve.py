@@ -335,3 +335,30 @@ def test_rows_after_structure_rows_take_their_own_pattern_again(pipeline, base_s
     for row, final in zip(rows, batched):
         (alone,) = pipeline.run_tail(base_state, [row])
         np.testing.assert_allclose(final, alone, rtol=1e-6, atol=1e-5)
+
+
+def test_a_runs_preserve_knobs_reach_its_edits(tmp_path, model_dir, onnx_dir, pipeline, base_state):
+    """`edit-rt run` with `preserve: {threshold, dilate, region}` gives the image the pipeline
+    gives with those knobs (not the defaults'): the config's knobs reach the run's pipeline."""
+    from PIL import Image
+
+    from edit_rt.runtime.apps.run import run_config
+    from edit_rt.runtime.config.load import load_config
+
+    edit = "a red circle on a green background"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {model_dir}\nbuild_dir: {onnx_dir.parents[1]}\noutput_dir: {tmp_path / 'out'}\n"
+                    f"base: {{prompt: {TEST_BASE.prompt}, negative_prompt: {TEST_BASE.negative_prompt}, "
+                    f"seed: {TEST_BASE.seed}, steps: {TEST_BASE.steps}, guidance: {TEST_BASE.guidance}, width: 32, height: 32}}\n"
+                    "preserve: {threshold: 0.6, dilate: 0, region: words}\n"
+                    f"edits: [{{prompt: {edit}, start_step: 2, preserve: auto}}]\n")  # fmt: skip
+    run_config(load_config(path))
+    written = np.asarray(Image.open(tmp_path / "out" / "edit_00.png"), dtype=np.int16)
+    images = {}
+    for name, knobs in (("tight", Preserve(threshold=0.6, dilate=0, region="words")), ("default", Preserve())):
+        pipeline.preserve = knobs
+        (result,) = pipeline.edit(base_state, [TailRow(edit, 1.0, 2, TEST_BASE.guidance, preserve="auto")])
+        images[name] = np.round(np.clip(result.image, 0, 1) * 255).astype(np.int16)
+    pipeline.preserve = Preserve()
+    assert np.abs(images["tight"] - images["default"]).max() > 2  # the knobs matter on this model
+    assert np.abs(written - images["tight"]).max() <= 1

@@ -122,8 +122,8 @@ def test_a_step_writes_latents_and_scalars_only_kv_once_per_row(pipeline, base_s
     keep = latent // shape[0]  # one float per latent pixel
     for written, n, joined, new_sets in steps:
         # per row its timestep, alpha_t and 7 coefficients; a joining row: its K/V, guidance, set
-        # index, entry latent, entry u, mask, correction slot and solver history (2 latents)
-        budget = n * 9 * 4 + joined * (kv_row + 4 + 8 + 5 * latent + keep) + new_sets * set_bytes
+        # index, entry latent, entry u and its slope, mask, correction slot and solver history (2 latents)
+        budget = n * 9 * 4 + joined * (kv_row + 4 + 8 + 5 * latent + 4 + keep) + new_sets * set_bytes
         assert written <= budget, (written, budget, n, joined)
     # steps where nobody joined write exactly the step scalars and coefficients per row (DDIM
     # rows: no noise): the latents and history stay in backend memory (latent_blend puts them
@@ -237,8 +237,8 @@ def test_entry_step_reuse_equals_computing_it(pipeline, base_state):
     scheduler = pipeline.batcher(base_state.latents.shape[1:]).scheduler
     before = scheduler.stats.uncond_rows_skipped
     with_reuse = pipeline.run_tail(base_state, rows)
-    # three rows joined at once: all but one take u from the base (one is computed per call)
-    assert scheduler.stats.uncond_rows_skipped - before == 2
+    # three rows joined at once: all three take u from the base (the step graph takes E = N)
+    assert scheduler.stats.uncond_rows_skipped - before == 3
     scheduler.reuse_entry = False
     try:
         without = pipeline.run_tail(base_state, rows)

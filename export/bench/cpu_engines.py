@@ -113,7 +113,9 @@ def _watch_calls(graph, capture: bool) -> dict[str, Any]:
     """Counts the UNet rows of the step graph's bound calls once ``armed`` (``2N - E``, padding
     rows included: what the engine computed) and, with ``capture``, copies the inputs of the
     first armed call as it starts: what the step loop really feeds it (rows, K/V,
-    coefficients), for every engine to run once more."""
+    coefficients), for every engine to run once more. A later call whose every row computes its
+    unconditional prediction replaces it (an entry step's are given, so its ``uncond_out`` is
+    the base's passed through, the same on every engine)."""
     from edit_rt.runtime.engine.backend_ov import host_array
 
     watch: dict[str, Any] = {"armed": False, "unet_rows": 0}
@@ -122,13 +124,15 @@ def _watch_calls(graph, capture: bool) -> dict[str, Any]:
     def watched_bind(inputs, outputs):
         binding = bind(inputs, outputs)
         run = binding.run
-        rows = 2 * inputs["latents"].shape[0] - inputs["uncond_given"].shape[0]
+        given = inputs["uncond_given"].shape[0]
+        rows = 2 * inputs["latents"].shape[0] - given
 
         def watched_run() -> None:
             if watch["armed"]:
                 watch["unet_rows"] += rows
-                if capture and "feeds" not in watch:
+                if capture and ("feeds" not in watch or (watch["feeds_given"] and not given)):
                     watch["feeds"] = {name: host_array(view).copy() for name, view in inputs.items()}
+                    watch["feeds_given"] = given
             run()
 
         binding.run = watched_run

@@ -6,9 +6,8 @@ is one more key in it.
 - ``unguided_vs_guided``: the same rows' tail at guidance 1 (the conditional prediction alone:
   each row's unconditional half is not computed, runtime/loop/slots.py) over the same tail at the
   base's guidance. The UNet rows each side ran (the step loop's counters) say what the ratio
-  should be: a call whose rows are all unguided still computes one unconditional half (ONNX
-  Runtime's MatMul cannot broadcast the negative prompts over an empty batch), so N unguided rows
-  run N + 1 UNet rows a step, N guided ones 2N.
+  should be: N unguided rows run N UNet rows a step (no unconditional half at all: the step graph
+  takes E = N, manifest ``step_all_given``; N + 1 on an export without it), N guided ones 2N.
 - ``taesd_vs_vae``: one final latent decoded by the tiny decoder (``taesd_decoder``) over the same
   latent by the VAE (``vae_decoder``): what a preview costs against a final image (present where
   the export has a tiny decoder: the bench model's ``vae_tiny/``).
@@ -70,3 +69,37 @@ def interactive(rt: EditPipeline, state, prompts: Sequence[str], k: int, repeats
     if rt.preview_decoder == "taesd":  # an export with a tiny decoder
         section["taesd_vs_vae"] = taesd_vs_vae(rt, state, repeats)
     return section
+
+
+def slider_move_keys(moves: dict[str, Any]) -> dict[str, Any]:
+    """The section's keys from slider_move.py's report (each CPU engine in a process of its own):
+
+    - ``few_step_move_seconds``: a slider move with LCM (4 steps, a 1-step tail, guidance off)
+      and the tiny decoder on the default engine, the exact image back as a PNG;
+    - ``few_step_move_over_limit``: that over its UNet rows' physical time (the rows the step loop
+      counted x one row's GFLOP / the machine's measured GFLOP/s in the engine's precision);
+    - ``default_move_seconds``: the same move with today's defaults (30 DDIM steps at guidance 7.5,
+      a 6-step tail, the VAE), and ``server_move_seconds``: the few-step move through HTTP;
+    - ``..._per_engine``: each per engine; ``slider_moves``: the whole report (every case's UNet
+      rows, decode seconds, limit);
+    - the default engine's own ``unguided_vs_guided`` and ``taesd_vs_vae`` where its process
+      measured them (``sections``: a caller without a pipeline of its own, check_sd15.py)."""
+    engines = moves["engines"]
+    default = engines.get(moves["default_engine"], {}).get("cases", {})
+    sections = engines.get(moves["default_engine"], {}).get("sections", {})
+
+    def per_engine(case: str, key: str) -> dict[str, Any]:
+        return {name: r["cases"][case][key] for name, r in engines.items() if case in r["cases"]}
+
+    return {
+        **sections,
+        "few_step_move_seconds": default.get("few_step", {}).get("seconds"),
+        "few_step_move_over_limit": default.get("few_step", {}).get("over_limit"),
+        "default_move_seconds": default.get("default", {}).get("seconds"),
+        "server_move_seconds": default.get("server", {}).get("seconds"),
+        "few_step_move_seconds_per_engine": per_engine("few_step", "seconds"),
+        "few_step_move_over_limit_per_engine": per_engine("few_step", "over_limit"),
+        "default_move_seconds_per_engine": per_engine("default", "seconds"),
+        "server_move_seconds_per_engine": per_engine("server", "seconds"),
+        "slider_moves": moves,
+    }

@@ -50,7 +50,9 @@ from .side import (bucket_cost, catalogue_cost, entry_reuse, inversion_cost, pre
                    slider_move, structure_cost, _timed)  # fmt: skip
 from .cpu_engines import measure_engines
 from .cpu_engines import print_table as print_engines
-from .interactive import interactive
+from .interactive import interactive, slider_move_keys
+from .slider_move import measure_slider_moves
+from .slider_move import print_table as print_moves
 from .sliders import slider_cost
 
 log = logging.getLogger(__name__)
@@ -245,6 +247,12 @@ def run_bench(
         report["cpu_engines"] = measure_engines(cfg.source, ns, ks[sorted(fractions)[len(fractions) // 2]], repeats,
                                                 threads, rounds=3, say=say)  # fmt: skip
         print_engines(report["cpu_engines"], say=say)
+        say("bench: a slider move on each CPU engine: today's default, few-step with the tiny decoder, the server")
+        probe = (report["cpu_engines"]["gflop_per_unet_row"] * 1e9, report["cpu_engines"]["machine_limit_gflops"])
+        moves = measure_slider_moves(cfg.source, repeats=max(3, repeats), threads=threads, flops_and_limit=probe,
+                                     images=Path(cfg.output_dir) / "slider-moves", say=say)  # fmt: skip
+        print_moves(moves, say=say)
+        report["interactive"].update(slider_move_keys(moves))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))

@@ -86,6 +86,7 @@ def trt_engines(manifest: Manifest, out: Path, profile: EditBatchProfile, precis
     if precision == "bf16":
         raise ConfigError("engines.precision: bf16 strongly typed plans need a bf16 ONNX export, which edit-rt "
                           "does not make yet; use fp16 (SD's UNet is trained for it) or fp32")  # fmt: skip
+    profile = dataclasses.replace(profile, step_all_given=manifest.step_all_given)  # the step graph's E range: the export's
     staging = _fresh(out)
     timing_cache = out.parent / "trt-timing.cache"  # outside `out`: reused across rebuilds
     graphs = {}
@@ -134,8 +135,9 @@ def typed_onnx(manifest: Manifest, graph: str, precision: str, folder: Path) -> 
 
 def fp32_attention_nodes(onnx_path: Path) -> set[str]:
     """The ONNX nodes of every attention's scores: each Softmax and what computes its input back
-    to the ``q k^T`` MatMul (through the scale and mask Mul/Add/Div). diffusers computes these in
-    fp32 under ``upcast_attention``/``upcast_softmax``; an fp16 plan keeps them fp32."""
+    to the ``q k^T`` MatMul (through the scale and mask Mul/Add/Div, and the Reshape that puts
+    the unconditional rows' heads-batched scores in row order for their mask). diffusers computes
+    these in fp32 under ``upcast_attention``/``upcast_softmax``; an fp16 plan keeps them fp32."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -146,7 +148,7 @@ def fp32_attention_nodes(onnx_path: Path) -> set[str]:
             continue
         names.add(node.name)
         source = producer.get(node.input[0])
-        while source is not None and source.op_type in ("Add", "Mul", "Div", "MatMul"):
+        while source is not None and source.op_type in ("Add", "Mul", "Div", "Reshape", "MatMul"):
             names.add(source.name)
             if source.op_type == "MatMul":
                 break
@@ -169,6 +171,7 @@ def build_engines(
 
     ``progress`` is called with "<backend>/<graph>" as each engine is done."""
     manifest = load_manifest(onnx_dir)
+    profile = dataclasses.replace(profile, step_all_given=manifest.step_all_given)  # the step graph's E range: the export's
     reason = trt_unavailable_reason() if trt_reason == "probe" else trt_reason
     done = progress or (lambda name: None)
     built = {"ort-cpu": ort_cpu_engines(manifest, Path(engines_dir) / "ort-cpu", profile, done)}

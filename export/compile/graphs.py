@@ -102,18 +102,29 @@ class PrecomputedKVProcessor:
         rows, tokens, _ = hidden_states.shape
         heads = attn.heads
         head_dim = cond_v.shape[-1]
-        query = attn.to_q(hidden_states).view(rows, tokens, heads, head_dim).transpose(1, 2) * attn.scale
+        sets_tokens = uncond_k.shape[-1]
+        query = attn.to_q(hidden_states) * attn.scale
         nu = self.context.uncond_rows
-        # 1. unconditional rows: scores over every set, other sets masked out
-        scores_u = torch.matmul(query[:nu], uncond_k) + self.context.set_bias
-        out_u = torch.matmul(scores_u.softmax(dim=-1), uncond_v)
+        # 1. unconditional rows: scores over every set, other sets masked out. Heads are the
+        # batch of one matmul over all those rows' tokens, [heads, nu x tokens, d] x [heads, d, S]:
+        # the sets' K/V are read where they are bound, and nothing broadcasts (ONNX Runtime's
+        # MatMul refuses to broadcast over a batch of 0 rows, which a call whose every row is
+        # given its unconditional prediction has: E = N). Each reshape's 0 (nu = 0) stands where
+        # its input's 0-sized axis does, so ONNX's "0 copies that axis" gives the same shape. A
+        # reshape, not a transpose, feeds the matmul: ONNX Runtime fuses a Transpose into the
+        # MatMul after it (FusedMatMul), which divides by zero on an empty batch (SIGFPE).
+        query_u = query[:nu].view(nu, tokens, heads, head_dim).permute(2, 0, 1, 3).reshape(heads, nu * tokens, head_dim)
+        scores_u = torch.matmul(query_u, uncond_k).view(heads, nu, tokens, sets_tokens) + self.context.set_bias
+        probs_u = scores_u.softmax(dim=-1).view(heads, nu * tokens, sets_tokens)
+        out_u = torch.matmul(probs_u, uncond_v).transpose(0, 1).reshape(nu, tokens, heads * head_dim)
         # 2. conditional rows: each over its own row's K/V
-        probs_c = torch.matmul(query[nu:], cond_k).softmax(dim=-1)
-        out_c = torch.matmul(probs_c, cond_v)
+        query_c = query[nu:].view(rows - nu, tokens, heads, head_dim).transpose(1, 2)
+        probs_c = torch.matmul(query_c, cond_k).softmax(dim=-1)
+        out_c = torch.matmul(probs_c, cond_v).transpose(1, 2).reshape(rows - nu, tokens, heads * head_dim)
         if self.map_layer and self.context.want_maps:
             # 3. the attention each image token pays to each text position, head mean: [N, 77, tokens]
             self.context.maps.append(probs_c.mean(dim=1).transpose(1, 2))
-        out = torch.cat([out_u, out_c]).transpose(1, 2).reshape(rows, tokens, heads * head_dim)
+        out = torch.cat([out_u, out_c])
         out = attn.to_out[1](attn.to_out[0](out))
         if attn.residual_connection:
             out = out + residual
@@ -267,7 +278,9 @@ class UNetStepGraph(nn.Module):
 
     ``uncond_given`` holds the unconditional prediction of the *last* E rows, known already (a
     row at its entry step re-enters the base's chain at a latent whose unconditional prediction
-    the base computed): the UNet runs N - E unconditional rows and N conditional ones. A row
+    the base computed; an unguided row, given zeros): the UNet runs N - E unconditional rows and
+    N conditional ones, 0 <= E <= N (E = N: no unconditional row at all, manifest
+    ``step_all_given``). A row
     whose tail takes the base's prediction at every step (``tail.uncond: base-corrected``)
     re-enters at a latent x_e near the base's x_b, and takes ``u_b + k (x_e - x_b)``: the host
     gives ``uncond_given = u_b - k x_b`` and ``uncond_slope = k`` and the graph adds ``k x_e``
@@ -275,8 +288,8 @@ class UNetStepGraph(nn.Module):
     Outputs: ``next_latents [N,c,h,w]``, ``uncond_out [N,c,h,w]`` (each row's unconditional
     prediction, which a base generation keeps for its edits' entry steps), ``history_out
     [N,2,c,h,w]`` and ``deep_out [U,C,h',w']``: the features entering the UNet's skip branch
-    (:func:`deep_feature_block`) for each UNet row, ``[uncond rows; cond rows]`` (U = 2N - E),
-    which :class:`UNetShallowStepGraph` takes at a row's next steps.
+    (:func:`deep_feature_block`) for each UNet row, ``[uncond rows; cond rows]`` (U = 2N - E,
+    N to 2N), which :class:`UNetShallowStepGraph` takes at a row's next steps.
 
     With ``map_layers`` (edit-rt's export always gives them: one step graph, manifest v9) it
     also returns ``attn_maps [N, 77, h/f, w/f]``: per row and text position, the conditional
@@ -352,7 +365,9 @@ class UNetStepGraph(nn.Module):
         sets_tokens = kv[2].shape[-1]
         token_set = torch.arange(sets_tokens, device=latents.device) // self.text_len
         other = (token_set[None, :] != uncond_index[:nu, None]).to(latents.dtype)
-        self.context.set_bias = (other * _OTHER_SET).view(nu, 1, 1, sets_tokens)
+        # [nu, 1, S] against the scores' [heads, nu, tokens, S]; unsqueeze, not a view to (nu, 1,
+        # S): ONNX's Reshape reads a 0 in its target as "copy that axis", which nu = 0 would be
+        self.context.set_bias = (other * _OTHER_SET).unsqueeze(1)
         self.context.uncond_rows = nu
         x = torch.cat([latents[:nu], latents])
         t = torch.cat([timestep[:nu], timestep])

@@ -467,6 +467,9 @@ def export_onnx(model_dir: Path, out_dir: Path, opset: int = 17, external_data_t
                                 for l in adapter_layers]},  # fmt: skip
         # K of a layer is [B, heads, head_dim, 77] (transposed per head), V [B, heads, 77, head_dim]
         "kv_layout": "heads-major",
+        # the step graphs take E = N (every row given its unconditional prediction, no
+        # unconditional UNet row): runtime/engine/manifest.py reads it, False where absent
+        "step_all_given": True,
         "graphs": graphs,
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -5,6 +5,11 @@ Per graph, on fresh random inputs at several batch sizes within the profile, Pol
 the ONNX-Runtime-optimized CPU engine, and the TensorRT plan where one is built and TensorRT is
 present. Writes ``build/<model>/parity.md`` (a table: max abs and relative error, tolerance,
 pass/fail) and ``parity.json``.
+
+The graphs are those the export has (engines.graphs_of): the optional tiny autoencoder's
+(``taesd_decoder``, ``taesd_encoder``) where it was exported, against diffusers'
+``AutoencoderTiny`` loaded again from the source the manifest names (export/compile/tiny_vae.py),
+wrapped as the export wrapped it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,16 +31,18 @@ from polygraphy.logger import G_LOGGER
 
 from edit_rt.runtime.config.run_config import RunConfig
 from edit_rt.runtime.engine.backend_trt import trt_unavailable_reason
-from edit_rt.runtime.engine.engines import GRAPHS, EngineSet, load_engines
+from edit_rt.runtime.engine.engines import EngineSet, graphs_of, load_engines
 from edit_rt.runtime.engine.graph_set import cpu_name, engine_device, engine_tools
 from edit_rt.runtime.engine.manifest import Manifest, load_manifest
+from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.model.samplers import schedule_for
 
 from . import adapter_slots
 from .families import family_module
 from .family import family_of
-from .graphs import (KVProjGraph, LatentBlendGraph, UNetShallowStepGraph, UNetStepGraph, VaeDecoderGraph,
-                     VaeEncoderGraph, attention_map_layers)  # fmt: skip
+from .graphs import (KVProjGraph, LatentBlendGraph, TinyVaeEncoderGraph, UNetShallowStepGraph, UNetStepGraph,
+                     VaeDecoderGraph, VaeEncoderGraph, attention_map_layers)  # fmt: skip
+from .tiny_vae import load_tiny_vae
 
 # fp32 backends: ONNX Runtime reorders and fuses the same sums as PyTorch, ~1e-6 relative per
 # layer; through the ~30 layers of a UNet that stays below 1e-4 on outputs of order 1.
@@ -153,8 +160,21 @@ class KeptInputs(torch.nn.Module):
         return self.module(*args)
 
 
+def tiny_torch_module(graph: str, manifest: Manifest) -> torch.nn.Module:
+    """The PyTorch source of a tiny autoencoder's graph: diffusers' ``AutoencoderTiny`` from the
+    file or folder it was exported from (the manifest's ``source``), as the export wrapped it."""
+    source = Path(manifest.data["graphs"][graph]["source"])
+    if not source.exists():
+        raise ArtifactError(f"{graph}: exported from {source}, which is gone, and parity compares the graph with it; "
+                            "put it back, or re-run `make export` with export.tiny_vae naming where it is now")  # fmt: skip
+    tiny = load_tiny_vae(source).module
+    return VaeDecoderGraph(tiny) if graph == "taesd_decoder" else TinyVaeEncoderGraph(tiny)
+
+
 def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Module:
     """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
+    if graph.startswith("taesd_"):
+        return tiny_torch_module(graph, manifest)
     family = family_module(family_of(model_dir))
     components = family.load_components(model_dir, manifest.data["model"].get("variant"))
     spec = manifest.adapters
@@ -225,8 +245,10 @@ def _errors(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict[
     }
 
 
-def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) -> ParityReport:
-    """Run every graph on every built backend and write parity.md / parity.json."""
+def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None,
+                  graphs: Optional[Sequence[str]] = None) -> ParityReport:  # fmt: skip
+    """Run every graph (or ``graphs`` of them) on every built backend and write parity.md /
+    parity.json."""
     manifest = load_manifest(cfg.onnx_dir)
     manifest.check_model(cfg.model_dir)
     scale = manifest.vae_scale_factor
@@ -243,11 +265,14 @@ def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None) ->
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy logs every tensor at INFO
     rows = []
     rng = np.random.default_rng(0)
-    for graph in GRAPHS:
+    exported = graphs_of(manifest)
+    for graph in graphs or exported:
+        if graph not in exported:
+            raise ArtifactError(f"{graph}: not a graph of {cfg.onnx_dir} (it has {', '.join(exported)})")
         runners = [torch_runner(graph, manifest, cfg.model_dir), ort_runner(manifest.path(graph), "onnx")]
-        if "ort-cpu" in engine_sets:
+        if "ort-cpu" in engine_sets and graph in engine_sets["ort-cpu"].graphs:
             runners.append(ort_runner(engine_sets["ort-cpu"].path(graph), "ort-cpu-engine"))
-        if "trt" in engine_sets:
+        if "trt" in engine_sets and graph in engine_sets["trt"].graphs:
             from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
             runners.append(TrtRunner(EngineFromBytes(engine_sets["trt"].path(graph).read_bytes()), name="trt"))

@@ -308,9 +308,15 @@ def quality(
     config: Path = typer.Argument(..., help="Config of the shapes model (configs/shapes.yaml)."),
     bases: int = typer.Option(50, min=1, max=MAX_EVAL_ITEMS, help="Bases drawn from the shapes world."),
     sliders: str = typer.Option("with", help="The concept sliders' section (sliders.json): with, only, or without."),
+    few_step: bool = typer.Option(False, "--few-step", help="The base's speed LoRA schedule (configs/shapes-lcm.yaml): "
+                                  "1- and 2-step tails against img2img with LCMScheduler and the LoRA; no sliders."),
 ) -> None:
     """Measure edit success and preservation with the shapes reader, against img2img; write quality.json."""
     cfg = load_config(config)
+    if few_step:
+        _require_model(cfg)
+        _few_step_quality(cfg, bases)
+        return
     if sliders not in ("with", "only", "without"):
         raise ConfigError(f"--sliders: {sliders!r} is not one of with, only, without")
     _require_model(cfg)  # before the sliders' section says it skips anything
@@ -374,6 +380,27 @@ def gates(
         table.add_row(name, f">= {g['goal']:g}", measured, "yes" if g["met"] else "no")
     Console().print(table)
     console.print(f"wrote {cfg.model_dir / 'gates.json'}")
+
+
+def _few_step_quality(cfg, bases: int) -> None:
+    module = _export_module("eval.quality_few_step")
+    with _progress() as bars:
+        report = module.run_few_step_quality(cfg, bases=bases, say=lambda text: None, progress=bars)
+    table = Table(title=f"edit-rt quality, few-step: {bases} bases, {report['sampler']} {report['steps']} steps, "
+                        f"guidance {report['guidance']:g}", title_justify="left")  # fmt: skip
+    for column in ("method", "edit", "tail", "strength", "UNet rows", "success", "preserved", "both", "untouched PSNR", "IoU"):
+        table.add_column(column)
+    for r in report["rows"]:
+        iou = "-" if r["silhouette_iou"] is None else f"{r['silhouette_iou']:.2f}"
+        table.add_row(r["method"], r["kind"], f"{r['tail_steps']}/{report['steps']}", f"{r['strength']:g}", f"{r['unet_rows_per_edit']:g}",
+                      f"{r['success']:.2f}", f"{r['preservation']:.2f}", f"{r['success_and_preserved']:.2f}",
+                      f"{r['untouched_psnr']:.1f} dB ({r['untouched_psnr_at_least_35']:.2f})", iou)  # fmt: skip
+    Console().print(table)
+    following = ", ".join(f"{k} {v:.2f}" for k, v in (report["prompt_following"] or {}).items())
+    console.print(f"prompt following ({following}); bases read as prompted: {report['base_prompt_following']:.2f}; "
+                  f"identity edits: at most {report['identity_grey_levels']['max']:g} grey levels off the base")  # fmt: skip
+    console.print("not run on a few-step chain: " + "; ".join(f"{m} ({why})" for m, why in report["left_out"].items()))
+    console.print(f"wrote {cfg.output_dir}/quality.json ({report['seconds']:g} s)")
 
 
 def _slider_quality(cfg, bases: int) -> None:

@@ -27,7 +27,7 @@ from ..config.run_config import RunConfig
 from ..errors import ConfigError, DamagedBaseError, ImageInputError
 from ..model.edit import Direction, Edit, TailRow
 from ..pipeline.assemble import pipeline_of, store_of
-from ..pipeline.catalogue import run_catalogue
+from ..pipeline.catalogue import catalogue_decoder, run_catalogue
 from ..pipeline.images import contact_sheet, save_png
 from ..pipeline.pnginfo import base_fields, directions_text, edit_fields, parameters_text
 from ..pipeline.uploads import Upload, image_from_bytes
@@ -152,6 +152,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     with timer.stage("load"):
         pipe = pipeline_of(cfg)
         pipe.check_decoder(cfg.decoder)  # decoder: taesd on an export without one, before any step
+        if cfg.catalogue is not None:
+            catalogue_decoder(cfg, pipe)  # and catalogue.decoder
+        if upload is not None:  # encoded by the decoder's own autoencoder: its key says which (uploads.py)
+            base = dataclasses.replace(base, image=upload.key_for(pipe.encoder_for(cfg.decoder)))
         # what can be refused is, before the graphs' seconds of loading: the size, its memory
         shape = pipe.latent_shape(base)  # and the rows per call that fit at it
         with stage("loading the graphs"):
@@ -175,7 +179,8 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
             if state is not None and state.window_start <= cfg.cache.window_start:
                 base_source = f"store ({tier})"
             elif upload is not None:
-                state = pipe.invert(upload.pixels, base, cfg.cache.window_start, progress=progress(2 * (T - cfg.cache.window_start), "inversion"))
+                state = pipe.invert(upload.pixels, base, cfg.cache.window_start, progress=progress(2 * (T - cfg.cache.window_start), "inversion"),
+                                    encoder=pipe.encoder_for(cfg.decoder))  # fmt: skip
                 store.put(state)
                 base_source = "inverted"
             else:
@@ -256,7 +261,8 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
             "reference_rows": last.reference_steps - based.reference_steps,
             "half_rows_skipped": last.uncond_rows_skipped - before.uncond_rows_skipped,
             # rows at guidance <= 1 (the conditional prediction alone): their row-steps, and the
-            # unconditional halves of those the UNet did not run (the rest: one per call computes)
+            # unconditional halves of those the UNet did not run (the rest: a GPU bucket's rounding, or
+            # one a call on an export without step_all_given)
             "unguided_rows": last.unguided_row_steps - before.unguided_row_steps,
             "unguided_halves_skipped": last.unguided_rows_skipped - before.unguided_rows_skipped,
             "padding_rows": (last.rows_computed - before.rows_computed) - total,

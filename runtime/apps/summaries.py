@@ -96,6 +96,14 @@ def print_bench(report: dict, output_dir: Path) -> None:
             f"interactive: a {d['image_size'][0]}x{d['image_size'][1]} decode by the tiny decoder "
             f"{d['seconds_taesd'] * 1e3:.1f} ms vs the VAE {d['seconds_vae'] * 1e3:.1f} ms ({d['ratio']:.3f}x, spread "
             f"{d['ratio_spread'][0]:.3f}-{d['ratio_spread'][1]:.3f})"),
+        "slider_moves": lambda d: "\n".join(
+            f"interactive: a slider move on {name}: few-step (LCM, a {c['few_step']['tail_steps']}-step tail, "
+            f"{c['few_step']['decoder']}) {c['few_step']['seconds']:.3f} s, {c['few_step']['over_limit']:.2f}x its "
+            f"{c['few_step']['unet_rows']} UNet rows' limit; today's default ({c['default']['steps']} DDIM steps, a "
+            f"{c['default']['tail_steps']}-step tail, {c['default']['decoder']}) {c['default']['seconds']:.3f} s "
+            f"({c['default']['over_limit']:.2f}x its {c['default']['unet_rows']} rows' limit)"
+            + (f"; few-step through the server {c['server']['seconds']:.3f} s" if "server" in c else "")
+            for name, c in ((name, r["cases"]) for name, r in d["engines"].items())),
     }  # fmt: skip
     for key, line in interactive.items():
         if key in report.get("interactive", {}):

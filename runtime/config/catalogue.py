@@ -7,7 +7,8 @@ the edit's own strength); no slider: each edit once. Its size is counted from th
 (:meth:`Catalogue.size`), against ``max_rows``, before a single row is made; the rows are then
 made lazily, in order (:meth:`Catalogue.rows`), so a run holds one chunk of them at a time.
 A stopped run resumes when its rows are the same rows (:meth:`Catalogue.key`), whatever its
-limits say.
+limits say. Its images are decoded by its ``decoder`` (the run's by default: pipeline/decoders.py),
+which is part of what its rows are: a folder of VAE images is not resumed with the tiny decoder.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Annotated, Any, Callable, Iterator
+from typing import Annotated, Any, Callable, Iterator, Literal, Optional
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -40,6 +41,10 @@ class Catalogue:
     # Rows per batched tail (0: the step loop's max_batch): one chunk's rows and images are
     # held at a time, each image written as it is decoded.
     chunk: between(Int, 0, 4096) = 0
+    # What decodes its images: vae or taesd (the tiny decoder, ~6% of the VAE's cost at 512x512:
+    # hundreds of images for the price of a few dozen; the export must have one). None: the
+    # run's `decoder` (itself vae unless set).
+    decoder: Optional[Literal["vae", "taesd"]] = None
 
     def size(self) -> int:
         """The rows this catalogue makes, counted from the spec."""

@@ -1,8 +1,8 @@
 """A run config file read into a :class:`~edit_rt.runtime.config.run_config.RunConfig`: YAML
 (a key given twice refused), validated by pydantic against the declarations in run_config.py,
 every refusal worded as one :class:`ConfigError` naming the file, the field path
-(``edits[2].strength``) and the fix; paths taken from the file's folder; sweeps expanded into
-their rows, a catalogue's size counted."""
+(``edits[2].strength``) and the fix; paths taken from the file's folder; the base's speed LoRA's
+schedule set where the base sets none; sweeps expanded into their rows, a catalogue's size counted."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import ConfigError
+from ..model.adapters import SCHEDULE_FIELDS
 from ..model.lora_tags import config_with_tags
 from ..model.schema import refusal
 from ..model.single_file import checkpoint_family
@@ -28,6 +29,8 @@ from .run_config import RunConfig
 def _path(loc: tuple) -> str:
     out = ""
     for part in loc:
+        if _is_tag(part):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -36,15 +39,23 @@ def _type_at(loc: tuple) -> Any:
     """The dataclass a location's last key belongs to (for the list of allowed keys)."""
     tp: Any = RunConfig
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or _is_tag(part):  # a list's item; a union's branch, chosen below
             continue
-        hints = typing.get_type_hints(tp, include_extras=False)
-        tp = hints.get(part)
+        if typing.get_origin(tp) is dict:  # a mapping's key: its values' type
+            tp = typing.get_args(tp)[1]
+        else:
+            tp = typing.get_type_hints(tp, include_extras=False).get(part)
         while typing.get_origin(tp) in (list, tuple, Optional, types.UnionType, typing.Union):
-            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        if not dataclasses.is_dataclass(tp):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = next((a for a in args if dataclasses.is_dataclass(a)), args[0])
+        if not dataclasses.is_dataclass(tp) and typing.get_origin(tp) is not dict:
             return None
-    return tp
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _is_tag(part: Any) -> bool:
+    """A union's branch tag in a location (run_config.AdapterEntry's), not a key: no key starts with "("."""
+    return isinstance(part, str) and part.startswith("(")
 
 
 def _config_error(err: ValidationError) -> ConfigError:
@@ -57,13 +68,17 @@ def _config_error(err: ValidationError) -> ConfigError:
         return ConfigError(f"{where}: unknown key; the keys allowed here are {', '.join(known)}")
     if kind in ("missing", "missing_argument", "missing_keyword_argument"):
         return ConfigError(f"{where}: missing; this field is required")
+    if any(_is_tag(part) for part in loc) and _type_at(loc[:-1]) is not None:  # a range from inside a union's branch
+        return ConfigError(f"{where}: {refusal({**first, 'loc': loc[-1:]}, _type_at(loc[:-1]))}")
     return ConfigError(f"{where}: {refusal(first, RunConfig)}")
 
 
 _ADAPTER: Optional[TypeAdapter] = None
 
 
-_SET_AT_LOAD = {"source": "from the file's path", "edit_rows": "from the edits' sweeps"}
+_SET_AT_LOAD = {"source": "from the file's path", "edit_rows": "from the edits' sweeps",
+               "speed_adapters": "from adapters: entries written as {path, sampler, steps, guidance}",
+               "base_schedule_filled": "from the base's speed LoRA"}  # fmt: skip
 
 
 def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
@@ -85,6 +100,12 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
             raise _config_error(err) from None
         if base_tags:  # a base may take A1111's (te, unet) apart, which base.adapters' scale cannot say
             cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, adapters={**(cfg.base.adapters or {}), **base_tags}))
+        # a speed LoRA's schedule where the file's base sets none of its own
+        set_here = {f for f in SCHEDULE_FIELDS if f in data["base"]} if isinstance(data["base"], dict) else set(SCHEDULE_FIELDS)
+        scheduled = cfg.scheduled(cfg.base, set_here)
+        if scheduled != cfg.base:
+            filled = tuple(f for f in SCHEDULE_FIELDS if getattr(scheduled, f) != getattr(cfg.base, f))
+            cfg = dataclasses.replace(cfg, base=scheduled, base_schedule_filled=filled)
         root = source.parent if source is not None else Path.cwd()
         cfg = dataclasses.replace(
             cfg,
@@ -92,6 +113,7 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
             build_dir=_resolve(cfg.build_dir, root),
             output_dir=_resolve(cfg.output_dir, root),
             adapters={name: _resolve(path, root) for name, path in cfg.adapters.items()},
+            speed_adapters={name: dataclasses.replace(s, path=_resolve(s.path, root)) for name, s in cfg.speed_adapters.items()},
             checkpoint_config=None if cfg.checkpoint_config is None else _resolve(cfg.checkpoint_config, root),
             source=source,
         )

@@ -10,15 +10,17 @@ relative to that file's folder.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Collection, Literal, Optional, Union
 
-from pydantic import ConfigDict, StringConstraints, with_config
+from pydantic import ConfigDict, Discriminator, StringConstraints, Tag, with_config
 
 from ..errors import ConfigError, EditError, ModelError, PromptSyntaxError
-from ..model.edit import Base, Edit, EditDefaults, Preserve, TailRow, resolve_edit
-from ..model.schema import Bool, DeepCache, Float, Int, StoragePrecision, Str, Strength, UncondMode, between
+from ..model.adapters import SCHEDULE_FIELDS, schedule_changes
+from ..model.edit import Base, Edit, EditDefaults, Preserve, SamplerName, TailRow, resolve_edit
+from ..model.schema import Bool, DeepCache, Float, Guidance, Int, StoragePrecision, Str, Strength, UncondMode, between
 from ..model.single_file import artifact_name, checkpoint_family, is_single_file, require_converted
 from ..model.weighting import prompt_spans
 from .catalogue import Catalogue
@@ -33,6 +35,35 @@ Rows = between(Int, 1, 1024)  # rows of one call
 Seconds = between(Float, 0.0, lo_open=True)
 # The rows TensorRT tunes its kernels for when engines.opt_batch is left out (max_batch caps it).
 OPT_BATCH = 8
+AdapterKey = Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class SpeedAdapter:
+    """An ``adapters:`` entry written as a mapping: a LoRA file and the schedule it was distilled
+    for (an LCM-LoRA: lcm, 4 steps, guidance 1; a Hyper-SD or Lightning LoRA: its card's). A
+    generation using it at a nonzero UNet scale runs that schedule where the base or the request
+    does not set its own (model/adapters.py's schedule_changes says the rule)."""
+
+    path: Path
+    # What its card says it runs with; left out: the base's own (the model's sampler, base.steps).
+    sampler: Optional[SamplerName] = None
+    # Few-step LoRAs run 1-8 steps; LCM's schedule takes at most its 50-step distillation grid
+    # (LCMScheduler's original_inference_steps), so more is no speed LoRA's schedule.
+    steps: Optional[between(Int, 1, 50)] = None
+    # LCM-LoRA: 1 (off) to 2; Turbo- and Lightning-style LoRAs: 0 or 1.
+    guidance: Optional[Guidance] = None
+
+
+def _entry_kind(value: Any) -> str:
+    return "(schedule)" if isinstance(value, (dict, SpeedAdapter)) else "(path)"
+
+
+# A path, or a mapping with its path and schedule. The tags name the branch in a refusal's
+# location; load.py leaves them out of the field path it prints (no adapter name has parentheses).
+AdapterEntry = Annotated[Union[Annotated[Path, Tag("(path)")], Annotated[SpeedAdapter, Tag("(schedule)")]],
+                         Discriminator(_entry_kind)]  # fmt: skip
 
 @with_config(STRICT)
 @dataclass(frozen=True)
@@ -208,8 +239,10 @@ class RunConfig:
     serve: Serve = field(default_factory=Serve)
     # LoRA files by name (diffusers/peft or kohya/AUTOMATIC1111 .safetensors; a path relative
     # to the config): `edit-rt adapters` (and make export) converts them for the model; rows
-    # name them in `adapters: {name: scale}`.
-    adapters: dict[Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Path] = field(default_factory=dict)
+    # name them in `adapters: {name: scale}`. A speed LoRA's entry is a mapping, its path and
+    # its schedule (SpeedAdapter); once validated every entry here is its path, and the
+    # schedules are in speed_adapters.
+    adapters: dict[AdapterKey, AdapterEntry] = field(default_factory=dict)
     # Hundreds of variants of the base (config/catalogue.py): every catalogue edit at every
     # position of every slider, written image by image to <output_dir>/catalogue/ after the edits.
     catalogue: Optional[Catalogue] = None
@@ -217,6 +250,37 @@ class RunConfig:
     # became (a sweep's n, else 1; ``edits`` holds them expanded): the grid shows a sweep as a row.
     source: Optional[Path] = None
     edit_rows: tuple[int, ...] = ()
+    # Set from the adapters: entries that are mappings, never written in the file: the speed
+    # LoRAs by name. And set at load: the base fields (sampler, steps, guidance) its speed
+    # LoRA's schedule filled in, which a request that names other adapters does not inherit.
+    speed_adapters: dict[AdapterKey, SpeedAdapter] = field(default_factory=dict)
+    base_schedule_filled: tuple[Literal["sampler", "steps", "guidance"], ...] = ()
+
+    def __post_init__(self) -> None:
+        # every consumer of adapters: reads name -> path; the schedules live beside them
+        speed = {n: v for n, v in self.adapters.items() if isinstance(v, SpeedAdapter)}
+        if speed:  # object.__setattr__: the dataclass is frozen
+            object.__setattr__(self, "speed_adapters", {**self.speed_adapters, **speed})
+            object.__setattr__(self, "adapters", {n: v.path if isinstance(v, SpeedAdapter) else v for n, v in self.adapters.items()})
+
+    def scheduled(self, base: Base, given: Collection[str], where: str = "base.") -> Base:
+        """``base`` with the schedule of the speed LoRA it uses, for each of sampler, steps and
+        guidance not in ``given`` (model/adapters.py's schedule_changes: the one rule, for the
+        config's base at load and for each request's generation). A base from an image is
+        inverted with DDIM, so it keeps its own."""
+        if base.image is not None or not self.speed_adapters:
+            return base
+        return dataclasses.replace(base, **schedule_changes(base.adapters, base.sampler, self.speed_adapters, given, where))
+
+    def request_base(self, own_adapters: bool) -> tuple[Base, frozenset[str]]:
+        """What a request's generation starts from, and the schedule fields to hold as set: the
+        config's base with everything it set (the request keeps its adapters), or, for a request
+        that names its own adapters, the base as its file declares it (the fields its speed LoRA
+        filled in back at their defaults, for the request's adapters to fill in) with none."""
+        if not own_adapters:
+            return self.base, frozenset(SCHEDULE_FIELDS) - set(self.base_schedule_filled)
+        defaults = {f.name: f.default for f in dataclasses.fields(Base) if f.name in self.base_schedule_filled}
+        return dataclasses.replace(self.base, **defaults), frozenset()
 
     def served_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of every size served: the base's first, then engines.sizes."""

@@ -38,6 +38,7 @@ except ImportError as err:  # neither extra was installed
 
 from ..errors import ConfigError
 from .device import DeviceTensor, TensorView
+from .memory import CpuModel, available_host_bytes, engine_peak_bytes, process_rss
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,8 @@ _PROVIDERS = {
 }
 
 
-# Every backend in the order ``auto`` tries them: the GPU's fastest first, then the CPU's
-# default, ort-cpu. openvino is chosen by name only: at fp32 it ties ort-cpu on the embedded and
-# bench models (1.02x to 1.22x a tail) in twice the memory, and at SD 1.5's size it is 2.5x
-# faster but needs 13.8 GB where ort-cpu needs 6.9; its bf16 is not exact (docs/engines.md,
-# The CPU engines).
+# Every backend in the order ``auto`` tries them: the GPU's fastest first, then the CPU, where
+# ort-cpu or openvino (fp32) is picked per model and size by :func:`cpu_choice`.
 BACKENDS = ("trt", "ort-tensorrt", "ort-cuda", "ort-cpu", "openvino")
 CPU_BACKENDS = frozenset({"openvino", "ort-cpu"})
 
@@ -140,9 +138,58 @@ def backend_report(openvino: bool = True) -> dict[str, tuple[bool, str]]:
     return {b: report[b] for b in BACKENDS if b in report}
 
 
-def select_backend(requested: str, built: set[str]) -> tuple[str, str]:
-    """Resolve ``auto`` to the fastest backend that is available and has engines; say why."""
-    # auto stops at ort-cpu, which always starts: openvino is probed only when asked for
+# OpenVINO fp32 over ort-cpu by the UNet's GFLOP a row (docs/engines.md, The CPU engines, and
+# docs/engines-cpu.json; 2 threads): the shapes model (0.18) 0.93-1.09x a step and its whole demo
+# run 0.63x (a static compile per row count costs more than the steps it speeds); the bench model
+# (4.3) 1.02-1.22x; SD 1.5 at 512x512 (803) 1.00x at 2 UNet rows a call and 2.25x at 8 (ONNX
+# Runtime's page faults past 2 rows: docs/engines.md), 2.0x over a whole 4-edit run. Nothing
+# was measured between 4.3 and 803; below this the fixed costs of a step dominate and the two
+# engines tie at best, above it the convolutions and attention do.
+OPENVINO_MIN_GFLOP = 100.0
+# OpenVINO compiles a UNet up to this many weight bytes once per input shape, each compile with
+# its own repacked weights (backend_ov.OvGraph.STATIC_WEIGHTS_LIMIT): not what the memory model
+# or the GFLOP rule measured, so auto leaves such a model on ort-cpu.
+OPENVINO_STATIC_WEIGHTS = 512 * 2**20
+
+
+def cpu_choice(model: CpuModel, rows: int, budget: Optional[int], openvino_reason: Optional[str]) -> tuple[str, str]:
+    """The CPU engine ``auto`` runs ``model`` on, and why (numbers included): openvino (fp32)
+    where the UNet's arithmetic makes it the faster engine (OPENVINO_MIN_GFLOP) and its expected
+    peak (memory.ENGINE_MEMORY) at ``rows`` step rows a call fits ``budget`` (bytes;
+    None: what this machine has available now plus what this process holds), else ort-cpu.
+    ``openvino_reason``: why openvino cannot start here (None: it can). Its precision is
+    backend_ov.auto_precision's (bf16 where the CPU has it natively, unless fp32 is asked)."""
+    gflop = model.gflop_per_unet_row
+    if gflop < OPENVINO_MIN_GFLOP:
+        return "ort-cpu", (f"ort-cpu: {gflop:.3g} GFLOP a UNet row, under the {OPENVINO_MIN_GFLOP:g} at which "
+                           "openvino fp32 runs faster (fixed costs dominate a step there)")  # fmt: skip
+    if model.unet_weights <= OPENVINO_STATIC_WEIGHTS:
+        return "ort-cpu", (f"ort-cpu: {gflop:.3g} GFLOP a UNet row, but its {model.unet_weights / 2**20:.0f} MiB "
+                           "UNet would compile static per row count on openvino (a weight copy a shape)")  # fmt: skip
+    if openvino_reason is not None:
+        return "ort-cpu", f"ort-cpu: openvino fp32 would be faster at {gflop:.0f} GFLOP a UNet row, but {openvino_reason}"
+    need = engine_peak_bytes("openvino", model, rows)
+    if budget is None:
+        have = available_host_bytes()
+        limit, where = (None, "") if have is None else (have + process_rss(), "available")
+    else:
+        limit, where = budget, "engines.max_memory_gb"
+    if limit is not None and need > limit:
+        ort_need = engine_peak_bytes("ort-cpu", model, rows)
+        return "ort-cpu", (f"ort-cpu: openvino fp32 would be faster at {gflop:.0f} GFLOP a UNet row but needs about "
+                           f"{need / 1e9:.1f} GB at {rows} row(s) a call, over the {limit / 1e9:.1f} GB {where} "
+                           f"(ort-cpu: {ort_need / 1e9:.1f} GB)")  # fmt: skip
+    fits = "" if limit is None else f" of the {limit / 1e9:.1f} GB {where}"
+    return "openvino", (f"openvino: {gflop:.0f} GFLOP a UNet row, where it runs 1.0-2.25x as fast as ort-cpu, "
+                        f"in about {need / 1e9:.1f} GB at {rows} row(s) a call{fits}")  # fmt: skip
+
+
+def select_backend(requested: str, built: set[str], cpu: Optional[CpuModel] = None, rows: int = 1,
+                   budget: Optional[int] = None) -> tuple[str, str]:  # fmt: skip
+    """Resolve ``auto`` to the fastest backend that is available and has engines; say why. On
+    the CPU, with ``cpu`` (the model at its size) the engine is :func:`cpu_choice`'s for calls
+    of ``rows`` step rows within ``budget`` bytes; without it, ort-cpu."""
+    # auto probes openvino only for a model that may run on it (its probe loads the CPU plugin)
     report = backend_report(openvino=requested == "openvino")
     available = {b: why for b, (ok, why) in report.items() if ok}
     if requested != "auto":
@@ -160,6 +207,13 @@ def select_backend(requested: str, built: set[str]) -> tuple[str, str]:
         if backend in available and (backend in built or backend != "trt"):
             skipped = [b for b in BACKENDS[: BACKENDS.index(backend)] if b not in available]
             why = available[backend]
+            if backend == "ort-cpu" and cpu is not None:
+                ov_reason = None
+                if cpu.gflop_per_unet_row >= OPENVINO_MIN_GFLOP and cpu.unet_weights > OPENVINO_STATIC_WEIGHTS:
+                    from .backend_ov import openvino_unavailable_reason
+
+                    ov_reason = openvino_unavailable_reason()
+                backend, why = cpu_choice(cpu, rows, budget, ov_reason)
             if skipped:
                 why += f"; not available here: {', '.join(skipped)}"
             return backend, why

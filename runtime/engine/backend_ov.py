@@ -95,6 +95,18 @@ def resolve_precision(precision: str) -> str:
     return "bf16"
 
 
+def auto_precision(precision: str, flags: Optional[set[str]] = None) -> tuple[str, str]:
+    """What ``backend: auto`` computes in on ``openvino``, and why: the config's default
+    ``fp16`` (reduced precision where the hardware has it, as on a GPU) is ``bf16`` on a CPU
+    with native bf16 (its identity edits stay exact and `make quality` does not move under it:
+    docs/quality.md, bf16 on OpenVINO), else ``fp32``; ``fp32`` and ``bf16`` as stated."""
+    if precision != "fp16":
+        return resolve_precision(precision), f"engines.precision: {precision}"
+    if bf16_unavailable_reason(flags) is None:
+        return "bf16", "bf16: the CPU has it natively (engines.precision: fp32 keeps fp32)"
+    return "fp32", "fp32: the CPU has no native bf16"
+
+
 def host_array(view: TensorView) -> np.ndarray:
     """A numpy array over a host view's bytes (no copy): what an ``ov.Tensor`` shares."""
     buffer = (ctypes.c_char * max(1, view.nbytes)).from_address(view.ptr)

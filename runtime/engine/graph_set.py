@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from ..errors import ConfigError
 from .backend import Graph, select_backend
+from .memory import cpu_model
 from .backend_ort import OrtDevice, OrtGraph
 from .engines import graph_precision, graphs_of, load_engines, upcasts
 from .manifest import Manifest
@@ -80,6 +81,16 @@ class GraphSet:
     device: Any = None
 
 
+def backend_for(backend: str, built: set[str], manifest: Manifest, latent_hw: tuple[int, int],
+                max_memory: Optional[int] = None) -> tuple[str, str]:
+    """The backend a pipeline of ``manifest`` at ``latent_hw`` runs on, and why: ``auto``
+    resolved per model and size (on the CPU, the engine that one step row a call must fit in
+    ``max_memory``: the memory plan splits larger calls, memory.py)."""
+    if backend != "auto":
+        return select_backend(backend, built)
+    return select_backend(backend, built, cpu_model(manifest, latent_hw, LAZY), 1, max_memory)
+
+
 def graphs_from_artifacts(
     manifest: Manifest,
     engines_dir: Optional[Path],
@@ -88,9 +99,11 @@ def graphs_from_artifacts(
     profile: EditBatchProfile,
     cuda_graphs: bool = True,
     precision: str = "fp16",
+    max_memory: Optional[int] = None,
 ) -> GraphSet:
     """``cuda_graphs``: capture the step loop's bindings as CUDA graphs on GPU backends;
-    ``precision``: what ``ort-tensorrt`` builds each graph in (per graph, as `make engines` does).
+    ``precision``: what ``ort-tensorrt`` builds each graph in (per graph, as `make engines` does);
+    ``max_memory``: the bytes ``auto``'s CPU engine must fit in (None: what is available).
     Every graph of the set shares one device object (stream, context memory)."""
     # ONNX Runtime's CPU arena keeps each session's peak for good: the few MB of a shapes model,
     # but GBs per graph at SD sizes (latents of 64 and up), where a call's tensors are large
@@ -99,7 +112,7 @@ def graphs_from_artifacts(
     built = set()
     if engines_dir is not None and Path(engines_dir).is_dir():
         built = {p.parent.name for p in Path(engines_dir).glob("*/engines.json")}
-    chosen, reason = select_backend(backend, built)
+    chosen, reason = backend_for(backend, built, manifest, (profile.latent_height, profile.latent_width), max_memory)
     log.info("backend %s: %s", chosen, reason)
 
     stepping = lambda g: g.startswith("unet_step") or g == "latent_blend"  # noqa: E731  (the loop's graphs)
@@ -114,16 +127,20 @@ def graphs_from_artifacts(
         return GraphSet(chosen, reason, graphs, files, engines.profile, device)
 
     if chosen == "openvino":
-        from .backend_ov import OvDevice, OvGraph, resolve_precision
+        from .backend_ov import OvDevice, OvGraph, auto_precision, resolve_precision
 
-        computes = resolve_precision(precision)
+        if backend == "auto":
+            computes, why = auto_precision(precision)
+            reason = f"{reason}; {why}"
+        else:
+            computes = resolve_precision(precision)
         # the export's ONNX graphs, not `make engines`' ort-cpu ones: those hold ONNX Runtime's
         # own fused ops (com.microsoft domain), which are ONNX Runtime's, not the model's
         files = {g: manifest.path(g) for g in graphs_of(manifest)}
         device = OvDevice()
         graphs = {g: OvGraph(f, device, threads, computes if graph_precision(manifest, g, "bf16") == "bf16" else "fp32",
                              lazy=g in LAZY) for g, f in files.items()}  # fmt: skip
-        return GraphSet(chosen, f"{reason}; {computes}", graphs, files, profile, device)
+        return GraphSet(chosen, reason if backend == "auto" else f"{reason}; {computes}", graphs, files, profile, device)
 
     if chosen == "ort-cpu" and precision == "bf16":
         raise ConfigError("engines.precision: bf16 runs on backend: openvino only (ONNX Runtime's CPU provider computes "

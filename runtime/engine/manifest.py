@@ -140,6 +140,13 @@ class Manifest:
         name, graph, input names and shape; ``slots`` 0: the graphs take no adapters."""
         return self.data["adapters"]
 
+    @property
+    def step_all_given(self) -> bool:
+        """Whether the step graphs take E = N: a call whose every row is given its unconditional
+        prediction runs no unconditional UNet row. False for an export made before it (whose
+        cross-attention needs one such row: a call keeps E < N there)."""
+        return self.data.get("step_all_given") is True
+
     def roles(self, graph: str = "unet_step") -> dict[str, str]:
         """Each input's and output's role in a step graph, in the graph's order."""
         return self.data["graphs"][graph]["roles"]

@@ -12,6 +12,11 @@ decoder's activations at full image size come on top when images are decoded.
 measurements (docs/performance.md), so the loop can run a call at the rows that fit (the rest
 wait for the next call: more calls, never a refusal) and refuse only a size at which not even
 one row fits, saying how much it needs and how much there is.
+
+:data:`ENGINE_MEMORY` does the same for each CPU engine as a whole (ONNX Runtime, OpenVINO fp32
+and bf16: what each holds of the weights and a row), and :func:`unet_gflop` counts a UNet row's
+arithmetic, so that ``backend: auto`` picks the engine that fits and runs the model fastest
+(backend.py's ``cpu_choice``).
 """
 
 from __future__ import annotations
@@ -125,12 +130,13 @@ class MemoryPlan:
 
 
 def memory_plan(manifest: Any, latent_hw: tuple[int, int], budget: Optional[int] = None,
-                held: Optional[int] = None, loading: int = 0) -> MemoryPlan:  # fmt: skip
+                held: Optional[int] = None, loading: int = 0, engine: str = "ort-cpu") -> MemoryPlan:  # fmt: skip
     """The plan for ``latent_hw`` latents of ``manifest``'s graphs. ``budget``: the bytes the
     process may use in all (``engines.max_memory_gb``; None: what the machine has free now plus
     what the process already holds); ``held``: the process's resident bytes now, read from
     /proc when None; ``loading``: weights not loaded yet that will be (a check made before the
-    graphs load, so that a refusal comes before their seconds)."""
+    graphs load, so that a refusal comes before their seconds); ``engine``: whose rows
+    (ENGINE_MEMORY: openvino's dynamic compile holds more a row, and rows' more after a call)."""
     graphs = manifest.data["graphs"]
     step = graphs["unet_step"]
     weights = sum(int(g.get("weight_bytes", 0)) for g in graphs.values())
@@ -141,11 +147,14 @@ def memory_plan(manifest: Any, latent_hw: tuple[int, int], budget: Optional[int]
     deep = [t["shape"][1] for t in shallow.get("inputs", []) if shallow.get("roles", {}).get(t["name"]) == "deep_in"]
     row += deep_feature_bytes(int(deep[0]) if deep else 0, latent_hw)
     decode = decode_row_bytes(latent_hw, manifest.vae_scale_factor, int(model.get("vae_channels", 128)))
+    cost = ENGINE_MEMORY[engine]
+    extra = int(cost.per_row * row * cost.extra_rows)
+    row = int(cost.per_row * row)
     if budget is not None:  # the process's own share counts against a budget, not against what the machine has free
-        free: Optional[int] = budget - (process_rss() if held is None else held) - loading
+        free: Optional[int] = budget - (process_rss() if held is None else held) - loading - extra
     else:
         have = available_host_bytes()
-        free = None if have is None else have - loading
+        free = None if have is None else have - loading - extra
     return MemoryPlan(weights, row, decode, free, tuple(latent_hw))
 
 
@@ -191,3 +200,113 @@ def no_row_fits(plan: MemoryPlan, width: int, height: int, latent_hw: tuple[int,
             f"(attention over {latent_hw[0]}x{latent_hw[1]} latents) beside {gib(plan.weights)} of weights, and {where} "
             f"{gib(max(plan.free or 0, 0))} more; use a smaller size (the model's own is {native}x{native}), free "
             "memory, or raise engines.max_memory_gb")  # fmt: skip
+
+
+# ---- The CPU engines side by side: what each holds, and which one runs a model fastest ----
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """A CPU engine's peak resident bytes as a function of the model: ``base`` (the process and
+    the engine's libraries) + the weights as the engine holds them + ``per_row`` step rows
+    (:func:`step_row_bytes`) for each row of a call and ``extra_rows`` more after a first call."""
+
+    base: int
+    external: float  # bytes held per byte of weights in an .onnx_data file
+    inline: float  # per byte of weights inside an .onnx file
+    per_row: float
+    extra_rows: float = 0.0
+
+
+# Fitted to the peak RSS of docs/engines-cpu.json (shapes, bench and SD 1.5 models; each engine
+# in a process of its own after a warm-up and timed tails; tests/test_backend_select.py holds
+# every point within 15%). ONNX Runtime pre-packs an external weight in place of its original
+# (SD 1.5's 3.36 GB UNet: 3.4 GB loaded) but keeps a weight that sits inside the .onnx beside
+# what it packs (~1.5x: the bench model's 0.1 GB of graphs load as 0.26 GB, SD 1.5's 0.89 GB of
+# text encoder, VAE and small graphs as 1.4 GB); a row is what step_row_bytes counts (measured
+# per row: 0.80x on SD 1.5 between 1 and 4 rows, 1.0x on the bench model between 4 and 16).
+# OpenVINO compiled with dynamic axes (SD 1.5's UNet, past backend_ov's 512 MiB static limit)
+# maps and repacks its weights (1.37x loaded in fp32, 1.22x in bf16) and has no static memory
+# plan for dynamic shapes: 1.35 step rows a row in fp32 (0.74 in bf16) and about 3 (4) rows'
+# more held after the first call. Those two are fitted to SD 1.5's 1- and 4-row points alone:
+# the only dynamic compile measured. Statically compiled graphs (the bench and shapes models)
+# repack their weights once per compiled shape and are not modelled: auto leaves them to ort-cpu.
+ENGINE_MEMORY = {
+    "ort-cpu": EngineMemory(base=106 * 10**6, external=1.0, inline=1.5, per_row=1.0),
+    "openvino": EngineMemory(base=135 * 10**6, external=1.37, inline=1.37, per_row=1.35, extra_rows=2.94),
+    "openvino bf16": EngineMemory(base=135 * 10**6, external=1.22, inline=1.22, per_row=0.74, extra_rows=4.0),
+}
+
+
+@dataclass(frozen=True)
+class CpuModel:
+    """What choosing a CPU engine reads of an export at one latent size."""
+
+    external: int  # weight bytes of the graphs loaded up front, in .onnx_data files
+    inline: int  # and inside .onnx files
+    step_row: int  # one step row's activations (step_row_bytes, DeepCache's features with it)
+    gflop_per_unet_row: float  # the UNet's arithmetic for one UNet row (unet_gflop)
+    unet_weights: int  # unet_step's weight bytes: OpenVINO compiles it static per shape up to 512 MiB
+
+
+def engine_peak_bytes(engine: str, model: CpuModel, rows: int) -> int:
+    """``engine``'s ("ort-cpu", "openvino", "openvino bf16") expected peak resident bytes for
+    calls of ``rows`` step rows of ``model`` (ENGINE_MEMORY)."""
+    m = ENGINE_MEMORY[engine]
+    held = m.base + m.external * model.external + m.inline * model.inline
+    return int(held + m.per_row * model.step_row * (rows + m.extra_rows))
+
+
+def unet_gflop(blocks: Sequence[int], layers: Sequence[dict], latent_hw: tuple[int, int]) -> float:
+    """GFLOP of one UNet row at ``latent_hw`` from the manifest: the channels per level and the
+    cross-attention layer list (one transformer each: its level from its name, its width). Counts
+    the convolutions (two 3x3 per ResNet, layers_per_block of them down a level and one more up,
+    whose first conv also reads the skip; the down- and upsamplers), each transformer's linears
+    (proj in/out, q/k/v/out of self-attention, q/out of cross-attention, the GEGLU feed-forward:
+    20 c^2 multiply-adds a token) and its self-attention matmuls (2 tokens^2 c). It is 91 to 97%
+    of torch's FlopCounterMode on diffusers' own UNet (shapes 0.161 of 0.177, bench 4.05 of 4.28,
+    SD 1.5 778 of 803 GFLOP: norms, time embedding and 1x1 skips are left out)."""
+    h, w = latent_hw
+    top = len(blocks) - 1
+    by_level: dict[tuple[int, str], list[int]] = {}
+    attentions: dict[int, set[str]] = {}  # a down level's attention modules: one per ResNet (SDXL's hold 2 or 10 transformers)
+    for layer in layers:
+        parts = layer["name"].split(".")
+        if parts[0] == "down_blocks":
+            key = (int(parts[1]), "down")
+            attentions.setdefault(key[0], set()).add(".".join(parts[:4]))
+        elif parts[0] == "up_blocks":
+            key = (top - int(parts[1]), "up")
+        else:
+            key = (top, "mid")
+        by_level.setdefault(key, []).append(int(layer["inner_dim"]))
+    per_block = max([len(v) for v in attentions.values()] or [1])
+    macs = 0.0
+    for k, c in enumerate(blocks):
+        tokens = -(-h // 2**k) * -(-w // 2**k)
+        # ResNets: per_block down and per_block + 1 up, two 3x3 convs each, the up path's first reading 2c
+        macs += tokens * 9 * c * c * (2 * per_block + 3 * (per_block + 1))
+        for width in by_level.get((k, "down"), []) + by_level.get((k, "up"), []) + by_level.get((k, "mid"), []):
+            macs += tokens * 20 * width * width + 2 * tokens * tokens * width
+        if (k, "mid") in by_level:
+            macs += tokens * 9 * c * c * 4  # the mid block's two ResNets
+        if k < top:  # the stride-2 downsampler into level k + 1 and the upsampler's conv back at level k
+            macs += tokens // 4 * 9 * c * c + tokens * 9 * blocks[k + 1] ** 2
+    return 2 * macs / 1e9
+
+
+def cpu_model(manifest: Any, latent_hw: tuple[int, int], lazy: Sequence[str] = ()) -> CpuModel:
+    """:class:`CpuModel` of ``manifest``'s graphs at ``latent_hw``; graphs in ``lazy`` load on
+    first use (an upload's encoder) and are not counted."""
+    graphs = manifest.data["graphs"]
+    external = inline = 0
+    for name, g in graphs.items():
+        if name in lazy:
+            continue
+        if g.get("external_data"):
+            external += int(g.get("weight_bytes", 0))
+        else:
+            inline += int(g.get("weight_bytes", 0))
+    plan = memory_plan(manifest, latent_hw, budget=0, held=0)
+    blocks = manifest.data["model"].get("block_out_channels") or [int(layer["inner_dim"]) for layer in manifest.layers[:1]]
+    return CpuModel(external, inline, plan.step_row, unet_gflop(blocks, manifest.layers, latent_hw),
+                    int(graphs["unet_step"].get("weight_bytes", 0)))  # fmt: skip

@@ -2,8 +2,8 @@
 
 A TensorRT engine (and the TensorRT execution provider) is built for a range of shapes per
 input: ``min``/``opt``/``max``. Here every dynamic axis is a count: ``N`` (rows of a step),
-``B`` (prompts being encoded), ``U`` (a step's UNet rows, 2N - E), ``E`` (rows at their entry step, whose unconditional prediction
-is given), ``S`` (tokens of the negative prompts' K/V sets, 77 per set), ``M`` (those sets, where a family
+``B`` (prompts being encoded), ``U`` (a step's UNet rows, 2N - E), ``E`` (rows whose unconditional prediction is given: at
+their entry step, taking the base's, or unguided), ``S`` (tokens of the negative prompts' K/V sets, 77 per set), ``M`` (those sets, where a family
 has per-set values besides K/V: SDXL's pooled embedding); the latent size is
 fixed per engine. The runtime binds each shape it runs once and reuses the binding (and its
 CUDA graph) for every later step of that shape.
@@ -41,6 +41,10 @@ class EditBatchProfile:
     # (slots x rank) run at 0 (a call no row of which uses an adapter) or at all of them.
     adapter_slots: int = 0
     adapter_rank: int = 0
+    # The step graphs take E = N (manifest ``step_all_given``): a call may give every row its
+    # unconditional prediction, so E reaches max_batch and U (2N - E) comes down to N. False:
+    # an export whose calls keep one row computing it (E < N, U >= N + 1).
+    step_all_given: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_sizes", tuple(tuple(int(d) for d in size) for size in self.extra_sizes))  # from JSON: lists
@@ -65,11 +69,12 @@ class EditBatchProfile:
         return {
             "N": rows,
             "B": rows,
-            # At least one row computes its unconditional prediction, so E < N.
-            "E": 0 if which != "max" else self.max_batch - 1,
-            # A step's UNet rows, 2N - E (deep_out, a shallow step's deep features): N + 1 at the
-            # fewest (all but one row given), 2N at opt and max
-            "U": {"min": rows + 1, "opt": 2 * rows, "max": 2 * rows}[which],
+            # Rows given their unconditional prediction: all of them where the step graph takes
+            # E = N, else all but one.
+            "E": 0 if which != "max" else (self.max_batch if self.step_all_given else self.max_batch - 1),
+            # A step's UNet rows, 2N - E (deep_out, a shallow step's deep features): N at the
+            # fewest (every row given; N + 1 where one row still computes), 2N at opt and max
+            "U": {"min": rows if self.step_all_given else rows + 1, "opt": 2 * rows, "max": 2 * rows}[which],
             "S": TEXT_LEN * (1 if which != "max" else self.max_sets),
             "M": 1 if which != "max" else self.max_sets,  # the sets' other per-prompt values (SDXL)
             "P": 0 if which == "min" else self.adapter_slots,

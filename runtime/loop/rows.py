@@ -106,8 +106,8 @@ class SchedulerStats:
     row_steps: int = 0  # rows advanced by one step, summed over calls
     uncond_rows_skipped: int = 0  # half-rows not computed: the base's u taken (entry step, tail.uncond)
     # Unguided rows (Row.unguided): their row-steps, and of those the ones whose unconditional
-    # half the UNet did not run (the rest computed one they did not need: the call's one
-    # computing row, or a GPU bucket's E rounded down to a power of two)
+    # half the UNet did not run (the rest computed one they did not need: a GPU bucket's E
+    # rounded down to a power of two, or an export without ``step_all_given``'s one computing row)
     unguided_row_steps: int = 0
     unguided_rows_skipped: int = 0
     rows_computed: int = 0  # rows the calls ran, padding of a bucket included

@@ -81,6 +81,7 @@ class RowScheduler:
         buckets: Optional[Sequence[int]] = None,
         adapters: Optional[AdapterBank] = None,
         shallow: Optional[tuple[Graph, StepSignature]] = None,
+        all_given: bool = False,
     ):
         """``signature`` is the step graph's inputs by role (step_signature.py: read from the
         manifest), with their shapes' symbolic dims (N rows, E entry rows, S negative-prompt tokens).
@@ -92,7 +93,9 @@ class RowScheduler:
         reads from backend memory, rewritten when a slot is loaded; ``shallow`` the DeepCache
         step graph and its signature (None: every call full). ``skip_unguided`` False: unguided
         rows compute their unconditional half as guided ones do (the bench's and the tests'
-        two-halves reference; at scale 1 it changes c by float rounding only)."""
+        two-halves reference; at scale 1 it changes c by float rounding only). ``all_given``: the
+        step graphs take E = N (the profile's ``step_all_given``), so a call whose every row is
+        given u runs no unconditional UNet row; False: one row of each call computes it."""
         self.graph = graph
         self.blend_graph = blend_graph
         self.map_hw = tuple(map_hw)
@@ -106,6 +109,7 @@ class RowScheduler:
         self.text_len = text_len
         self.reuse_entry = reuse_entry
         self.skip_unguided = skip_unguided
+        self.all_given = all_given
         self.buckets = tuple(sorted(b for b in set(buckets) if b <= max_rows)) if buckets else None
         if self.buckets and self.buckets[-1] != max_rows:
             self.buckets += (max_rows,)
@@ -458,14 +462,15 @@ class RowScheduler:
             return []
         b, m = self.bucket(n), len(self.uncond)
         # The call's last E rows take their unconditional prediction as given: rows at their
-        # entry step (placed last) and the bucket's padding. At least one row computes it
-        # (ONNX Runtime's MatMul cannot broadcast the sets over an empty batch); with buckets
-        # E is a power of two too, so a bucket has few variants.
-        e = min(self.persistent or self.entry_rows, n - 1)
+        # entry step (placed last) and the bucket's padding; all of them where the step graph
+        # takes E = N, else all but one (an older export's cross-attention cannot run an empty
+        # unconditional batch). With buckets E is a power of two too, so a bucket has few variants.
+        fewest = 0 if self.all_given else 1  # rows of a call that compute u, at the fewest
+        e = min(self.persistent or self.entry_rows, n - fewest)
         if self.buckets is None:
             given = e
         else:
-            given = _floor_pow2(min(e + b - n, b - 1))
+            given = _floor_pow2(min(e + b - n, b - fewest))
         first_given = b - given
         self._prepare_rows(n, b, m)
         sig = self.sig

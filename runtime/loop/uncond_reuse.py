@@ -10,8 +10,8 @@ starts at ``x_b(s)`` and drifts from it as the edit takes effect. Three modes:
   step it takes ``u_b(s)``, which is the same number (``x_e(s) = x_b(s)``);
 - ``base``: ``u_b(i)`` at every step, i.e. the zeroth-order guess ``u(x_e) ~ u(x_b)``. The
   step graph skips the row's unconditional half: a tail of N such rows runs the UNet on
-  N + 1 rows instead of 2N (one row of a call always computes: ONNX Runtime's MatMul cannot
-  broadcast over an empty batch);
+  N rows instead of 2N (N + 1 on an export without ``step_all_given``, where one row of a
+  call computes);
 - ``base-corrected``: the first-order guess ``u(x_e) ~ u_b + k (x_e - x_b)``, with ``k`` the
   Jacobian of the ideal denoiser under a unit-variance Gaussian prior on the clean latent
   (SD's latents are scaled to about unit variance by the VAE's ``scaling_factor``). With
@@ -24,9 +24,10 @@ starts at ``x_b(s)`` and drifts from it as the edit takes effect. Three modes:
   = 0``); docs/performance.md has the numbers. The step graph adds ``k x_e`` on the device
   (``uncond_slope``), the host gives ``u_b - k x_b``: no latent comes back to the host.
 
-When every row of a call takes the base's prediction, the call's first such row computes its
-own (exact for that row), as at entry steps: ONNX Runtime's MatMul cannot broadcast over an empty
-batch. So a lone row saves nothing, and a row's numbers depend on whether it was that row.
+When every row of a call takes the base's prediction, none computes its own (the step graph
+takes E = N, manifest ``step_all_given``). On an export without it the call's first such row
+computes its own (exact for that row), as at entry steps: a lone row saves nothing there, and a
+row's numbers depend on whether it was that row.
 
 A row computes as today whenever the base's prediction is not the one it would compute: a
 row with another negative prompt, guidance, adapters or seed than its base (its chain is not

@@ -11,6 +11,10 @@ A row's adapters are ``{name: scale}``; AUTOMATIC1111's ``<lora:name:te:unet>`` 
 encoders and the UNet their own multipliers, so a use is a (text, unet) pair: the text encoder
 graph takes the text scales, kv_proj (the UNet's attn2.to_k/to_v, folded into the row's K/V)
 and the step graph the UNet's.
+
+A speed LoRA (LCM-LoRA, Hyper-SD, SDXL-Lightning) is an adapter with the schedule it was distilled
+for (the config's ``adapters: {name: {path, sampler, steps, guidance}}``): :func:`schedule_changes`
+is the rule that switches a generation to it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Any, Collection, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -32,6 +36,8 @@ SCALE_LIMIT = 8.0  # |scale| past this is no slider position anyone means; refus
 
 # A row's adapters: name -> (text encoders' scale, UNet's scale)
 Uses = Mapping[str, tuple[float, float]]
+# What a speed LoRA's schedule sets on a generation (run_config.SpeedAdapter declares them)
+SCHEDULE_FIELDS = ("sampler", "steps", "guidance")
 
 
 @dataclass
@@ -261,3 +267,40 @@ def merged(base: Optional[Uses], edit: Optional[Uses]) -> dict[str, tuple[float,
     for name, scale in (edit or {}).items():
         out[name] = scale
     return {n: s for n, s in out.items() if s[0] or s[1]}
+
+
+def schedule_changes(uses: Optional[Mapping[str, object]], sampler: Optional[str], speed: Mapping[str, Any],
+                     given: Collection[str], where: str = "base.") -> dict[str, Any]:  # fmt: skip
+    """The base fields a generation's speed LoRA sets: for the one of ``speed`` (name -> its
+    declared ``sampler``/``steps``/``guidance``, None where it declares none) that ``uses`` holds
+    at a nonzero UNet scale, each declared field not in ``given`` (those the run or the request
+    set). As diffusers' LCM-LoRA recipe (load_lora_weights, LCMScheduler, 4 steps, guidance ~1)
+    and A1111's (the LoRA in the prompt, the LCM sampler picked), done for the user.
+
+    An explicit ``sampler`` (``given``; ``sampler``: its value) other than the LoRA's runs, with a
+    logged warning: diffusers runs whatever scheduler the pipe has, A1111 the sampler picked, and
+    speed LoRAs' cards name more than one (Hyper-SD: TCD or trailing DDIM; LCM-LoRA is run with
+    Euler a too), so refusing would break what their users do. Two speed LoRAs that declare
+    different schedules in one generation are a ConfigError naming ``{where}adapters``: no
+    schedule is right for both."""
+    active = {}
+    for name, (_, unet) in normalize(uses).items():
+        declared = speed.get(name)
+        schedule = {f: getattr(declared, f) for f in SCHEDULE_FIELDS if getattr(declared, f, None) is not None}
+        if unet and schedule:  # an entry with a path alone is a plain LoRA
+            active[name] = schedule
+    if not active:
+        return {}
+    (first, schedule), *others = active.items()
+    for name, other in others:
+        if other != schedule:
+            raise ConfigError(f"{where}adapters: {first} and {name} are speed LoRAs with different schedules "
+                              f"({_schedule_text(schedule)} / {_schedule_text(other)}); use one of them at a nonzero scale")  # fmt: skip
+    if "sampler" in given and "sampler" in schedule and sampler != schedule["sampler"]:
+        log.warning("%ssampler: %s runs as set, though speed LoRA %s was distilled for %s; leave %ssampler "
+                    "out to run %s", where, sampler, first, schedule["sampler"], where, schedule["sampler"])  # fmt: skip
+    return {f: v for f, v in schedule.items() if f not in given}
+
+
+def _schedule_text(schedule: Mapping[str, Any]) -> str:
+    return ", ".join(f"{f} {v}" for f, v in schedule.items()) or "no schedule"

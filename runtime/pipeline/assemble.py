@@ -83,7 +83,7 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
         threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
         image_size=(cfg.base.height, cfg.base.width), extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
         precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
-        max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9),
+        max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9), preserve=cfg.preserve,
     )  # fmt: skip
     require_model(cfg)
     model_dir = require_build(cfg)

@@ -11,8 +11,10 @@ directory, a damaged file) is removed without being followed and the row is run 
 number past the last row is no row and is left alone. (A PNG is written as the store writes
 its files, storage/store_files.py's ``write_atomic``: to a temporary name, fsynced and renamed,
 so one this run wrote is whole.) The index's key is what the rows are (the base, the model and
-every row as it runs, not limits such as ``max_rows``): it refuses a folder that holds another
-catalogue.
+every row as it runs, not limits such as ``max_rows``; the tiny decoder where it decodes): it
+refuses a folder that holds another catalogue.
+
+Its images are decoded by ``catalogue.decoder``, else the run's ``decoder`` (:func:`catalogue_decoder`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,14 @@ def _remove(path: Path) -> None:
         pass
 
 
+def catalogue_decoder(cfg: RunConfig, pipe: Any) -> str:
+    """What decodes ``cfg.catalogue``'s images: its own ``decoder``, else the run's; checked
+    against the export (a one-line ConfigError naming ``catalogue.decoder`` where it has no tiny
+    decoder), so a run refuses it before its base and edits, not after."""
+    own = cfg.catalogue.decoder
+    return pipe.check_decoder(own, "catalogue.decoder") if own is not None else pipe.check_decoder(cfg.decoder)
+
+
 def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
                   progress: Callable[[int, str], Callable[[int], None]]) -> dict:  # fmt: skip
     """Run ``cfg.catalogue`` on ``state`` (the base ``base``, id ``bid``); return its report."""
@@ -117,7 +127,10 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
     folder = cfg.output_dir / "catalogue"
     folder.mkdir(parents=True, exist_ok=True)
     total = spec.size()
-    key = spec.key({"base": bid, "model": cfg.model_name}, lambda i, edit: cfg.tail_row(edit, f"catalogue row {i}"))
+    decoder = catalogue_decoder(cfg, pipe)
+    # the VAE's images keep the key catalogues had before the choice existed: they resume
+    identity = {"base": bid, "model": cfg.model_name, **({"decoder": decoder} if decoder != "vae" else {})}
+    key = spec.key(identity, lambda i, edit: cfg.tail_row(edit, f"catalogue row {i}"))
     done = _done(folder, key, total, (base.width, base.height))
     entries: list[dict] = []
     chunk = spec.chunk or pipe.batcher(state.latents.shape[1:]).scheduler.max_rows
@@ -131,7 +144,7 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
         nonlocal rows_run
         rows = [cfg.tail_row(edit, f"catalogue row {i}") for i, edit in pending]
         results = pipe.edit(state, rows, decode=False)
-        for (i, _), row, result, image in zip(pending, rows, results, pipe.render_each(state, rows, results)):
+        for (i, _), row, result, image in zip(pending, rows, results, pipe.render_each(state, rows, results, decoder)):
             fields = edit_fields(base, row, cfg.model_name, state.fingerprint, bid, result.preserve, result.uncond)
             text = parameters_text(row.prompt, base.negative_prompt, fields)
             write_atomic(folder / file_name(i), png_bytes(image, text))
@@ -152,5 +165,5 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
     finally:  # what was written, whatever stopped the run
         _index(folder, key, total, entries)
     seconds = time.perf_counter() - seconds
-    return {"rows": total, "run": rows_run, "resumed": len(done), "chunk": chunk, "seconds": round(seconds, 4),
+    return {"rows": total, "run": rows_run, "resumed": len(done), "chunk": chunk, "decoder": decoder, "seconds": round(seconds, 4),
             "edits_per_s": round(rows_run / seconds, 4) if rows_run else None, "folder": str(folder)}  # fmt: skip

@@ -1,11 +1,17 @@
-"""Latents -> pixels, and which decoder does it: the VAE (``vae_decoder``: exact, diffusers'
-pipeline's images) or the tiny autoencoder (``taesd_decoder``: TAESD, an approximation at ~6% of
-the VAE's cost at 512x512 on a CPU; docs/engines.md measures both), where the export has one.
+"""Latents -> pixels (and an upload's pixels -> latents), and which autoencoder does it: the VAE
+(``vae_decoder``: exact, diffusers' pipeline's images) or the tiny autoencoder (``taesd_decoder``:
+TAESD, an approximation at ~6% of the VAE's cost at 512x512 on a CPU; docs/engines.md measures
+both), where the export has one.
 
 Finals go through the decoder a run, server or request names (``decoder: vae | taesd``, the VAE
 by default); previews (SSE ``partial_images``, A1111's ``current_image``, the page's drag) through
 :meth:`Decoding.decode_preview`, the one place that picks the tiny decoder when there is one.
 Both graphs take the latents the UNet produces and give [0, 1] images (export/compile/graphs.py).
+
+An upload is encoded by the same pair (:func:`encoder_for`): ``taesd_encoder`` where the decoder
+is taesd and the export has the tiny encoder (an image round-trips through one autoencoder, and
+costs the tiny encoder), else ``vae_encoder``. Its base's key says which (pipeline/uploads.py:
+``Upload.key_for``): the two encoders give two latents, so two bases.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..engine.manifest import Manifest
 from ..errors import ConfigError
 from ..metrics import timed
 
-# decoder name (config, request) -> its graph
+# decoder name (config, request) -> its graph, and the encoder of the same autoencoder
 DECODER_GRAPHS = {"vae": "vae_decoder", "taesd": "taesd_decoder"}
+ENCODER_GRAPHS = {"vae": "vae_encoder", "taesd": "taesd_encoder"}
 
 
 def no_tiny_decoder(field: str) -> str:
@@ -26,6 +34,22 @@ def no_tiny_decoder(field: str) -> str:
     return (f"{field}: taesd, but this model was exported without a tiny decoder (taesd_decoder); set "
             "export.tiny_vae to a TAESD file or folder (or put a diffusers AutoencoderTiny in the model's "
             f"vae_tiny/) and re-run `make export`, or ask for {field}: vae")  # fmt: skip
+
+
+def checked_decoder(manifest: Manifest, decoder: str, field: str = "decoder") -> str:
+    """``decoder`` if the export of ``manifest`` can run it; ConfigError naming ``field`` and the fix."""
+    if decoder not in DECODER_GRAPHS:
+        raise ConfigError(f"{field}: {decoder!r} is not one of {', '.join(DECODER_GRAPHS)}")
+    if not manifest.has(DECODER_GRAPHS[decoder]):
+        raise ConfigError(no_tiny_decoder(field))
+    return decoder
+
+
+def encoder_for(manifest: Manifest, decoder: str) -> str:
+    """What encodes an upload whose images ``decoder`` decodes: the tiny encoder where the
+    decoder is the tiny one and the export has its encoder (TAESD's authors may ship the
+    decoder alone), else the VAE's."""
+    return "taesd" if decoder == "taesd" and manifest.has(ENCODER_GRAPHS["taesd"]) else "vae"
 
 
 class Decoding:
@@ -39,11 +63,19 @@ class Decoding:
 
     def check_decoder(self, decoder: str, field: str = "decoder") -> str:
         """``decoder`` if this export can run it; ConfigError naming ``field`` and the fix."""
-        if decoder not in DECODER_GRAPHS:
-            raise ConfigError(f"{field}: {decoder!r} is not one of {', '.join(DECODER_GRAPHS)}")
-        if not self.manifest.has(DECODER_GRAPHS[decoder]):
-            raise ConfigError(no_tiny_decoder(field))
-        return decoder
+        return checked_decoder(self.manifest, decoder, field)
+
+    def encoder_for(self, decoder: str) -> str:
+        """What encodes an upload whose images ``decoder`` decodes (:func:`encoder_for`)."""
+        return encoder_for(self.manifest, decoder)
+
+    def encode_image(self, image: np.ndarray, encoder: str = "vae") -> np.ndarray:
+        """[H, W, 3] in [0, 1] -> the latent [1, c, h, w] the UNet takes, by ``encoder``: the
+        VAE's posterior mean, scaled, or TAESD's latent as it is (its scaling_factor is 1.0), as
+        diffusers' img2img takes each (``retrieve_latents`` times ``scaling_factor``)."""
+        (latents,) = self.graphs[ENCODER_GRAPHS[encoder]].infer(
+            {"images": np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)})  # fmt: skip
+        return latents
 
     def decode_rows(self, latent_shape: Sequence[int], decoder: str = "vae") -> int:
         """Images per decoder call at ``latent_shape``: the VAE's own profile, fewer where memory

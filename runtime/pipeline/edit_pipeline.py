@@ -116,9 +116,10 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
         extra = tuple((eh // self.scale, ew // self.scale) for eh, ew in extra_image_sizes)  # (height, width) each
         spec = self.manifest.adapters
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra, spec["slots"], spec["rank"])
+        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra, spec["slots"], spec["rank"],
+                                   self.manifest.step_all_given)  # fmt: skip
         self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
-                                                         cuda_graphs, precision)  # fmt: skip
+                                                         cuda_graphs, precision, max_memory)  # fmt: skip
         self.graphs = self.graph_set.graphs
         self.profile = self.graph_set.profile
         self.max_batch = self.profile.max_batch
@@ -208,7 +209,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         if self.graph_set.backend in CPU_BACKENDS:
             loading = sum(int(self.manifest.data["graphs"][name].get("weight_bytes", 0)) for name, graph in self.graphs.items()
                           if not getattr(graph, "lazy", False) and not getattr(graph, "loaded", True))  # fmt: skip
-            plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading)
+            plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading, engine=self.graph_set.backend)
             rows, images = plan.step_rows(self.max_batch), plan.decode_rows(images)
             if rows == 0:
                 native = self.manifest.data["model"]["sample_size"] * self.scale
@@ -267,6 +268,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
             blend_graph=self.graphs["latent_blend"], buckets=pow2_buckets(self.profile.min_batch, max_rows or self.max_batch) if self.buckets else None,
             adapters=self.adapter_bank,
             shallow=(shallow_graph or self.graphs["unet_step_shallow"], self.shallow_signature),
+            all_given=self.profile.step_all_given,  # a TensorRT plan's own: its E range
         )  # fmt: skip
 
     def batcher(self, latent_shape: Sequence[int]) -> Batcher:
@@ -307,18 +309,14 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
         return state
 
-    def encode_image(self, image: np.ndarray) -> np.ndarray:
-        """[H, W, 3] in [0, 1] -> the VAE's latent [1, c, h, w] (the posterior mean, scaled)."""
-        (latents,) = self.graphs["vae_encoder"].infer({"images": np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)})
-        return latents
-
     @timed("inversion")
-    def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None) -> BaseState:
+    def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None,
+               encoder: str = "vae") -> BaseState:  # fmt: skip
         """A base state from an image: DDIM inversion over the window, with Direct Inversion's
         per-step corrections (Ju et al. 2023), so that the base's own row, and an identity
         edit from any step, end at the image's latent exactly (up to the VAE).
 
-        1. encode the image (vae_encoder) to z*_T and run DDIM backwards with ``base.prompt`` (the
+        1. encode the image (``encoder``: decoders.py) to z*_T and run DDIM backwards with ``base.prompt`` (the
            image's description; guidance 1) to z*_{window_start}: T - window_start rows, in turn;
         2. from every z*_i one forward step as the base's rows take it (its prompt, guidance and
            negative prompt): x^_{i+1}, and the unconditional prediction u_i; all in one tail;
@@ -327,7 +325,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         """
         shape = self.latent_shape(base)
         T = base.steps
-        z0 = self.encode_image(image)
+        z0 = self.encode_image(image, encoder)
         request = Request(uuid.uuid4().hex, decode=False)
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, window_start, 1.0), noise=z0, kind="invert")
         (inversion,) = self._run([job], request, shape, progress)

@@ -23,7 +23,8 @@ long one can take.
   with the size it must have.
 
 The result's key is the sha256 of the 8-bit pixels inverted, so the same picture finds the
-same base again. ``text_of_image`` reads an image's text (AUTOMATIC1111's ``parameters``)
+same base again; a base encoded by the tiny encoder (``taesd_encoder``, pipeline/decoders.py)
+has its own key (:meth:`Upload.key_for`), its latents being another autoencoder's. ``text_of_image`` reads an image's text (AUTOMATIC1111's ``parameters``)
 with the same checks and without decoding pixels; ``decode_base64`` reads what JSON carries.
 """
 
@@ -65,6 +66,12 @@ class Upload:
     @property
     def key(self) -> str:
         return f"sha256:{self.sha256}"
+
+    def key_for(self, encoder: str) -> str:
+        """The key (``Base.image``) of the base these pixels invert into through ``encoder``
+        (decoders.ENCODER_GRAPHS): the VAE's is :attr:`key` itself, the bases inverted before
+        the tiny encoder existed keeping theirs; another encoder's latent is another base."""
+        return self.key if encoder == "vae" else f"{self.key};encoder={encoder}"
 
 
 def decode_base64(data: str, param: str) -> bytes:

@@ -26,6 +26,9 @@ retry goes to a live replica; Ray Serve starts a replacement.
 Job control is scoped by door as in one process: every operation that makes rows carries the
 door its request came in by (``door``: the ingress's ``job_control.DOOR``) to its worker, so
 A1111's ``/progress``, ``/interrupt`` and ``/skip`` see and stop the A1111 door's requests only.
+The same operations carry the request's decoder (``decoder``: the ingress's
+``decoder_choice.DECODER``, checked there against the export): a ContextVar stays in its process,
+and the replica decodes the images (and encodes an upload) by the one the request chose.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ..errors import ConfigError
 from ..metrics import merged
 from ..model.edit import Base, Edit
 from ..pipeline.uploads import Upload
+from ..serving.decoder_choice import DECODER
 from ..serving.http_errors import ApiError, is_base_id, until_done
 from ..serving.job_control import DOOR
 from ..serving.results import Event, Generated
@@ -82,11 +86,18 @@ async def refusing(call):
         return Refused(err)
 
 
+def as_sent(door: str, decoder: Optional[str]) -> None:
+    """This worker call's own task takes its request's door and decoder, as the ingress's had
+    them: the Requests it makes are that door's, decoded (an upload encoded) by that decoder."""
+    DOOR.set(door)
+    DECODER.set(decoder)
+
+
 class EditWorker:
     """One replica: a local Service, loaded before the replica reports healthy. Every method
     takes the ``route`` its request was routed by (the router reads it; the worker ignores it);
     those that make rows take the ``door`` their request came in by (its Requests are that
-    door's: whose interrupt stops them)."""
+    door's: whose interrupt stops them) and its ``decoder`` (None: the server's)."""
 
     def __init__(self, cfg: RunConfig):
         self.service = Service(cfg)
@@ -96,19 +107,20 @@ class EditWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, base: Base, route: Optional[dict] = None, related: Optional[bool] = None,
-                       seed_given: bool = False, door: str = "") -> Generated:  # fmt: skip
-        DOOR.set(door)  # this call's own task: the Requests it makes are the door's
+                       seed_given: bool = False, door: str = "", decoder: Optional[str] = None) -> Generated:  # fmt: skip
+        as_sent(door, decoder)
         return await refusing(self.service.generate(base, related=related, seed_given=seed_given))
 
     async def invert(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
                      guidance: Optional[float], clip_skip: Optional[int], route: Optional[dict] = None,
-                     door: str = "") -> Generated:  # fmt: skip
-        DOOR.set(door)
+                     door: str = "", decoder: Optional[str] = None) -> Generated:  # fmt: skip
+        as_sent(door, decoder)
         return await refusing(self.service.invert(upload, prompt, negative_prompt, steps, guidance, clip_skip))
 
     async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
-                          route: Optional[dict] = None, door: str = "", **masks) -> AsyncIterator[Event]:  # fmt: skip
-        DOOR.set(door)  # before the first event: the edit's Request is made then
+                          route: Optional[dict] = None, door: str = "", decoder: Optional[str] = None,
+                          **masks) -> AsyncIterator[Event]:  # fmt: skip
+        as_sent(door, decoder)  # before the first event: the edit's Request is made then
         try:
             async for event in self.service.edit_events(bid, specs, param, previews, **masks):
                 yield event
@@ -116,8 +128,8 @@ class EditWorker:
             yield "refused", {"error": err}
 
     async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None, related: Optional[bool] = None,
-                              seed_given: bool = False, door: str = "") -> AsyncIterator[Event]:  # fmt: skip
-        DOOR.set(door)
+                              seed_given: bool = False, door: str = "", decoder: Optional[str] = None) -> AsyncIterator[Event]:  # fmt: skip
+        as_sent(door, decoder)
         try:
             async for event in self.service.generate_events(base, previews, related, seed_given):
                 yield event
@@ -250,27 +262,27 @@ class RayService(Service):
         """On a replica. ``previews`` (A1111's live previews) are not made here: the ingress could
         not show a replica's (its /progress current_image stays None on Ray Serve). ``related``:
         the replica looks its related base up (docs/related.md: routed as any generation)."""
-        bid, door = base_id(self.fingerprint, base), DOOR.get()
+        bid, door, decoder = base_id(self.fingerprint, base), DOOR.get(), DECODER.get()
         return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}, related=related,
-                                                                    seed_given=seed_given, door=door), http)  # fmt: skip
+                                                                    seed_given=seed_given, door=door, decoder=decoder), http)  # fmt: skip
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
         if prompt:
             self.check_prompt(prompt, "source_prompt")
         base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
-        route, door = {"base": base_id(self.fingerprint, base), "new": True}, DOOR.get()
+        route, door, decoder = {"base": base_id(self.fingerprint, base), "new": True}, DOOR.get(), DECODER.get()
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
-                                                                  clip_skip, route=route, door=door))  # fmt: skip
+                                                                  clip_skip, route=route, door=door, decoder=decoder))  # fmt: skip
 
     async def edit_events(self, bid: str, specs: list[Edit], param: str = "base_id", previews: int = 0,
                           **masks) -> AsyncIterator[Event]:  # fmt: skip
         """On the replica holding ``bid``; ``masks``: Service.edit_events' pixel masks, backdrops,
         PNG fields and mask parameter (numpy arrays travel as Ray objects)."""
-        door = DOOR.get()
+        door, decoder = DOOR.get(), DECODER.get()
         for attempt in range(2):
             stream = self.workers.options(stream=True).edit_events.remote(bid, specs, param, previews, route={"base": bid},
-                                                                          door=door, **masks)  # fmt: skip
+                                                                          door=door, decoder=decoder, **masks)  # fmt: skip
             started = finished = False
             try:
                 async for kind, data in stream:
@@ -308,7 +320,7 @@ class RayService(Service):
         bid = base_id(self.fingerprint, base)
         stream = self.workers.options(stream=True).generate_events.remote(base, previews, route={"base": bid, "new": True},
                                                                           related=related, seed_given=seed_given,
-                                                                          door=DOOR.get())  # fmt: skip
+                                                                          door=DOOR.get(), decoder=DECODER.get())  # fmt: skip
         finished = False
         try:
             async for kind, data in stream:

@@ -1,8 +1,13 @@
 """A request's decoder (``decoder: vae | taesd``, pipeline/decoders.py): the doors read it from
-their own field (OpenAI: ``decoder``; A1111: ``override_settings.sd_vae``), check it against the
-export here, and set :data:`DECODER` for the request's task; the service's requests take it from
-there (``Service._new_request``), as they take the door they came in by (job_control.DOOR).
-None: the server's own (its config's ``decoder``). Previews pick theirs regardless.
+their own field (OpenAI: ``decoder``, in JSON and in the multipart forms; A1111:
+``override_settings.sd_vae``), check it against the export here, and set :data:`DECODER` for the
+request's task; the service's requests take it from there (``Service._new_request``), as they
+take the door they came in by (job_control.DOOR). None: the server's own (its config's
+``decoder``). Previews pick theirs regardless.
+
+An upload inverted for the request is encoded by the same autoencoder (:func:`upload_encoder`).
+A ContextVar does not cross a process: on Ray Serve the ingress sends the request's decoder with
+every call that makes rows or inverts, and the worker sets it again (scale/ray_serve.py).
 """
 
 from __future__ import annotations
@@ -10,18 +15,37 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Optional
 
+from ..engine.manifest import Manifest
 from ..errors import ConfigError
+from ..pipeline.decoders import checked_decoder, encoder_for
 from .http_errors import ApiError
 
 DECODER: ContextVar[Optional[str]] = ContextVar("edit_rt_decoder", default=None)
 
 
-def choose_decoder(pipe, asked: Optional[str], param: str = "decoder") -> None:
+def served_manifest(service) -> Manifest:
+    """The export ``service`` serves: its pipeline's, or a Ray Serve ingress's own (which loads
+    no engines, only the manifest: scale/ray_serve.py)."""
+    return service.pipe.manifest if service.pipe is not None else service.manifest
+
+
+def choose_decoder(service, asked: Optional[str], param: str = "decoder") -> None:
     """Set this request's decoder to ``asked`` (None: the server's), or 400 naming ``param``
     where the export cannot run it (taesd on a model without a tiny decoder)."""
     if asked is None:
         return
     try:
-        DECODER.set(pipe.check_decoder(asked, param))
+        DECODER.set(checked_decoder(served_manifest(service), asked, param))
     except ConfigError as err:
         raise ApiError(400, str(err), param=param, code="unsupported_value") from None
+
+
+def request_decoder(service) -> str:
+    """This request's decoder: the one its door chose, else the server's."""
+    return DECODER.get() or service.cfg.decoder
+
+
+def upload_encoder(service) -> str:
+    """What encodes this request's upload: the tiny encoder where its decoder is the tiny one
+    and the export has that encoder, else the VAE's (decoders.encoder_for)."""
+    return encoder_for(served_manifest(service), request_decoder(service))

@@ -28,6 +28,7 @@ from ..pipeline.images import png_bytes
 from ..pipeline.pnginfo import base_fields, base_id_of, parameters_text
 from ..pipeline.uploads import Upload, image_from_bytes, text_of_image
 from ..storage.store import base_id
+from .decoder_choice import request_decoder, upload_encoder
 from .http_errors import ApiError, queue_errors, row_error
 from .results import Generated
 
@@ -93,10 +94,11 @@ class Uploads:
 
     def inversion_base(self, upload: Upload, prompt: str, negative_prompt: Optional[str], steps: Optional[int],
                        guidance: Optional[float], clip_skip: Optional[int]) -> Base:  # fmt: skip
-        """The base an upload inverts into: the request's fields, seed 0, the image's key, and
-        DDIM (an image is inverted with DDIM, and its edits run DDIM: pipeline.invert)."""
+        """The base an upload inverts into: the request's fields, seed 0, the image's key (with
+        the encoder the request's decoder pairs with: decoder_choice.upload_encoder), and DDIM
+        (an image is inverted with DDIM, and its edits run DDIM: pipeline.invert)."""
         made = self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip, sampler="ddim")
-        return replace(made, image=upload.key)
+        return replace(made, image=upload.key_for(upload_encoder(self)))
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
@@ -107,19 +109,20 @@ class Uploads:
         if prompt:
             self.check_prompt(prompt, "source_prompt")
         base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
-        pipe = self.pipe
+        pipe, encoder, decoder = self.pipe, upload_encoder(self), request_decoder(self)
         bid = base_id(pipe.manifest.fingerprint, base)
         start = time.perf_counter()
         if bid not in self.store:
             with queue_errors():  # the inversion's rows go through the batcher's queue
                 try:
-                    state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start))
+                    state = await asyncio.wrap_future(pipe.engine.call(pipe.invert, upload.pixels, base, self.cfg.cache.window_start,
+                                                                       encoder=encoder))  # fmt: skip
                 except EditRtError as err:  # interrupted, say
                     raise row_error(err) from None
             await self.keep(state)
         state = await self.pinned(bid)
         try:
-            image = (await asyncio.wrap_future(pipe.engine.call(pipe.decode, state.final_latent)))[0]  # on the engine thread
+            image = (await asyncio.wrap_future(pipe.engine.call(pipe.decode, state.final_latent, decoder)))[0]  # on the engine thread
         finally:
             self.store.unpin(bid)
         fields = base_fields(base, self.model_name, pipe.manifest.fingerprint, bid)

@@ -165,9 +165,13 @@ class Service(Generation, Edits, RelatedGenerations, SamplerFields, Uploads, Job
         ``adapters`` its LoRA adapters, {name: scale} (None: the config base's); ``sampler`` any
         name samplers.py accepts (None: the config base's, else the model's), set on the base as
         the canonical name that runs (its store key, replies and PNG name it), or a 400 naming
-        ``sampler_param``."""
-        default, serve = self.cfg.base, self.cfg.serve
-        sampler = self.sampler_of(sampler, sampler_param)
+        ``sampler_param``. A speed LoRA among the adapters sets the sampler, steps and guidance
+        the request and the config leave out (RunConfig.scheduled)."""
+        set_here = {f for f, v in (("sampler", sampler), ("steps", steps or None), ("guidance", guidance)) if v is not None}
+        default, held = self.cfg.request_base(adapters is not None)  # (the config's, what of its schedule it holds)
+        serve = self.cfg.serve
+        if sampler is not None:
+            sampler = self.sampler_of(sampler, sampler_param)
         self.check_adapters(adapters, "adapters")
         self.check_prompt(prompt, "prompt")
         if negative_prompt is not None:  # None: the family's default (SDXL: zeros)
@@ -177,11 +181,25 @@ class Service(Generation, Edits, RelatedGenerations, SamplerFields, Uploads, Job
             raise ApiError(400, f"size: {size[:16]} is not served; this server's engines serve {', '.join(served)}",
                            param="size", code="unsupported_size")  # fmt: skip
         width, height = map(int, (size or served[0]).split("x"))
-        steps = steps or default.steps
+        # a speed LoRA's schedule (run_config.scheduled) where neither the request nor the config set one
+        adapters = default.adapters if adapters is None else dict(adapters)
+        try:
+            scheduled = self.cfg.scheduled(replace(default, adapters=adapters, sampler=sampler or default.sampler,
+                                                   steps=steps or default.steps, image=None,
+                                                   guidance=default.guidance if guidance is None else guidance),
+                                           set_here | held, "")  # fmt: skip
+        except ConfigError as err:
+            raise ApiError(400, str(err), param="adapters", code="invalid_value") from None
+        steps, guidance = scheduled.steps, scheduled.guidance
+        if "sampler" in set_here or (scheduled.sampler is not None and scheduled.sampler == default.sampler):
+            sampler = scheduled.sampler  # the request's (checked above) or the config base's
+        elif scheduled.sampler is not None:  # its speed LoRA's, refused here if this model cannot run it
+            sampler = self.sampler_of(scheduled.sampler, "adapters")
+        else:
+            sampler = self.default_sampler
         if steps > serve.max_steps:
             raise ApiError(400, f"steps: at most {serve.max_steps}", param="steps", code="too_many_steps")
         seed = seed if seed >= 0 else secrets.randbelow(2**31)
-        guidance = default.guidance if guidance is None else guidance
         family = self.family
         clip_skip = default.clip_skip if clip_skip is None else clip_skip
         if not 0 <= clip_skip < family["clip_skips"]:
@@ -197,8 +215,7 @@ class Service(Generation, Edits, RelatedGenerations, SamplerFields, Uploads, Job
             if not 0 <= value <= 16384:
                 raise ApiError(400, f"{name}: must lie in [0, 16384]", param=name, code="out_of_range")
         return replace(default, width=width, height=height, prompt=prompt, negative_prompt=negative_prompt, seed=seed, steps=steps, guidance=guidance,
-                       clip_skip=clip_skip, image=None, adapters=default.adapters if adapters is None else dict(adapters),
-                       sampler=sampler, **given)  # fmt: skip
+                       clip_skip=clip_skip, image=None, adapters=adapters, sampler=sampler, **given)  # fmt: skip
 
     def check_adapters(self, adapters: Optional[dict], where: str) -> None:
         """400 naming the field for an unknown adapter, a scale out of range, more adapters than

@@ -84,7 +84,7 @@ def a1111_routes(service: Service) -> APIRouter:
         """``override_settings.sd_vae: taesd``: this request's images by the tiny decoder (400
         where the export has none); its previews take it anyway when there is one."""
         if (body.override_settings or {}).get("sd_vae") == TINY_VAE_NAME:
-            choose_decoder(service.pipe, "taesd", "override_settings.sd_vae")
+            choose_decoder(service, "taesd", "override_settings.sd_vae")
 
     def size_of(body: Common, served: tuple[int, int], what: str) -> tuple[int, int]:
         """``width`` x ``height``: ``served`` (their default) or refused naming the field."""

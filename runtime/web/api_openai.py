@@ -54,7 +54,7 @@ def openai_routes(service: Service) -> APIRouter:
     @router.post("/v1/images/generations", response_model=GenerationResponse, summary="Generate a base (and keep its state for edits)",
                  responses={200: {"content": SSE}, **errors(*COMMON_ERRORS)})  # fmt: skip
     async def generations(body: GenerationRequest, http: HttpRequest, response: Response):
-        choose_decoder(service.pipe, body.decoder)
+        choose_decoder(service, body.decoder)
         size = None if body.size == "auto" else body.size
         sizes = {k: getattr(body, k) for k in ("original_width", "original_height", "crop_top", "crop_left")}
         first = service.base_of(body.prompt, body.negative_prompt, size, body.steps, body.cfg_scale, body.seed,
@@ -111,7 +111,7 @@ def openai_routes(service: Service) -> APIRouter:
         return await json_edits(body, http)
 
     async def json_edits(body: EditsRequest, http: HttpRequest):
-        choose_decoder(service.pipe, body.decoder)
+        choose_decoder(service, body.decoder)
         service.check_edit_count(rows_of(body.edits) * body.n)  # counted before any sweep expands
         if any(edit.sweep is not None for edit in body.edits):  # a sweep is its rows (model/sweep.py)
             try:

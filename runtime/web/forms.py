@@ -24,10 +24,11 @@ from starlette.requests import Request as HttpRequest
 
 from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
+from ..serving.decoder_choice import choose_decoder
 from ..serving.http_errors import ApiError, echo, validation_error
 from ..serving.sampler_fields import sampler_label
 from ..serving.service import Service
-from .api import OpenAiOptions, b64
+from .api import DECODER, OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
 from .openai_mask import mask_from_bytes
 from .openai_uploads import found_bases, inverted
@@ -55,6 +56,7 @@ class EditForm(OpenAiOptions):
     seed: Optional[Seed] = Field(None, description="A variation's seed (n > 1: seed, seed + 1, ...; random if omitted).")
     preserve: Optional[PreserveMode] = Field(None, description="auto: only where the changed words attend may the image change.")
     sampler: Optional[str] = Field(None, max_length=100, description="ddim: an uploaded image is inverted with DDIM and its edits run DDIM (another is refused).")
+    decoder: Optional[Literal["vae", "taesd"]] = Field(None, description=DECODER + " An image to invert is encoded by the same autoencoder where the model has its encoder.")
 
 
 class VariationForm(OpenAiOptions):
@@ -68,6 +70,7 @@ class VariationForm(OpenAiOptions):
     tail_steps: Optional[between(Int, 1, 1000)] = Field(None, description="The re-noised tail (cache.default_tail_fraction by default).")
     seed: Optional[Seed] = Field(None, description="The first variation's seed (random if omitted).")
     sampler: Optional[str] = Field(None, max_length=100, description="ddim: an uploaded image is inverted with DDIM and its variations run DDIM (another is refused).")
+    decoder: Optional[Literal["vae", "taesd"]] = Field(None, description=DECODER + " The image is encoded by the same autoencoder where the model has its encoder.")
 
 
 EDIT_FILES = ("image", "image[]", "mask", "markup")
@@ -146,6 +149,7 @@ def seeds_of(n: int, seed: Optional[int], always: bool = False) -> list[Optional
 async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     """OpenAI's ``images.edit`` form (see the module's docstring)."""
     files, fields = await read_form(http, EditForm, EDIT_FILES)
+    choose_decoder(service, fields.decoder)  # before the upload is inverted: it is encoded by the same pair
     images, masks = files.get("image", []), files.get("mask", [])
     if not images:
         raise ApiError(400, "image: required (a file field named image, as OpenAI's images.edit sends it)",
@@ -237,6 +241,7 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
     each an edit with the base's own prompt over ``tail_steps`` (the config's default tail by
     default)."""
     files, fields = await read_form(http, VariationForm, VARIATION_FILES)
+    choose_decoder(service, fields.decoder)
     images = files.get("image", [])
     if len(images) != 1:
         raise ApiError(400, "image: one file field named image (create_variation takes one image)", param="image",
