@@ -105,7 +105,8 @@ def test_strength_interpolates_kv(pipeline, base_state):
     # An independent route to strength 1: a base whose cond K/V are the edit prompt's.
     swapped = dataclasses.replace(base_state, cond_kv=edit)
     (expected,) = pipeline.run_tail(swapped, [TailRow(TEST_BASE.prompt, 0.0, 3, TEST_BASE.guidance)])
-    np.testing.assert_allclose(full, expected, atol=BATCH_ATOL)
+    # two routes to the same K/V: fp32 reordering, ~6e-7 relative on latents that reach ~25
+    np.testing.assert_allclose(full, expected, rtol=2e-6, atol=BATCH_ATOL)
     assert np.abs(half - full).max() > 1e-3
 
 

@@ -345,19 +345,19 @@ def test_a_runs_preserve_knobs_reach_its_edits(tmp_path, model_dir, onnx_dir, pi
     from edit_rt.runtime.apps.run import run_config
     from edit_rt.runtime.config.load import load_config
 
-    edit = "a red circle on a green background"
+    edit = "a yellow triangle on a green background"
     path = tmp_path / "run.yaml"
     path.write_text(f"model: {model_dir}\nbuild_dir: {onnx_dir.parents[1]}\noutput_dir: {tmp_path / 'out'}\n"
                     f"base: {{prompt: {TEST_BASE.prompt}, negative_prompt: {TEST_BASE.negative_prompt}, "
                     f"seed: {TEST_BASE.seed}, steps: {TEST_BASE.steps}, guidance: {TEST_BASE.guidance}, width: 32, height: 32}}\n"
-                    "preserve: {threshold: 0.6, dilate: 0, region: words}\n"
-                    f"edits: [{{prompt: {edit}, start_step: 2, preserve: auto}}]\n")  # fmt: skip
+                    "cache: {window_start: 0}\npreserve: {threshold: 0.9, dilate: 0, region: words}\n"
+                    f"edits: [{{prompt: {edit}, strength: 2.0, start_step: 1, preserve: auto}}]\n")  # fmt: skip
     run_config(load_config(path))
     written = np.asarray(Image.open(tmp_path / "out" / "edit_00.png"), dtype=np.int16)
     images = {}
-    for name, knobs in (("tight", Preserve(threshold=0.6, dilate=0, region="words")), ("default", Preserve())):
+    for name, knobs in (("tight", Preserve(threshold=0.9, dilate=0, region="words")), ("default", Preserve())):
         pipeline.preserve = knobs
-        (result,) = pipeline.edit(base_state, [TailRow(edit, 1.0, 2, TEST_BASE.guidance, preserve="auto")])
+        (result,) = pipeline.edit(base_state, [TailRow(edit, 2.0, 1, TEST_BASE.guidance, preserve="auto")])
         images[name] = np.round(np.clip(result.image, 0, 1) * 255).astype(np.int16)
     pipeline.preserve = Preserve()
     assert np.abs(images["tight"] - images["default"]).max() > 2  # the knobs matter on this model
