@@ -192,7 +192,7 @@ redteam: setup export/models/shapes-sd/model_index.json
 	$(BIN)/python scripts/redteam.py configs/sliders.yaml --out out/redteam
 
 # The default run leaves out the checks marked slow (each has a fast representative in it);
-# make test-all runs them too (all 1118 took 1426 s here, 2026-12-02).
+# make test-all runs every test, the slow ones too (`pytest -m slow --collect-only -q` lists them).
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -1,5 +1,5 @@
 """The torch world: builds edit-rt's artifacts, and makes and measures its models. Four stages,
-each a folder that imports only the ones before it (tests/test_layout.py holds it):
+each a folder that imports only the ones before it (pyproject.toml's [tool.importlinter]):
 
 - ``compile/``: the export stage of the design card (`make export`, `make engines`, parity);
 - ``world/``: the shapes world, its trainers and the random models;

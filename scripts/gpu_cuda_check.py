@@ -1,4 +1,4 @@
-"""The capture/replay path of ``runtime/cuda.py`` on a real GPU (cuda-python), for gpu_check.sh.
+"""The capture/replay path of ``runtime/engine/cuda.py`` on a real GPU (cuda-python), for gpu_check.sh.
 
 Checks, each against numpy on the host: pinned uploads and deferred reads on the one
 non-blocking stream; a CUDA graph that captures a step's copies (the slot writes of a step go

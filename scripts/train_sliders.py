@@ -51,7 +51,7 @@ def _grid(tails: dict[str, np.ndarray], path: Path, rows: int = 6) -> None:
 
 def _card(training: dict, evaluation: dict) -> str:
     scales = evaluation["scales"]
-    # a training.json from before the worlds is the 32x32 model's
+    # a training.json that names no model or world is the 32x32 model's (world 1)
     model, world = training.get("model", "shapes-sd"), training.get("world", 1)
     sliders_dir = training.get("sliders_dir", "export/models/shapes-sd/sliders")
     lines = [

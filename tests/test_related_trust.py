@@ -31,7 +31,8 @@ def _vector(k: int, d: int = 8) -> np.ndarray:
 
 
 def _within(seconds, fn, *args):
-    """fn(*args) on a daemon thread; its result, failing the test if it takes longer."""
+    """fn(*args) on a daemon thread; its result, failing the test if it takes longer (a hang
+    guard: a FIFO blocks an open forever, so the bound only needs to end the test)."""
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", fn(*args)), daemon=True)
     t.start()
@@ -57,10 +58,8 @@ def test_a_fifo_in_the_related_folder_hangs_neither_a_start_nor_a_lookup(tmp_pat
     bid = store.put(state)
     index.add(bid, state.base, _vector(0), 0)
     os.mkfifo(folder / "related" / ("f" * 32 + ".json"))
-    t0 = time.monotonic()
-    again = _within(1.0, RelatedIndex, folder)  # a restart
-    found = _within(1.0, index.nearest, state.base, _vector(0), store.__contains__)  # a lookup after the folder changed
-    assert time.monotonic() - t0 < 2.0
+    again = _within(30, RelatedIndex, folder)  # a restart
+    found = _within(30, index.nearest, state.base, _vector(0), store.__contains__)  # a lookup after the folder changed
     assert found is not None and found[0] == bid and bid in again and "f" * 32 not in again
 
 

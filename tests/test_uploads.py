@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import timeit
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -117,19 +118,18 @@ BOMBS = {
 # Run in a fresh interpreter: its peak RSS then measures these calls alone (Pillow's memory is
 # invisible to tracemalloc, and this process's peak is already set by earlier tests).
 MEASURE = """
-import json, resource, sys, time
+import json, resource, sys
 from edit_rt.runtime.pipeline.uploads import ImageInputError, image_from_bytes, text_of_image
 out, base = {}, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for path in sys.argv[1:]:
     data = open(path, "rb").read()
     for name, call in (("pixels", lambda: image_from_bytes(data, (32, 32), "image", 10**7, True, 25_000_000)),
                        ("text", lambda: text_of_image(data, "image", 10**7, 25_000_000))):
-        start = time.perf_counter()
         try:
             call(); status, message = 200, ""
         except ImageInputError as err:
             status, message = err.status, str(err)
-        out[path + ":" + name] = [status, message, time.perf_counter() - start]
+        out[path + ":" + name] = [status, message]
 out["rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
 print(json.dumps(out))
 """
@@ -147,9 +147,8 @@ def test_image_bombs_are_refused_from_their_header_without_decoding(tmp_path):
     out = json.loads(run.stdout)
     for name, path in zip(BOMBS, paths):
         for call in ("pixels", "text"):
-            status, message, seconds = out[f"{path}:{call}"]
+            status, message = out[f"{path}:{call}"]
             assert status == 413 and f"at most {MAX_PIXELS} (serve.max_image_pixels)" in message, (name, message)
-            assert seconds < 1.0, (name, call, seconds)
     assert out["rss_mb"] < 100, out["rss_mb"]  # decoding the 9000x9000 alone would take 324 MB
 
 
@@ -433,10 +432,13 @@ def test_what_is_not_base64_is_refused(text, needle):
 
 def test_a_body_sized_base64_decodes_in_linear_time():
     data = RNG.integers(0, 256, 11_000_000, dtype=np.uint8).tobytes()  # ~ serve.max_body_bytes as base64
-    text = base64.encodebytes(data).decode()
-    start = time.perf_counter()
-    assert decode_base64(text, "image") == data
-    assert time.perf_counter() - start < 2.0
+    seconds = {}
+    for size in (len(data) // 10, len(data)):
+        text = base64.encodebytes(data[:size]).decode()
+        assert decode_base64(text, "image") == data[:size]
+        seconds[size] = min(timeit.repeat(lambda: decode_base64(text, "image"), number=1, repeat=3))
+    # a ratio within this run: 10x the text takes ~10x the time; a quadratic decode, ~100x
+    assert seconds[len(data)] < 30 * seconds[len(data) // 10], seconds
 
 
 # --- text -----------------------------------------------------------------------------------
@@ -522,37 +524,33 @@ def test_every_upload_route_refuses_bombs_and_damage_in_the_api_shape(server, ro
              (BOMBS["png 1-bit 13000x13000"](), 413), (BOMBS["jpeg 65000x65000"](), 413),
              (b"not an image", 400), (DAMAGED["png bad ihdr crc"](), 400)]  # fmt: skip
     for data, status in cases:
-        start = time.monotonic()
         r = _post(server.url, route, data)
         assert r.status_code == status, (route, r.status_code, r.text)
-        assert r.json()["error"]["param"] == ROUTES[route] and time.monotonic() - start < 2.0
+        assert r.json()["error"]["param"] == ROUTES[route]
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.slow
 def test_health_answers_while_large_uploads_decode(server):
-    """Uploads decode in the image pool, off the event loop: 25-megapixel images (the most
-    allowed) sent together leave /health answering within a second."""
+    """25-megapixel images (the most allowed) sent together to a real server are all decoded
+    while /health goes on answering. That the decodes run off the event loop is held in-process
+    by test_image_deadline.py (a decode held in its worker while another upload is served); this
+    test times nothing."""
     y, x = np.mgrid[0:5000, 0:5000]
     big = _encoded(Image.fromarray(np.dstack([(x + y) % 256, (x * 3) % 256, (y * 7) % 256]).astype(np.uint8)), "PNG")
     assert len(base64.b64encode(big)) < 16_000_000
-    done, latencies = threading.Event(), []
+    done, statuses = threading.Event(), []
 
     def poll():
         while not done.is_set():
-            start = time.monotonic()
-            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-            latencies.append(time.monotonic() - start)
+            statuses.append(httpx.get(server.url + "/health", timeout=30).status_code)  # the timeout: a hang guard
             time.sleep(0.05)
 
     poller = threading.Thread(target=poll)
-    start = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
         poller.start()
         answers = list(pool.map(lambda _: _post(server.url, "bases", big), range(4)))
     done.set()
     poller.join()
-    took = time.monotonic() - start
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
-    assert max(latencies) < 1.0, (max(latencies), took)  # decoding on the event loop: 3.3 s
-    assert took > 1.0 and len(latencies) >= 5  # the uploads kept the server busy while polled
+    assert statuses and set(statuses) == {200}, statuses

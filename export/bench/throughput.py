@@ -76,7 +76,7 @@ def run_bench(
     """Run the benchmark; write bench.json and bench.png to ``cfg.output_dir``; return the report.
 
     ``progress(total, description)`` gives an ``advance(n)`` for the measured points;
-    ``sliders``: the LoRA slots' section's options (bench_sliders.py: slots, rank, points;
+    ``sliders``: the LoRA slots' section's options (sliders.py's slider_cost: slots, rank, points;
     None: its defaults; False: no section); ``catalogue_sizes``: the catalogues' rows (default:
     N, 4N and 16N for the largest N: 16, 64, 256)."""
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
@@ -169,7 +169,8 @@ def run_bench(
             # Every ratio per repeat (its methods ran side by side), then the median and the spread.
             # The ideal divides T/K by the per-row step costs of the same repeat: diffusers' own
             # pipeline (its run (a) over n x T row-steps) against the runtime's step; "probe": torch's
-            # UNet step timed apart, as before issue 37 (it swung the efficiency from 0.61 to 1.04).
+            # UNet step timed apart, reported beside it only: timed alone it swung the efficiency
+            # from 0.61 to 1.04 between runs, so the ideal takes the pipeline's own steps.
             speedup = ratios(a, d)
             ideal = [(T / k) * (sa / (n * T)) / (st / n) for sa, st in zip(a, steps)]
             probe = [(T / k) * st_torch / st for st_torch, st in zip(step_samples["torch"][n], steps)]

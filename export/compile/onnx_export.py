@@ -149,7 +149,7 @@ class StepIO:
 
 def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Optional[list[dict]] = None,
             adapters: Optional[tuple[list, int, int]] = None, deep: int = 0, shallow: bool = False) -> StepIO:  # fmt: skip
-    """The step graph's inputs with their roles (runtime/step_signature.py reads them back):
+    """The step graph's inputs with their roles (runtime/engine/step_signature.py reads them back):
     ``latents``, ``step_scalar:<schedule attribute>`` (changes every step),
     ``row_scalar:<row attribute>`` (fixed per row), ``set_index`` (the row's negative-prompt
     set), ``entry_uncond`` (rows at their entry step), ``row_ref`` (the row whose self-attention

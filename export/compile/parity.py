@@ -92,7 +92,7 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
         return np.stack([values(schedules[r % 2])[picks[r]] for r in range(n)]).astype(np.float32)
 
     vocab = manifest.data["model"].get("vocab_size", 49408)
-    # the step graphs' inputs by role (step_signature.py), the other graphs' by name
+    # the step graphs' inputs by role (runtime/engine/step_signature.py), the other graphs' by name
     roles = manifest.roles(graph) if graph.startswith("unet_step") else {}
     for spec in manifest.graphs[graph].inputs:
         scale = manifest.vae_scale_factor

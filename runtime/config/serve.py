@@ -1,5 +1,5 @@
 """The ``serve:`` section of a run config: `edit-rt serve`'s limits, Ray Serve scale-out and
-related generations (config.py reads it with the rest; each field's reason beside it)."""
+related generations (load.py reads it with the rest of run_config.py's sections; each field's reason beside it)."""
 
 from __future__ import annotations
 

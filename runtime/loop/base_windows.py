@@ -1,4 +1,4 @@
-"""What the blend takes from a row's base at every step, resident in backend memory (issue 38).
+"""What the blend takes from a row's base at every step, resident in backend memory.
 
 A masked row (an explicit mask or ``preserve: auto`` once its mask exists) keeps its base's
 latent where the mask says: after each step ``i`` the blend takes the base's ``x_{i+1}``; a row

@@ -2,7 +2,7 @@
 
 - :class:`Base`, :class:`Mask`, :class:`Edit` (its :class:`Direction`), :class:`Preserve`:
   dataclasses with their bounds declared once (schema.py) and validated by pydantic where a
-  value comes in: the YAML config (config.py) and the HTTP API's bodies (api.py) alike, so an
+  value comes in: the YAML config (config/run_config.py) and the HTTP API's bodies (web/api.py) alike, so an
   edit the config accepts the API accepts, and the same value is refused with the same words
   at both doors. ``Edit`` validates on construction too (its checks span fields); the others
   are plain dataclasses inside.
@@ -113,7 +113,7 @@ class Edit:
     (``prompt`` or ``directions``, or both)."""
 
     # The edit prompt. Left out, the edit is its directions alone (the base prompt at strength
-    # 0 plus them). In a config or a body null is refused, as before directions came.
+    # 0 plus them). In a config or a body null is refused: a prompt is a string, or left out.
     prompt: Optional[Str] = Field(None, json_schema_extra=_a_string)
     # K/V = K_base + strength * (K_edit - K_base): 0 is the base, 1 the edit prompt, >1 pushes
     # further, < 0 away ("less red"). A slider over strengths costs no extra text encoding.
@@ -160,9 +160,9 @@ class Edit:
     @model_validator(mode="before")
     @classmethod
     def _a_prompt(cls, data: Any) -> Any:
-        # Before the fields, so that what was refused before directions came is refused with
-        # the same words, first among its errors: a null prompt in a config or a body, and an
-        # edit with neither prompt nor directions (a missing prompt).
+        # Before the fields, so that a null prompt in a config or a body, and an edit with
+        # neither prompt nor directions, are refused first among its errors and in the words a
+        # required string field gets (string_type, missing): the prompt is what is wrong.
         if isinstance(data, ArgsKwargs):  # Python (dataclasses.replace too): prompt=None is none
             given = {"prompt": data.args[0]} if data.args else (data.kwargs or {})
         elif isinstance(data, dict):

@@ -60,7 +60,7 @@ def ddim_coefs(alpha_prev: np.ndarray, clip: float) -> np.ndarray:
     """DDIM eta 0 (Song et al. 2020, eq. 12): x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps.
 
     In float32 as ``np.sqrt(alpha_prev)`` and ``np.sqrt(1 - alpha_prev)``, so the graph's
-    generic update reproduces the old fused formula bit for bit.
+    generic update (a sum of coefficient x term) gives eq. 12 computed directly, bit for bit.
     """
     alpha_prev = np.asarray(alpha_prev, dtype=np.float32)
     coefs = np.zeros((len(alpha_prev), len(COEFS)), dtype=np.float32)

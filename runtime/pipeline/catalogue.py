@@ -128,7 +128,8 @@ def run_catalogue(cfg: RunConfig, pipe: Any, state: Any, base: Base, bid: str,
     folder.mkdir(parents=True, exist_ok=True)
     total = spec.size()
     decoder = catalogue_decoder(cfg, pipe)
-    # the VAE's images keep the key catalogues had before the choice existed: they resume
+    # the decoder enters the key only when not the VAE: folders of VAE images written without
+    # the field keep their key, and resume
     identity = {"base": bid, "model": cfg.model_name, **({"decoder": decoder} if decoder != "vae" else {})}
     key = spec.key(identity, lambda i, edit: cfg.tail_row(edit, f"catalogue row {i}"))
     done = _done(folder, key, total, (base.width, base.height))

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 def base_id(fingerprint: str, base: Base) -> str:
     fields = asdict(base)
-    if fields.get("deepcache") == 1:  # every step full: the ids bases had before DeepCache
+    if fields.get("deepcache") == 1:  # every step full: left out, so ids already in PNGs and clients stay valid
         del fields["deepcache"]
     key = json.dumps({"fingerprint": fingerprint, **fields}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]

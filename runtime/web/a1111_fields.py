@@ -1,6 +1,6 @@
 """AUTOMATIC1111's txt2img and img2img request bodies, every field of them, and what each does
 here: implemented, refused (400 naming the field and the fix), or, where every client sends it
-by default, accepted and reported as what ran (issue 24: nothing a client sends is dropped).
+by default, accepted and reported as what ran (nothing a client sends is dropped).
 
 The fields are those of A1111 1.10's ``StableDiffusionTxt2ImgProcessingAPI`` and
 ``...Img2ImgProcessingAPI`` (its ``modules/api/models.py``), which ``webuiapi`` sends; a field

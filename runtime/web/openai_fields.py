@@ -1,5 +1,5 @@
 """OpenAI's image fields that say how an image is made or delivered, each honoured, refused or
-accepted and reported: nothing a client sends is silently dropped (issue 24).
+accepted and reported: nothing a client sends is silently dropped.
 
 The fields are those of the ``openai`` SDK's ``images.generate``, ``images.edit`` and
 ``images.create_variation`` (its ``types/image_*_params.py``); their vocabularies are declared

@@ -278,7 +278,7 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print) -> None:
     # bound before anything starts: a busy port is one line (EditRtError), not uvicorn's exit
     # after the engines began loading (which aborted the process)
     sockets = listening_sockets(s.host, s.port)
-    say(listening_line(cfg))  # only now: before the bind, a busy port printed an address it never served
+    say(listening_line(cfg))  # after the bind: said before it, a busy port's address would be one never served
     app = create_app(cfg)
     service: Service = app.state.service
     # The access log (uvicorn's own is off: it prints query strings, tokens included).
