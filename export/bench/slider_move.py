@@ -98,6 +98,21 @@ def _limit_fields(seconds: float, rows: int, gflop_per_row: float, limit_gflops:
     return {"limit_seconds": limit, "over_limit": seconds / limit if limit > 0 else None}
 
 
+def _moves_report(case: MoveCase, decoder: str, strengths: list[float], warm: tuple[float, int],
+                  runs: list[tuple[float, int]], png: bytes, png_out: Optional[Path], gflop_per_row: float,
+                  limit_gflops: float) -> dict[str, Any]:  # fmt: skip
+    """A case's report from its warm-up (seconds, UNet rows) and timed moves (the same), the
+    median move beside its rows' limit; the last move's PNG written to ``png_out``."""
+    if png_out is not None:
+        png_out.parent.mkdir(parents=True, exist_ok=True)
+        png_out.write_bytes(png)
+    seconds, rows = statistics.median(r[0] for r in runs), runs[-1][1]
+    return {**dataclasses.asdict(case), "decoder": decoder, "strengths": strengths, "seconds": seconds,
+            "runs": [round(r[0], 4) for r in runs], "unet_rows": rows, "unet_rows_runs": [r[1] for r in runs],
+            "warm_seconds": warm[0], "warm_unet_rows": warm[1],
+            **_limit_fields(seconds, rows, gflop_per_row, limit_gflops)}  # fmt: skip
+
+
 def time_moves(cfg: RunConfig, rt, state, case: MoveCase, repeats: int, gflop_per_row: float, limit_gflops: float,
                png_out: Optional[Path] = None) -> dict[str, Any]:  # fmt: skip
     """A warm-up move, then ``repeats`` timed moves of one row of ``state`` (each: the edit,
@@ -124,21 +139,13 @@ def time_moves(cfg: RunConfig, rt, state, case: MoveCase, repeats: int, gflop_pe
         return seconds, unet_rows(before, stats), stats.step_seconds - unet_before, result, png
 
     warm_strength, strengths = move_strengths(repeats)
-    warm_seconds, warm_rows, _, _, _ = move(warm_strength)
+    warm = move(warm_strength)[:2]
     runs = [move(s) for s in strengths]
-    last = runs[-1][3]
     start = time.perf_counter()
-    rt.decode(last.latent[None], decoder)
+    rt.decode(runs[-1][3].latent[None], decoder)
     decode_seconds = time.perf_counter() - start
-    if png_out is not None:
-        png_out.parent.mkdir(parents=True, exist_ok=True)
-        png_out.write_bytes(runs[-1][4])
-    seconds, rows = statistics.median(r[0] for r in runs), runs[-1][1]
-    return {**dataclasses.asdict(case), "decoder": decoder, "strengths": strengths, "seconds": seconds,
-            "runs": [round(r[0], 4) for r in runs], "unet_rows": rows, "unet_rows_runs": [r[1] for r in runs],
-            "unet_seconds": statistics.median(r[2] for r in runs), "decode_seconds": decode_seconds,
-            "warm_seconds": warm_seconds, "warm_unet_rows": warm_rows,
-            **_limit_fields(seconds, rows, gflop_per_row, limit_gflops)}  # fmt: skip
+    report = _moves_report(case, decoder, strengths, warm, runs, runs[-1][4], png_out, gflop_per_row, limit_gflops)
+    return {**report, "unet_seconds": statistics.median(r[2] for r in runs), "decode_seconds": decode_seconds}
 
 
 def case_base(cfg: RunConfig, case: MoveCase):
@@ -187,16 +194,10 @@ def time_server_moves(cfg: RunConfig, case: MoveCase, decoder: str, repeats: int
             seconds = time.perf_counter() - start
             return seconds, _server_rows(counters, _scheduler_rows(client)), png
 
-        warm_seconds, warm_rows, _ = move(warm_strength)
+        warm = move(warm_strength)[:2]
         runs = [move(s) for s in strengths]
-    if png_out is not None:
-        png_out.parent.mkdir(parents=True, exist_ok=True)
-        png_out.write_bytes(runs[-1][2])
-    seconds, rows = statistics.median(r[0] for r in runs), runs[-1][1]
-    return {**dataclasses.asdict(case), "decoder": decoder, "strengths": strengths, "seconds": seconds,
-            "runs": [round(r[0], 4) for r in runs], "unet_rows": rows, "unet_rows_runs": [r[1] for r in runs],
-            "warm_seconds": warm_seconds, "warm_unet_rows": warm_rows, "load_seconds": loaded,
-            **_limit_fields(seconds, rows, gflop_per_row, limit_gflops)}  # fmt: skip
+    report = _moves_report(case, decoder, strengths, warm, runs, runs[-1][2], png_out, gflop_per_row, limit_gflops)
+    return {**report, "load_seconds": loaded}
 
 
 def engine_moves(cfg: RunConfig, backend: str, precision: str, threads: int, bases: Path, repeats: int,
