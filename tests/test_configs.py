@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 import subprocess
-import time
 
 import pytest
 import yaml
@@ -42,17 +41,16 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
 
 def test_a_size_the_machine_cannot_hold_is_refused_before_allocating(tmp_path, model_dir, onnx_dir):
     """512x512 on the 32x32 test model (a base: block that fell back to the default size): the
-    run is refused in one line, quickly, and never grows (it grew to 23 GB before)."""
+    run is refused in one line and never grows (it grew to 23 GB before): the peak RSS is the
+    check; the subprocess timeout only guards against a hang."""
     cfg = _config(model_dir, onnx_dir, tmp_path, base={"prompt": "x", "steps": 4, "width": 512, "height": 512})
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    start = time.monotonic()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     r = subprocess.run([*CLI, "run", str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=300)
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "base.width/height: 512x512 needs about" in r.stderr and "GiB" in r.stderr, r.stderr
     assert "for one step row" in r.stderr and "the model's own is 32x32" in r.stderr, r.stderr
-    assert time.monotonic() - start < 120
     assert max(peak_kib, before) < 2 * 2**20, peak_kib  # KiB: the refused run stayed under 2 GiB
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import numpy as np
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edit_rt.runtime.config.load import config_from_dict
-from edit_rt.runtime.errors import ConfigError, DamagedBaseError
+from edit_rt.runtime.errors import ConfigError, DamagedBaseError, ShuttingDownError
 from edit_rt.runtime.loop.batcher import Batcher
 from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.model.edit import TailRow
@@ -304,10 +305,12 @@ def test_broken_files_and_folders_are_one_line(tmp_path, model_dir, onnx_dir):
     (tmp_path / "afile").write_text("x")
     r = _cli_run(tmp_path, yaml.safe_dump(_config(model_dir, onnx_dir, tmp_path, store={"disk_dir": str(tmp_path / "afile")})))
     assert r.returncode == 2 and "store.disk_dir" in r.stderr and "is a file" in r.stderr
-    start = time.monotonic()
-    r = _cli_run(tmp_path, yaml.safe_dump(_config(model_dir, onnx_dir, tmp_path, output_dir=str(tmp_path / "afile" / "out"))))
+    store = tmp_path / "store"
+    r = _cli_run(tmp_path, yaml.safe_dump(_config(model_dir, onnx_dir, tmp_path, output_dir=str(tmp_path / "afile" / "out"),
+                                                  store={"disk_dir": str(store)})))  # fmt: skip
     assert r.returncode == 2 and "output_dir" in r.stderr and "not a writable folder" in r.stderr
-    assert "Traceback" not in r.stderr and time.monotonic() - start < 60
+    # refused before the work, not after it: no base was generated into the store
+    assert "Traceback" not in r.stderr and not list(store.rglob("*.safetensors")), r.stderr
 
 
 def _drop_layers(build: Path) -> None:
@@ -411,7 +414,6 @@ def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path,
         streamed = pool.submit(stream)
         time.sleep(1.0)
         proc.proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
         time.sleep(0.3)
         during = _gen(proc.url, seed=8)
         assert during.status_code == 503 and during.headers.get("retry-after") == "5"
@@ -421,20 +423,33 @@ def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path,
         streamed.result(timeout=60)
     text = "\n".join(stream_lines)
     assert "event: edit_rt.done" in text and ("event: image_edit.completed" in text or "event: error" in text)
-    # One timeout, not two: the drain (1 s) and uvicorn's close of idle connections, then the
-    # exit (a second batcher stop used to wait its full 30 s on a queue nobody cleared)
-    proc.proc.wait(timeout=60)
-    assert time.monotonic() - signalled < 15, time.monotonic() - signalled
+    proc.proc.wait(timeout=60)  # a hang guard; that the exit waits one timeout, not two, is the test below
     assert proc.stop()
+
+
+def test_a_second_batcher_stop_returns_without_waiting(pipeline, base_state):
+    """The drain's stop (timeout 0) fails what runs; the shutdown's stop after it (timeout 30)
+    must neither wait on the loop's condition nor call the engine thread again: the process
+    exits one timeout after SIGTERM, not two."""
+    batcher = Batcher(pipeline.resolver, pipeline.new_scheduler(base_state.latents.shape[1:], 8)).start()
+    request = Request("long")
+    jobs = [Job(request, 0, base_state.base, TailRow("a cat", 1.0, 6, TEST_BASE.guidance), state=base_state)]
+    batcher.submit(request, jobs)
+    batcher.stop(timeout=0)
+    assert isinstance(jobs[0].future.exception(timeout=60), ShuttingDownError)
+    with mock.patch.object(batcher._cv, "wait", side_effect=AssertionError("the second stop waited")) as wait, \
+         mock.patch.object(batcher.engine, "call", side_effect=AssertionError("the second stop called the engine")) as call:
+        batcher.stop(timeout=30)
+    assert not wait.called and not call.called
 
 
 def test_slow_clients_are_timed_out(tmp_path, model_dir, onnx_dir):
     proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"header_timeout_s": 1.0, "body_timeout_s": 1.0})
     try:
         with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
-            start = time.monotonic()
-            assert s.recv(100) == b""  # closed: no request head within a second
-            assert time.monotonic() - start < 5
+            # closed by the server (uvicorn has no timer before a first request: without ours
+            # the client's own 10 s timeout would raise here instead)
+            assert s.recv(100) == b""
         with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
             s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                       b"content-length: 100\r\n\r\n{\"prompt\"")  # fmt: skip

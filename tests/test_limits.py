@@ -67,12 +67,13 @@ def test_the_multipart_form_meets_the_json_ranges_before_inverting(server, field
 
 
 def test_img2img_takes_at_most_the_edit_limit_of_images_before_decoding(server):
-    start = time.monotonic()
-    images = [base64.b64encode(_png(k)).decode() for k in range(65)]  # the limit is 64 edits
+    # not images: had any been decoded before the count, the answer would be its 400
+    images = [base64.b64encode(b"not an image %d" % k).decode() for k in range(65)]  # the limit is 64 edits
     r = httpx.post(server.url + "/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text
     assert "at most 64" in r.json()["error"]["message"]
-    assert time.monotonic() - start < 10
+    one = httpx.post(server.url + "/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images[:1]}, timeout=60)
+    assert one.status_code == 400 and one.json()["error"]["param"] == "init_images[0]", one.text  # what a decode answers
 
 
 @pytest.mark.parametrize(
@@ -107,6 +108,7 @@ def test_uploads_inverting_together_never_starve_reads(server):
     bid = r.json()["id"]
     uploads = [{"image": base64.b64encode(_png(100 + k)).decode(), "steps": 60} for k in range(8)]
     with ThreadPoolExecutor(9) as pool:
+        started = time.monotonic()
         posted = [pool.submit(httpx.post, server.url + "/v1/bases", json=u, timeout=300) for u in uploads]
         time.sleep(1.0)  # the uploads are decoding and inverting
         slowest = 0.0
@@ -115,6 +117,7 @@ def test_uploads_inverting_together_never_starve_reads(server):
             assert httpx.get(f"{server.url}/v1/bases/{bid}", timeout=30).status_code == 200
             slowest = max(slowest, time.monotonic() - start)
             time.sleep(0.2)
+        inverting = time.monotonic() - started
         assert all(f.result().status_code == 200 for f in posted), [f.result().text for f in posted]
-    print(f"slowest read while 8 uploads inverted: {slowest:.3f} s")
-    assert slowest < 2.0, slowest
+    # a ratio within the run: a read that waited for the inversions would take most of their time
+    assert slowest < 0.25 * inverting, (slowest, inverting)

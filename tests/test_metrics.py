@@ -76,10 +76,14 @@ def test_a_generation_and_an_edit_move_every_family_by_what_they_cost(server):
     8 unet_step calls, 6 + 3 x 2 rows, 3 x (T - 2) rows saved, each stage observed as often as it
     ran, the base found in RAM, and a base nobody stored missing from both tiers."""
     before, _ = scrape(server.url)
+    start = time.monotonic()
     gen = _generate(server.url, seed=5)
+    gen_s = time.monotonic() - start
     _edit(server.url, gen["id"], ["a green circle", "a blue square", "a yellow circle"], tail=2)
+    edit_s = time.monotonic() - start - gen_s
     unknown = httpx.post(server.url + "/v1/images/edits", json={"base_id": "0" * 24, "edits": [{"prompt": "x"}]}, timeout=60)
     assert unknown.status_code == 404, unknown.text
+    client_s = time.monotonic() - start  # the client's clock: every observed second lies within it
     after, text = scrape(server.url)
 
     # the step loop, counted by hand: 6 calls of 1 row, then 2 calls of 3 rows
@@ -92,9 +96,9 @@ def test_a_generation_and_an_edit_move_every_family_by_what_they_cost(server):
     assert moved(before, after, "edit_rt_unet_padding_rows_total") == 0  # the CPU's exact buckets
     # the edits' first unconditional halves come from the base, all three (the step graph takes E = N)
     assert moved(before, after, "edit_rt_unet_uncond_halves_skipped_total") == 3
-    # the queue: every row admitted once (1 + 3), each after a wait of at least nothing
+    # the queue: every row admitted once (1 + 3), each waiting within its own request's time
     assert moved(before, after, "edit_rt_queue_wait_seconds_count") == 4
-    assert 0 <= moved(before, after, "edit_rt_queue_wait_seconds_sum") < 10
+    assert 0 <= moved(before, after, "edit_rt_queue_wait_seconds_sum") <= gen_s + 3 * edit_s
 
     # stages: two text encodes for the generation (its prompt; its negative prompt), one for
     # the three edit prompts (batched), a mix per edit, a decode per finished batch, a PNG per image
@@ -106,10 +110,12 @@ def test_a_generation_and_an_edit_move_every_family_by_what_they_cost(server):
     assert stage_count(before, after, "inversion") == 0
     for stage in STAGES:
         assert f'edit_rt_stage_seconds_bucket{{le="0.0005",stage="{stage}"}}' in text  # every stage is a series
-        assert moved(before, after, "edit_rt_stage_seconds_sum", stage=stage) >= 0
+        spent = moved(before, after, "edit_rt_stage_seconds_sum", stage=stage)
+        # a stage that ran took time, one that did not took none, and none outlasts the requests
+        assert (spent > 0 if stage_count(before, after, stage) else spent == 0) and spent <= client_s, (stage, spent, client_s)
     # a whole step call holds a UNet evaluation; a K/V mix is a few multiply-adds
     per_call = lambda stage: moved(before, after, "edit_rt_stage_seconds_sum", stage=stage) / stage_count(before, after, stage)  # noqa: E731
-    assert per_call("kv_mix") < per_call("step") < 5
+    assert per_call("kv_mix") < per_call("step")
 
     # the store: the edit's base from RAM; the unknown base missed RAM, then the disk tier
     assert moved(before, after, "edit_rt_store_hits_total", tier="ram") == 1

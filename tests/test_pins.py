@@ -25,14 +25,17 @@ def _base(url: str, seed: int) -> str:
     return r.json()["id"]
 
 
-def _deleted_within(url: str, bid: str, seconds: float) -> float:
-    start = time.monotonic()
+def _deleted_once_released(url: str, bid: str, hang_guard: float = 120) -> None:
+    """DELETE ``bid`` until it is no longer pinned. The pin goes when the server has closed the
+    request (a stream's generator, a plain request's disconnect watch), a moment after the
+    client left, so it is polled; a leaked pin stays for good and meets the hang guard."""
+    deadline = time.monotonic() + hang_guard
     while True:
         r = httpx.delete(f"{url}/v1/bases/{bid}", timeout=10)
         if r.status_code == 200:
-            return time.monotonic() - start
+            return
         assert r.status_code == 409, r.text  # in use: pinned
-        assert time.monotonic() - start < seconds, f"{bid} still pinned after {seconds} s: {r.text}"
+        assert time.monotonic() < deadline, f"{bid} still pinned: {r.text}"
         time.sleep(0.1)
 
 
@@ -52,7 +55,7 @@ def test_a_stream_closed_at_any_event_releases_its_base(server, close_after):
                         json.loads(line[len("data: "):])
                         break
     # the rows leave at the next step boundary and the pin goes with the stream
-    assert _deleted_within(server.url, bid, 10) < 10
+    _deleted_once_released(server.url, bid)
     assert httpx.get(f"{server.url}/v1/bases/{bid}").status_code == 404
 
 
@@ -61,7 +64,7 @@ def test_a_client_that_leaves_a_plain_request_releases_its_base(server):
     body = {"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": 35} for k in range(8)]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/images/edits", json=body, timeout=0.3)
-    _deleted_within(server.url, bid, 10)
+    _deleted_once_released(server.url, bid)
 
 
 def test_refused_and_failed_edits_release_their_base(server):
@@ -71,4 +74,5 @@ def test_refused_and_failed_edits_release_their_base(server):
         assert r.status_code == 400, r.text
     info = httpx.get(f"{server.url}/v1/bases/{bid}").json()
     assert info["pinned"] is False, info
-    _deleted_within(server.url, bid, 2)
+    r = httpx.delete(f"{server.url}/v1/bases/{bid}", timeout=10)  # answered: nothing left to wait for
+    assert r.status_code == 200, r.text

@@ -104,8 +104,8 @@ def slider_cost(cfg: RunConfig, rt_plain, state, pipe, n: int, k: int, repeats: 
         start = time.perf_counter()
         files[f"l{j}"] = convert_adapter(cfg.model_dir, manifest, src, f"l{j}", root / "adapters" / f"bench-l{j}.safetensors")
         convert_seconds.append(time.perf_counter() - start)
-    rt = EditPipeline(onnx, cfg.model_dir, threads=cfg.threads, batch_profile=(cfg.engines.min_batch, cfg.engines.opt_batch,
-                      cfg.engines.max_batch), image_size=(base.height, base.width)).activate()  # fmt: skip
+    rt = EditPipeline(onnx, cfg.model_dir, threads=cfg.threads, batch_profile=cfg.engines.batch_rows(),
+                      image_size=(base.height, base.width)).activate()  # fmt: skip
     load_seconds = []
     for name, path in files.items():
         start = time.perf_counter()

@@ -213,33 +213,26 @@ def adapters(config: Path = typer.Argument(..., help="Run config naming `adapter
 def engines(config: Path = typer.Argument(..., help="Run config: model, base size, engines profile.")) -> None:
     """Build the engines this machine can run: ONNX Runtime CPU always, TensorRT where present."""
     from ..engine.manifest import load_manifest
-    from ..engine.profiles import EditBatchProfile
-
-    from ..pipeline.assemble import require_build, require_model
+    from ..pipeline.assemble import profile_of, require_build, require_model
 
     cfg = load_config(config)
     require_model(cfg)
     require_build(cfg)  # a single file not yet converted is said so, before its missing graphs
     builder = _export_module("compile.engines")
     manifest = load_manifest(cfg.onnx_dir)
-    scale = manifest.vae_scale_factor
-    e = cfg.engines
-    profile = EditBatchProfile(e.min_batch, e.opt_batch, e.max_batch, cfg.base.height // scale, cfg.base.width // scale,
-                               e.max_uncond_sets, scale, e.vae_max_batch,
-                               tuple((h // scale, w // scale) for w, h in cfg.served_sizes()[1:]),
-                               manifest.adapters["slots"], manifest.adapters["rank"])  # fmt: skip
+    profile = profile_of(cfg, manifest)
     from ..engine.backend_trt import trt_unavailable_reason
     from ..engine.engines import graphs_of
 
     reason = trt_unavailable_reason()
     with _progress() as bars:
         advance = bars(len(graphs_of(manifest)) * (1 if reason else 2), "engines")
-        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, e.precision, say=plain,
+        built = builder.build_engines(cfg.onnx_dir, cfg.engines_dir, profile, cfg.engines.precision, say=plain,
                                       trt_reason=reason, progress=lambda name: advance(1))  # fmt: skip
     for backend, engine_set in built.items():
         console.print(
-            f"{backend}: {engine_set.root}/ ({', '.join(engine_set.graphs)}; rows {e.min_batch}/{e.opt_batch}/"
-            f"{e.max_batch}, {engine_set.precision})"
+            f"{backend}: {engine_set.root}/ ({', '.join(engine_set.graphs)}; rows {profile.min_batch}/{profile.opt_batch}/"
+            f"{profile.max_batch}, {engine_set.precision})"
         )
 
 

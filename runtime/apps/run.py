@@ -26,6 +26,7 @@ from .. import __version__
 from ..config.run_config import RunConfig
 from ..errors import ConfigError, DamagedBaseError, ImageInputError
 from ..model.edit import Direction, Edit, TailRow
+from ..model.samplers import IMAGE_SAMPLER
 from ..pipeline.assemble import pipeline_of, store_of
 from ..pipeline.catalogue import catalogue_decoder, run_catalogue
 from ..pipeline.images import contact_sheet, save_png
@@ -144,11 +145,11 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
     upload = None
     if base.image is not None:  # a base from an image: its key holds the pixels' hash
-        if base.sampler not in (None, "ddim"):
+        if base.sampler not in (None, IMAGE_SAMPLER):
             raise ConfigError(f"base.sampler: {base.sampler}, but a base from an image is inverted with DDIM and its "
                               "edits run DDIM; remove base.sampler (or set ddim)")  # fmt: skip
         upload = image_of(cfg)
-        base = dataclasses.replace(base, image=upload.key, sampler="ddim")
+        base = dataclasses.replace(base, image=upload.key, sampler=IMAGE_SAMPLER)
     with timer.stage("load"):
         pipe = pipeline_of(cfg)
         pipe.check_decoder(cfg.decoder)  # decoder: taesd on an export without one, before any step

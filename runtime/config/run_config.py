@@ -179,6 +179,10 @@ class Engines:
         """The opt_batch a config that leaves it out gets: OPT_BATCH within min_batch..max_batch."""
         return min(max(OPT_BATCH, self.min_batch), self.max_batch)
 
+    def batch_rows(self) -> tuple[int, int, int]:
+        """(min_batch, opt_batch, max_batch): the rows per step call the engines are built for."""
+        return (self.min_batch, self.opt_batch, self.max_batch)
+
 @with_config(STRICT)
 @dataclass(frozen=True)
 class Store:

@@ -42,6 +42,14 @@ from .slots import RowScheduler
 
 log = logging.getLogger(__name__)
 
+EXPIRED = "cancelled or past its deadline"  # every expired request's rows fail with this
+
+
+def _expired(row: Row) -> bool:
+    """``row``'s request was cancelled or ran past its deadline (a reference row serves others:
+    it goes when they do, never on its own)."""
+    return not row.reference and row.owner.request.expired()
+
 
 class Resolver(Protocol):
     """What turns jobs into rows and finished rows into results (resolve.py's RowResolver)."""
@@ -213,8 +221,8 @@ class Batcher:
         while it has no room: the running rows go on meanwhile)."""
         unit, alone = self.probation[0]
         for row in unit:
-            if not row.reference and row.owner.request.expired():
-                row.owner.future.set_exception(CancelledError("cancelled or past its deadline"))
+            if _expired(row):
+                row.owner.future.set_exception(CancelledError(EXPIRED))
         if all(row.reference or row.owner.future.done() for row in unit):
             self.probation.popleft()  # nobody left to run it for
             return None
@@ -291,18 +299,12 @@ class Batcher:
         # full slots still times out on time.
         for request in [r for r in self.queue if r.expired()]:
             self.queue.remove(request)
-            for job in request.pending:
-                job.future.set_exception(CancelledError("cancelled or past its deadline"))
-            self.queued_rows -= len(request.pending)
-            request.pending.clear()
+            self._cancel_queued(request)
         taken = []
         while free > 0 and self.queue:
             request = self.queue.popleft()
             if request.expired():
-                for job in request.pending:
-                    job.future.set_exception(CancelledError("cancelled or past its deadline"))
-                self.queued_rows -= len(request.pending)
-                request.pending.clear()
+                self._cancel_queued(request)
                 continue
             taken.append(request.pending.popleft())
             self.queued_rows -= 1
@@ -311,6 +313,13 @@ class Batcher:
                 self.queue.append(request)  # round robin between requests
         self.metrics.gauge("edit_rt_queue_rows", self.queued_rows)
         return taken
+
+    def _cancel_queued(self, request: Request) -> None:
+        """Fail the queued rows of an expired ``request`` (taken out of the queue by the caller)."""
+        for job in request.pending:
+            job.future.set_exception(CancelledError(EXPIRED))
+        self.queued_rows -= len(request.pending)
+        request.pending.clear()
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Put jobs that found no room back at the head of the queue, in order."""
@@ -364,9 +373,9 @@ class Batcher:
 
     def _drop_expired(self) -> None:
         for row in list(self.scheduler.active + self.scheduler.pending):
-            if not row.reference and row.owner.request.expired():
+            if _expired(row):
                 self.scheduler.remove(row)
-                row.owner.future.set_exception(CancelledError("cancelled or past its deadline"))
+                row.owner.future.set_exception(CancelledError(EXPIRED))
 
     def _observe(self) -> None:
         stats = self.scheduler.stats

@@ -32,15 +32,20 @@ from .sampler_lcm import LCM_DEFAULTS, LCMSchedule
 from .sampler_sigmas import read_config
 from .sampler_tcd import TCD_DEFAULTS, TCDSchedule
 from .sampler_unipc import UNIPC_DEFAULTS, UniPCSchedule
-from .scheduler_ddim import COEFS, DDIMConfig, DDIMSchedule, Schedule
+from .scheduler_ddim import COEFS, DDIMConfig, DDIMSchedule, Schedule, trained_betas_refusal
 
-__all__ = ["COEFS", "SAMPLER_NAMES", "Schedule", "SamplerError", "a1111_label", "a1111_sampler", "a1111_samplers",
+__all__ = ["COEFS", "IMAGE_SAMPLER", "SAMPLER_NAMES", "Schedule", "SamplerError", "a1111_label", "a1111_sampler", "a1111_samplers",
            "a1111_schedulers", "check_sampler", "default_sampler", "parse_sampler", "schedule_for"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 SAMPLER_NAMES = ("ddim", "euler", "euler_karras", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "unipc_karras",
                  "lcm", "tcd")
+
+# The sampler of a base from an image, and so of its edits: the image is inverted by running
+# DDIM's deterministic update backwards (pipeline.invert), and an edit re-enters its base's chain
+# with the base's sampler.
+IMAGE_SAMPLER = "ddim"
 
 
 # name -> (diffusers class, its __init__ defaults, what the name fixes)
@@ -277,8 +282,9 @@ def _problem(name: str, cfg: Mapping[str, Any]) -> Optional[str]:
             return f"prediction_type {c.prediction_type!r} is not one of {', '.join(_PREDICTIONS['ddim'])} (DDIM)"
         return None
     c = _resolved(name, cfg)
-    if c["trained_betas"] is not None:
-        return "trained_betas is not supported by edit-rt"
+    why = trained_betas_refusal(c)
+    if why is not None:
+        return why
     if c["beta_schedule"] not in ("linear", "scaled_linear", "squaredcos_cap_v2"):
         return f"beta_schedule {c['beta_schedule']!r} is not supported by {cls}"
     if c["prediction_type"] not in _PREDICTIONS[cls]:

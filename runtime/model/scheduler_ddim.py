@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 import numpy as np
 
@@ -92,8 +92,9 @@ class DDIMConfig:
         Stable Diffusion ships a PNDM config; the pipeline swaps in DDIM with the same
         betas, exactly as ``DDIMScheduler.from_config(pipe.scheduler.config)`` does.
         """
-        if cfg.get("trained_betas") is not None:
-            raise ModelError("scheduler_config.json: trained_betas is not supported by edit-rt")
+        why = trained_betas_refusal(cfg)
+        if why is not None:
+            raise ModelError(f"scheduler_config.json: {why}")
         if cfg.get("thresholding"):
             raise ModelError("scheduler_config.json: thresholding=true is not supported by edit-rt")
         if cfg.get("rescale_betas_zero_snr"):
@@ -101,6 +102,15 @@ class DDIMConfig:
         fields = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg}
         # DDIMScheduler's defaults for keys other schedulers' configs do not carry.
         return cls(**fields)
+
+
+def trained_betas_refusal(cfg: Mapping[str, Any]) -> Optional[str]:
+    """Why a scheduler config's betas cannot run here (None: they can): every sampler builds its
+    betas from ``beta_schedule`` (:func:`_betas`), so an explicit ``trained_betas`` list would be
+    ignored, and the model sampled on a chain it was not trained on."""
+    if cfg.get("trained_betas") is not None:
+        return "trained_betas is not supported by edit-rt"
+    return None
 
 
 def _betas(cfg: DDIMConfig) -> np.ndarray:

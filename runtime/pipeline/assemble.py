@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.run_config import RunConfig
-from ..engine.manifest import model_files, sha256_file
+from ..engine.manifest import Manifest, model_files, sha256_file
+from ..engine.profiles import EditBatchProfile
 from ..errors import ArtifactError, ConfigError, ModelError, SamplerError
 from ..model.adapters import lora_source
 from ..model.samplers import check_sampler
 from ..storage.store import BaseStore
-from .edit_pipeline import EditPipeline
+from .edit_pipeline import EditPipeline, edit_batch_profile
 
 
 def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
@@ -24,8 +25,18 @@ def store_of(cfg: RunConfig, fingerprint: str) -> BaseStore:
                      s.latents_precision, s.kv_precision, s.eviction)  # fmt: skip
 
 
-def batch_profile_of(cfg: RunConfig) -> tuple[int, int, int]:
-    return (cfg.engines.min_batch, cfg.engines.opt_batch, cfg.engines.max_batch)
+def profile_options(cfg: RunConfig) -> dict:
+    """The config's fields :func:`edit_batch_profile` reads, as EditPipeline's arguments: the
+    engines `edit-rt engines` builds and the pipeline that runs them take the same profile."""
+    e = cfg.engines
+    return dict(batch_profile=e.batch_rows(), image_size=(cfg.base.height, cfg.base.width),
+                extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets,
+                vae_max_batch=e.vae_max_batch)  # fmt: skip
+
+
+def profile_of(cfg: RunConfig, manifest: Manifest) -> EditBatchProfile:
+    """The edit-batch profile of the config's engines for the export ``manifest`` describes."""
+    return edit_batch_profile(manifest, **profile_options(cfg))
 
 
 def require_model(cfg: RunConfig) -> None:
@@ -80,10 +91,9 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
     """The config's pipeline (not activated): its graphs, backend, profile and image size."""
     e = cfg.engines
     options = dict(
-        threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, batch_profile=batch_profile_of(cfg),
-        image_size=(cfg.base.height, cfg.base.width), extra_image_sizes=[(h, w) for w, h in cfg.served_sizes()[1:]], max_uncond_sets=e.max_uncond_sets, cuda_graphs=e.cuda_graphs,
-        precision=e.precision, buckets=e.buckets, vae_max_batch=e.vae_max_batch,
-        max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9), preserve=cfg.preserve,
+        threads=cfg.threads, backend=cfg.backend, engines_dir=cfg.engines_dir, **profile_options(cfg), cuda_graphs=e.cuda_graphs,
+        precision=e.precision, buckets=e.buckets, max_memory=None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9),
+        preserve=cfg.preserve,
     )  # fmt: skip
     require_model(cfg)
     model_dir = require_build(cfg)

@@ -51,6 +51,21 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int], None]  # called with the number of row-steps just completed
 
 
+def edit_batch_profile(manifest: Manifest, batch_profile: tuple[int, int, int], image_size: Optional[tuple[int, int]],
+                       extra_image_sizes: Sequence[tuple[int, int]], max_uncond_sets: int, vae_max_batch: int) -> EditBatchProfile:
+    """The shapes the engines are built for (`edit-rt engines`) and the pipeline runs at:
+    ``batch_profile`` (min, opt, max) rows, the latent size of ``image_size`` and of each of
+    ``extra_image_sizes`` ((height, width) in pixels; None: the model's sample size), and what the
+    export fixes (its LoRA slots and rank, ``step_all_given``)."""
+    scale = manifest.vae_scale_factor
+    sample = manifest.data["model"]["sample_size"]
+    h, w = (sample, sample) if image_size is None else (image_size[0] // scale, image_size[1] // scale)
+    extra = tuple((eh // scale, ew // scale) for eh, ew in extra_image_sizes)  # (height, width) each
+    spec = manifest.adapters
+    return EditBatchProfile(*batch_profile, h, w, max_uncond_sets, scale, vae_max_batch, extra, spec["slots"], spec["rank"],
+                            manifest.step_all_given)  # fmt: skip
+
+
 class EditPipeline(PromptEncoding, Preservation, Decoding):
     """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
@@ -112,12 +127,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         self.default_sampler = default_sampler(self.manifest.scheduler_config)
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self.scale = self.manifest.vae_scale_factor
-        sample = self.manifest.data["model"]["sample_size"]
-        h, w = (sample, sample) if image_size is None else (image_size[0] // self.scale, image_size[1] // self.scale)
-        extra = tuple((eh // self.scale, ew // self.scale) for eh, ew in extra_image_sizes)  # (height, width) each
-        spec = self.manifest.adapters
-        profile = EditBatchProfile(*batch_profile, h, w, max_uncond_sets, self.scale, vae_max_batch, extra, spec["slots"], spec["rank"],
-                                   self.manifest.step_all_given)  # fmt: skip
+        profile = edit_batch_profile(self.manifest, batch_profile, image_size, extra_image_sizes, max_uncond_sets, vae_max_batch)
         self.graph_set: GraphSet = graphs_from_artifacts(self.manifest, engines_dir, backend, threads, profile,
                                                          cuda_graphs, precision, max_memory)  # fmt: skip
         self.graphs = self.graph_set.graphs

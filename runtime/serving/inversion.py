@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..errors import EditRtError, ImageInputError
 from ..model.edit import Base
+from ..model.samplers import IMAGE_SAMPLER
 from ..pipeline.images import png_bytes
 from ..pipeline.pnginfo import base_fields, base_id_of, parameters_text
 from ..pipeline.uploads import Upload, image_from_bytes, text_of_image
@@ -97,7 +98,7 @@ class Uploads:
         """The base an upload inverts into: the request's fields, seed 0, the image's key (with
         the encoder the request's decoder pairs with: decoder_choice.upload_encoder), and DDIM
         (an image is inverted with DDIM, and its edits run DDIM: pipeline.invert)."""
-        made = self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip, sampler="ddim")
+        made = self.base_of(prompt, negative_prompt, None, steps, guidance, 0, clip_skip, sampler=IMAGE_SAMPLER)
         return replace(made, image=upload.key_for(upload_encoder(self)))
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..model.samplers import IMAGE_SAMPLER
 from ..pipeline.uploads import Upload
 from ..serving.service import Service
 
@@ -35,7 +36,7 @@ async def found_bases(service: Service, images: list[bytes], params: list[str], 
     for data, param in zip(images, params):
         named = await service.named_base(data, param)
         if named is None:
-            ran, why = "ddim", "an uploaded image is inverted with DDIM"
+            ran, why = IMAGE_SAMPLER, "an uploaded image is inverted with DDIM"
         else:
             ran = named["base"].get("sampler") or service.default_sampler
             why = f"this image's base ({named['id']}) ran {ran}: an edit re-enters its chain"

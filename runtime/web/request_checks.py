@@ -45,6 +45,8 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # as host_port gives them: no brackets
 SINGLE_HEADERS = (b"host", b"authorization", b"origin", b"content-type", b"sec-fetch-site")
 FORM_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})  # POST routes that take multipart/form-data (OpenAI's forms)
+# the doors' routes (OpenAI's, A1111's): a credential guards them (and /metrics), and they answer
+# 503 until the engines have loaded (server.py)
 API_PREFIXES = ("/v1/", "/sdapi/")
 # POST routes that read no body: webuiapi's interrupt(), skip() and refresh_checkpoints() send
 # none, and no type (the A1111 routes edit-rt has nothing behind read none either)

@@ -43,7 +43,7 @@ from .credentials import Credentials, api_auth_of, token_of
 from .docs import docs_routes
 from .json_depth import JsonDepthLimit
 from .openapi_bodies import body_schemas
-from .request_checks import SAFE_METHODS, refusal
+from .request_checks import API_PREFIXES, SAFE_METHODS, refusal
 from .route_table import RouteTable, Routed
 
 log = logging.getLogger(__name__)
@@ -130,14 +130,14 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
             return _error_response(ApiError(413, f"the body is larger than {limits.max_body_bytes} bytes", code="body_too_large"))
         if request.method == "POST" and length is None and routed.template is not None:
             return _error_response(ApiError(411, "a Content-Length header is required", code="length_required"))
-        guarded = path.startswith(("/v1/", "/sdapi/")) or path == "/metrics"
+        guarded = path.startswith(API_PREFIXES) or path == "/metrics"
         # the raw header's bytes (refusal() has made sure there is at most one)
         if credentials.required and guarded and not credentials.accept(dict(request.scope["headers"]).get(b"authorization", b"")):
             response = _error_response(ApiError(401, credentials.wanted(), "authentication_error"))
             for challenge in credentials.challenges():  # one header each
                 response.headers.append("WWW-Authenticate", challenge)
             return response
-        if path.startswith(("/v1/", "/sdapi/")) and not service.ready.is_set():
+        if path.startswith(API_PREFIXES) and not service.ready.is_set():
             why = service.load_error or "the engines are loading"
             return _error_response(ApiError(503, f"not ready: {why}", "server_error", headers={"Retry-After": "5"}))
         return None
