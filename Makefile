@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -35,6 +35,7 @@ help:
 	@echo "make quality64 make quality on it (out/quality64/)"
 	@echo "make quality-looks make quality on the looks model (out/quality-looks/)"
 	@echo "make redteam issue 35's attacks replayed against a real server, /health polled (out/redteam/redteam.json)"
+	@echo "make injected-bugs 16 one-line bugs, each must fail the default suite (out/injected-bugs/)"
 	@echo "make test-all the test suite with the checks marked slow"
 	@echo "make check-sd15  a random SD 1.5 at true size: single file, export, engines, 4 edits at 512x512 (build/check-sd15/)"
 	@echo "make setup | model | export | clean"
@@ -186,6 +187,11 @@ related: setup export/models/shapes-sd/model_index.json
 # random-weight SD 1.5 at its true size (~10 GB of RAM, 30+ minutes on 2 cores)
 check-sd15: setup
 	$(BIN)/python scripts/check_sd15.py --out build/check-sd15
+
+# The suite's power: 16 one-line bugs, each applied to its own copy of HEAD, must fail the
+# default suite's targeted tests (scripts/injected_bugs.py; ~3 minutes)
+injected-bugs: setup
+	$(BIN)/python scripts/injected_bugs.py --out out/injected-bugs
 
 # issue 35's attacks against one real server on loopback (scripts/redteam.py; ~2 minutes)
 redteam: setup export/models/shapes-sd/model_index.json
