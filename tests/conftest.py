@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny SD model built in this test session, and its ONNX export.
+"""Shared fixtures: the tiny models built in this test session (SD 1.x, SDXL, SD 2.x), and their ONNX exports.
 
-Nothing is downloaded: the model is built from a seed (edit_rt.export.world.tiny_model), exported
-once per session, and every test compares against diffusers / PyTorch on those same weights.
+Nothing is downloaded: each model is built from a seed (edit_rt.export.world.tiny_model), exported
+once per session per export setting, and every test compares against diffusers / PyTorch on those
+same weights. Every test file shares these folders, so a test that needs a changed model or
+build copies it first.
 """
 
 from __future__ import annotations
@@ -60,6 +62,40 @@ def adapter_onnx_dir(model_dir, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("build-adapters") / "tiny-sd" / "onnx"
     export_onnx(model_dir, out, adapter_slots_n=3, adapter_rank=8)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sdxl_dir(tmp_path_factory) -> Path:
+    """A tiny random SDXL (two text encoders, ``text_time`` conditioning, SDXL's Euler config)."""
+    from edit_rt.export.world.tiny_model import write_tiny_sdxl
+
+    return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def sdxl_onnx_dir(sdxl_dir, tmp_path_factory) -> Path:
+    from edit_rt.export.compile.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
+    export_onnx(sdxl_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sd2_dir(tmp_path_factory) -> Path:
+    """A tiny random SD 2.x: v-prediction, upcast_attention, linear projections, GELU text encoder."""
+    from edit_rt.export.world.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
+
+
+@pytest.fixture(scope="session")
+def sd2_onnx_dir(sd2_dir, tmp_path_factory) -> Path:
+    from edit_rt.export.compile.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"
+    export_onnx(sd2_dir, out)
     return out
 
 

@@ -226,22 +226,19 @@ def test_rows_with_different_adapters_batched_equal_each_alone(lora_pipe):
 
 
 @pytest.mark.slow  # ~10-20 s; the default run keeps SD 1.x against set_adapters
-def test_sdxl_generation_and_tail_with_an_adapter_equal_diffusers(tmp_path_factory):
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
-
+def test_sdxl_generation_and_tail_with_an_adapter_equal_diffusers(sdxl_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sdxl-lora")
-    model = write_tiny_sdxl(root / "tiny-sdxl", seed=0)
     onnx = root / "build" / "onnx"
-    export_onnx(model, onnx, adapter_slots_n=2, adapter_rank=4)
-    lora = make_lora(model, root / "lora", seed=3, sdxl=True)
-    files = convert_adapters(model, load_manifest(onnx), {"x": lora}, root / "adapters")
+    export_onnx(sdxl_dir, onnx, adapter_slots_n=2, adapter_rank=4)
+    lora = make_lora(sdxl_dir, root / "lora", seed=3, sdxl=True)
+    files = convert_adapters(sdxl_dir, load_manifest(onnx), {"x": lora}, root / "adapters")
     # DDIM asked for (SDXL's config would run Euler): the reference below runs DDIM
     base = Base(prompt="a red circle", negative_prompt="blurry", seed=2, steps=8, guidance=6.0, width=32, height=32,
                 adapters={"x": 0.8}, sampler="ddim")  # fmt: skip
-    with EditPipeline(onnx, model, adapters=files) as pipe:
+    with EditPipeline(onnx, sdxl_dir, adapters=files) as pipe:
         noise = pipe.initial_noise(base)
         ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
-    reference = _diffusers(model, {"x": lora}, StableDiffusionXLPipeline)
+    reference = _diffusers(sdxl_dir, {"x": lora}, StableDiffusionXLPipeline)
     reference.set_adapters(["x"], adapter_weights=[0.8])
     expected = reference(base.prompt, negative_prompt=base.negative_prompt, num_inference_steps=base.steps,
                          guidance_scale=base.guidance, height=32, width=32, eta=0.0,
@@ -276,11 +273,8 @@ def test_scale_out_of_range_and_too_many_adapters_are_refused_by_field(lora_pipe
     assert isinstance(result, ConfigError) and "4 adapters in one row" in str(result) and "adapter_slots" in str(result)
 
 
-def test_lora_of_another_architecture_names_the_file_and_layer(adapter_onnx, model_dir, tmp_path):
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
-
-    other = write_tiny_sdxl(tmp_path / "tiny-sdxl", seed=1)
-    lora = make_lora(other, tmp_path / "xl-lora", seed=1, sdxl=True, text=False)
+def test_lora_of_another_architecture_names_the_file_and_layer(adapter_onnx, model_dir, sdxl_dir, tmp_path):
+    lora = make_lora(sdxl_dir, tmp_path / "xl-lora", seed=1, sdxl=True, text=False)
     with pytest.raises(ModelError) as err:
         convert_adapter(model_dir, load_manifest(adapter_onnx), lora, "xl", tmp_path / "xl.safetensors")
     text = str(err.value)

@@ -320,20 +320,10 @@ def _maps(pipeline, state, kv: list[np.ndarray]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def sdxl_dir(tmp_path_factory):
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
-
-    return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sdxl(sdxl_dir, tmp_path_factory):
-    from edit_rt.export.compile.onnx_export import export_onnx
+def sdxl(sdxl_dir, sdxl_onnx_dir):
     from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
-    out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
-    export_onnx(sdxl_dir, out)
-    with EditPipeline(out, sdxl_dir) as pipe:
+    with EditPipeline(sdxl_onnx_dir, sdxl_dir) as pipe:
         yield pipe
 
 

@@ -41,26 +41,10 @@ BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch siz
 GRAPHS = ["text_encoder", "kv_proj", "unet_step", "latent_blend", "vae_decoder", "vae_encoder"]
 
 
-@pytest.fixture(scope="module")
-def sdxl_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
-
-    return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sdxl_onnx(sdxl_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
-    export_onnx(sdxl_dir, out)
-    return out
-
-
 # every SDXL promise on each CPU engine: ONNX Runtime and OpenVINO (fp32) read the same graphs
 @pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
-def sdxl(request, sdxl_onnx, sdxl_dir):
-    with EditPipeline(sdxl_onnx, sdxl_dir, backend=request.param) as pipe:
+def sdxl(request, sdxl_onnx_dir, sdxl_dir):
+    with EditPipeline(sdxl_onnx_dir, sdxl_dir, backend=request.param) as pipe:
         assert pipe.graph_set.backend == request.param
         yield pipe
 
@@ -94,12 +78,12 @@ def _sdxl_reference(pipe, base: Base, latents: np.ndarray, **embeds) -> np.ndarr
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_sdxl_graph_matches_torch(graph, sdxl_onnx, sdxl_dir):
-    assert_graph_matches_torch(graph, sdxl_onnx, sdxl_dir)
+def test_sdxl_graph_matches_torch(graph, sdxl_onnx_dir, sdxl_dir):
+    assert_graph_matches_torch(graph, sdxl_onnx_dir, sdxl_dir)
 
 
-def test_sdxl_manifest_lists_the_step_inputs(sdxl_onnx, sdxl_dir):
-    manifest = load_manifest(sdxl_onnx)
+def test_sdxl_manifest_lists_the_step_inputs(sdxl_onnx_dir, sdxl_dir):
+    manifest = load_manifest(sdxl_onnx_dir)
     roles = manifest.step_roles
     assert roles["cond_text_embeds"] == "row_cond:text_embeds" and roles["uncond_text_embeds"] == "set_cond:text_embeds"
     assert roles["time_ids"] == "row_cond:time_ids"
@@ -218,9 +202,9 @@ def test_sdxl_store_bytes_and_round_trip(sdxl, sdxl_state, sdxl_dir, tmp_path):
             np.testing.assert_array_equal(sdxl.run_tail(back, [row])[0], sdxl.run_tail(sdxl_state, [row])[0])
 
 
-def test_server_serves_sdxl(tmp_path, sdxl_dir, sdxl_onnx, diffusers_sdxl):
+def test_server_serves_sdxl(tmp_path, sdxl_dir, sdxl_onnx_dir, diffusers_sdxl):
     base = {"prompt": "x", "steps": 6, "guidance": 7.5, "width": 32, "height": 32}
-    server = ServerProcess(tmp_path, sdxl_dir, sdxl_onnx, base=base)
+    server = ServerProcess(tmp_path, sdxl_dir, sdxl_onnx_dir, base=base)
     try:
         body = {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 4, "original_width": 64, "crop_left": 2}
         r = httpx.post(server.url + "/v1/images/generations", json=body, timeout=120)
@@ -229,7 +213,7 @@ def test_server_serves_sdxl(tmp_path, sdxl_dir, sdxl_onnx, diffusers_sdxl):
         image = np.asarray(Image.open(io.BytesIO(base64.b64decode(gen["data"][0]["b64_json"]))), dtype=np.int16)
         expected_base = Base(prompt="a red circle", negative_prompt="blurry", seed=4, steps=6, guidance=7.5, width=32,
                              height=32, original_width=64, crop_left=2)  # fmt: skip
-        with EditPipeline(sdxl_onnx, sdxl_dir) as pipe:
+        with EditPipeline(sdxl_onnx_dir, sdxl_dir) as pipe:
             noise = pipe.initial_noise(expected_base)
         expected = to_uint8(_sdxl_reference(diffusers_sdxl, expected_base, noise)[0]).astype(np.int16)
         assert np.abs(image - expected).max() <= 1
@@ -283,26 +267,16 @@ def test_clip_skip_equals_diffusers(pipeline, model_dir):
     assert np.abs(unskipped - expected).max() > 1e-3  # the layer choice is visible
 
 
-@pytest.fixture(scope="module")
-def sd2_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.world.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
-
-
-def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir, tmp_path):
+def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir, sd2_onnx_dir):
     """v-prediction, upcast_attention, linear projections, GELU text encoder, clip_skip; and
     the nodes an fp16 engine keeps fp32 are exactly the attentions' score chains."""
     from edit_rt.export.compile.engines import fp32_attention_nodes
     from edit_rt.export.compile.graphs import cross_attention_layers
-    from edit_rt.export.compile.onnx_export import export_onnx
 
-    onnx_dir = tmp_path / "tiny-sd2" / "onnx"
-    export_onnx(sd2_dir, onnx_dir)
     reference = _sd_pipeline(sd2_dir)
     assert reference.unet.config.upcast_attention and reference.scheduler.config.prediction_type == "v_prediction"
     for backend in ("ort-cpu", "openvino"):  # both CPU engines on the same graphs
-        with EditPipeline(onnx_dir, sd2_dir, backend=backend) as pipe:
+        with EditPipeline(sd2_onnx_dir, sd2_dir, backend=backend) as pipe:
             assert pipe.family["upcast_attention"] is True and pipe.graph_set.backend == backend
             for base in (TEST_BASE, dataclasses.replace(TEST_BASE, clip_skip=2)):
                 noise = pipe.initial_noise(base)
@@ -311,19 +285,19 @@ def test_sd2_generation_equals_diffusers_and_its_scores_are_pinned_fp32(sd2_dir,
     # every self-attention has one softmax, every cross-attention two (uncond sets, cond rows)
     attentions = [n for n, m in reference.unet.named_modules() if n.endswith(("attn1", "attn2"))]
     cross = len(cross_attention_layers(reference.unet))
-    pinned = fp32_attention_nodes(onnx_dir / "unet_step.onnx")
+    pinned = fp32_attention_nodes(sd2_onnx_dir / "unet_step.onnx")
     import onnx
 
-    graph = onnx.load(str(onnx_dir / "unet_step.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(sd2_onnx_dir / "unet_step.onnx"), load_external_data=False).graph
     ops = {node.name: node.op_type for node in graph.node}
     assert sum(ops[n] == "Softmax" for n in pinned) == len(attentions) - cross + 2 * cross
     assert sum(ops[n] == "MatMul" for n in pinned) == sum(ops[n] == "Softmax" for n in pinned)  # each its q k^T
 
 
-def test_engine_precision_keeps_sdxl_vae_fp32(sdxl_onnx, onnx_dir):
+def test_engine_precision_keeps_sdxl_vae_fp32(sdxl_onnx_dir, onnx_dir):
     from edit_rt.runtime.engine.engines import graph_precision, upcasts
 
-    sdxl_manifest, sd_manifest = load_manifest(sdxl_onnx), load_manifest(onnx_dir)
+    sdxl_manifest, sd_manifest = load_manifest(sdxl_onnx_dir), load_manifest(onnx_dir)
     # latent_blend only selects fp32 latents: fp32 everywhere
     assert [graph_precision(sdxl_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 3 + ["fp32"] * 3
     assert [graph_precision(sd_manifest, g, "fp16") for g in GRAPHS] == ["fp16"] * 3 + ["fp32"] + ["fp16"] * 2

@@ -57,15 +57,9 @@ def openvino_pipeline(onnx_dir, model_dir):
 
 
 @pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
-def sd2(request, tmp_path_factory):
-    from edit_rt.export.compile.onnx_export import export_onnx
-    from edit_rt.export.world.tiny_model import write_tiny_model
-
-    model = write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
-    onnx = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"
-    export_onnx(model, onnx)
-    with EditPipeline(onnx, model, backend=request.param) as pipe:
-        yield pipe, model
+def sd2(request, sd2_onnx_dir, sd2_dir):
+    with EditPipeline(sd2_onnx_dir, sd2_dir, backend=request.param) as pipe:
+        yield pipe, sd2_dir
 
 
 def _reference(model_dir: Path, sampler: str, base, latents: np.ndarray, monkeypatch) -> np.ndarray:

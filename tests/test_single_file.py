@@ -40,13 +40,6 @@ def sd_file(model_dir, tmp_path_factory) -> Path:
     return write_single_file(model_dir, tmp_path_factory.mktemp("files") / "tiny-sd.safetensors")
 
 
-@pytest.fixture(scope="module")
-def sdxl_dir(tmp_path_factory) -> Path:
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
-
-    return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=1)
-
-
 def _same_weights(original: Path, converted: Path) -> None:
     """Every tensor of every part equal (torch.equal), and the parts' configs equal."""
     for part in PARTS:
@@ -106,18 +99,16 @@ def test_an_sdxl_single_file_converts_to_the_folder_it_came_from(sdxl_dir, tmp_p
     assert np.array_equal(_image(StableDiffusionXLPipeline, sdxl_dir), _image(StableDiffusionXLPipeline, out))
 
 
-def test_an_sd2_single_file_needs_its_family_or_a_v_pred_key(tmp_path):
+def test_an_sd2_single_file_needs_its_family_or_a_v_pred_key(sd2_dir, tmp_path):
     from edit_rt.export.compile.checkpoint import diffusers_from_single_file
-    from edit_rt.export.world.tiny_model import write_tiny_model
 
-    folder = write_tiny_model(tmp_path / "tiny-sd2", preset="tiny-sd2")
-    path = write_single_file(folder, tmp_path / "sd2.safetensors")
+    path = write_single_file(sd2_dir, tmp_path / "sd2.safetensors")
     with pytest.raises(ModelError) as refused:
         checkpoint_family(path)
     _one_line(refused.value, "SD 2.x checkpoint", "family: sd2-v", "family: sd2")
-    out = diffusers_from_single_file(path, tmp_path / "conv", family="sd2-v", config_dir=folder)
-    _same_weights(folder, out)
-    marked = write_single_file(folder, tmp_path / "sd2v.safetensors", v_pred=torch.zeros(()))
+    out = diffusers_from_single_file(path, tmp_path / "conv", family="sd2-v", config_dir=sd2_dir)
+    _same_weights(sd2_dir, out)
+    marked = write_single_file(sd2_dir, tmp_path / "sd2v.safetensors", v_pred=torch.zeros(()))
     assert checkpoint_family(marked) == "sd2-v"
 
 

@@ -386,16 +386,11 @@ def test_token_diff_compares_words_not_brackets(pipeline):
 
 
 @pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
-    from edit_rt.export.compile.onnx_export import export_onnx
-    from edit_rt.export.world.tiny_model import write_tiny_sdxl
+def sdxl(sdxl_dir, sdxl_onnx_dir):
     from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
-    model = write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
-    out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
-    export_onnx(model, out)
-    with EditPipeline(out, model) as pipe:
-        yield pipe, model
+    with EditPipeline(sdxl_onnx_dir, sdxl_dir) as pipe:
+        yield pipe, sdxl_dir
 
 
 @pytest.mark.slow
