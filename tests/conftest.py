@@ -38,6 +38,16 @@ def sample_rows(g: float = TEST_BASE.guidance) -> list:
     ]
 
 
+def _exported(model: Path, tmp_path_factory, build: str, name: str, **settings) -> Path:
+    """``model`` exported with ``settings`` as ``<a fresh build folder>/<name>/onnx`` (the layout
+    `make export` gives, so a config's build_dir is the folder two levels up)."""
+    from edit_rt.export.compile.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp(build) / name / "onnx"
+    export_onnx(model, out, **settings)
+    return out
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     from edit_rt.export.world.tiny_model import write_tiny_model
@@ -47,22 +57,14 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def onnx_dir(model_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("build") / "tiny-sd" / "onnx"
-    export_onnx(model_dir, out)
-    return out
+    return _exported(model_dir, tmp_path_factory, "build", "tiny-sd")
 
 
 @pytest.fixture(scope="session")
 def adapter_onnx_dir(model_dir, tmp_path_factory) -> Path:
     """The tiny model exported with 3 LoRA slots of rank 8, as ``<build>/tiny-sd/onnx`` (its
     converted adapters go to ``<build>/tiny-sd/adapters``, as `make export` lays them out)."""
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("build-adapters") / "tiny-sd" / "onnx"
-    export_onnx(model_dir, out, adapter_slots_n=3, adapter_rank=8)
-    return out
+    return _exported(model_dir, tmp_path_factory, "build-adapters", "tiny-sd", adapter_slots_n=3, adapter_rank=8)
 
 
 @pytest.fixture(scope="session")
@@ -75,11 +77,7 @@ def sdxl_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sdxl_onnx_dir(sdxl_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("build") / "tiny-sdxl" / "onnx"
-    export_onnx(sdxl_dir, out)
-    return out
+    return _exported(sdxl_dir, tmp_path_factory, "build", "tiny-sdxl")
 
 
 @pytest.fixture(scope="session")
@@ -92,11 +90,7 @@ def sd2_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sd2_onnx_dir(sd2_dir, tmp_path_factory) -> Path:
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("build") / "tiny-sd2" / "onnx"
-    export_onnx(sd2_dir, out)
-    return out
+    return _exported(sd2_dir, tmp_path_factory, "build", "tiny-sd2")
 
 
 @pytest.fixture(scope="session")

@@ -139,6 +139,15 @@ def test_txt2img_and_img2img_return_batch_size_x_n_iter_seeded_images(api):
 # --- job control --------------------------------------------------------------------------------
 
 
+def _rows_run(server) -> float:
+    """The server's count of UNet rows run so far (its /metrics, read by prometheus_client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics").raise_for_status().text
+    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "edit_rt_unet_rows_total")  # fmt: skip
+
+
 def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops_the_job(server, api):
     idle = api.get_progress()
     assert idle["progress"] == 0.0 and idle["state"]["job_count"] == 0
@@ -150,7 +159,7 @@ def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops
                                  "batch_size": 2, "n_iter": 2, "seed": 1, "width": 32, "height": 32}, timeout=120)  # fmt: skip
 
     thread = threading.Thread(target=run)
-    started = time.monotonic()
+    rows_at_start = _rows_run(server)
     thread.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -165,13 +174,13 @@ def test_progress_is_zero_when_idle_a_fraction_while_running_and_interrupt_stops
     preview = Image.open(io.BytesIO(base64.b64decode(seen[-1]["current_image"])))
     assert preview.size == (32, 32) and preview.format == "PNG"
     assert seen[-1]["eta_relative"] > 0  # a job under way has time left
+    rows_before = _rows_run(server) - rows_at_start
     assert api.interrupt()["interrupted"] >= 1  # webuiapi posts it without a body
-    stopped = time.monotonic()
-    thread.join(120)
-    # a ratio within this run: the job ran `ran` seconds to reach `done` of its steps, so the
-    # steps left would take ran * (1 - done) / done; an interrupt ends it in a step or two
-    ran, done = stopped - started, seen[-1]["progress"]
-    assert time.monotonic() - stopped < 0.5 * ran * (1 - done) / done, (ran, done, time.monotonic() - stopped)
+    thread.join(120)  # a hang guard
+    # counted, not timed: the job ran `rows_before` UNet rows to reach `done` of its steps, so
+    # the steps left hold rows_before * (1 - done) / done more; an interrupt ends it in a step or two
+    done, rows_after = seen[-1]["progress"], _rows_run(server) - rows_at_start - rows_before
+    assert rows_after < 0.5 * rows_before * (1 - done) / done, (rows_before, done, rows_after)
     r = answer["r"]
     assert r.status_code in (200, 409), r.text
     if r.status_code == 409:

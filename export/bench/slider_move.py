@@ -271,10 +271,9 @@ def default_engine(cfg: RunConfig) -> str:
         backend = "ort-cpu"
     if backend != "openvino":
         return engine_name(backend, "fp32")
-    from edit_rt.runtime.engine.backend_ov import auto_precision, resolve_precision
+    from edit_rt.runtime.engine.backend_ov import openvino_precision
 
-    precision = cfg.engines.precision
-    return engine_name(backend, auto_precision(precision)[0] if cfg.backend == "auto" else resolve_precision(precision))
+    return engine_name(backend, openvino_precision(cfg.backend, cfg.engines.precision)[0])
 
 
 def measure_slider_moves(config: Path, engines: Sequence[tuple[str, str]] = ENGINES, repeats: int = 3,

@@ -107,6 +107,16 @@ def auto_precision(precision: str, flags: Optional[set[str]] = None) -> tuple[st
     return "fp32", "fp32: the CPU has no native bf16"
 
 
+def openvino_precision(backend: str, precision: str) -> tuple[str, str]:
+    """What an ``openvino`` pipeline computes in, and why, for the config's ``backend`` (``auto``
+    or ``openvino``) and ``engines.precision``: :func:`auto_precision` where auto chose it,
+    :func:`resolve_precision` where the config names the engine."""
+    if backend == "auto":
+        return auto_precision(precision)
+    computes = resolve_precision(precision)
+    return computes, computes
+
+
 def host_array(view: TensorView) -> np.ndarray:
     """A numpy array over a host view's bytes (no copy): what an ``ov.Tensor`` shares."""
     buffer = (ctypes.c_char * max(1, view.nbytes)).from_address(view.ptr)

@@ -127,20 +127,16 @@ def graphs_from_artifacts(
         return GraphSet(chosen, reason, graphs, files, engines.profile, device)
 
     if chosen == "openvino":
-        from .backend_ov import OvDevice, OvGraph, auto_precision, resolve_precision
+        from .backend_ov import OvDevice, OvGraph, openvino_precision
 
-        if backend == "auto":
-            computes, why = auto_precision(precision)
-            reason = f"{reason}; {why}"
-        else:
-            computes = resolve_precision(precision)
+        computes, why = openvino_precision(backend, precision)
         # the export's ONNX graphs, not `make engines`' ort-cpu ones: those hold ONNX Runtime's
         # own fused ops (com.microsoft domain), which are ONNX Runtime's, not the model's
         files = {g: manifest.path(g) for g in graphs_of(manifest)}
         device = OvDevice()
         graphs = {g: OvGraph(f, device, threads, computes if graph_precision(manifest, g, "bf16") == "bf16" else "fp32",
                              lazy=g in LAZY) for g, f in files.items()}  # fmt: skip
-        return GraphSet(chosen, reason if backend == "auto" else f"{reason}; {computes}", graphs, files, profile, device)
+        return GraphSet(chosen, f"{reason}; {why}", graphs, files, profile, device)
 
     if chosen == "ort-cpu" and precision == "bf16":
         raise ConfigError("engines.precision: bf16 runs on backend: openvino only (ONNX Runtime's CPU provider computes "
