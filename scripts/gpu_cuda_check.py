@@ -95,7 +95,7 @@ def run_checks() -> dict:
 
 
 def slot_pattern(stream: "cuda.CudaStream", rows: int = 4, steps: int = 6, elems: int = 4 * 64 * 64) -> dict:
-    """What runtime/loop/slots.py does to device memory around its graphs, for ``steps`` steps
+    """What runtime/loop/row_scheduler.py does to device memory around its graphs, for ``steps`` steps
     of ``rows`` rows (latents of ``elems``, SD 1.5's at 512x512): the same writes, window copies,
     moves and reads on numpy arrays give the reference; one synchronization per run."""
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """The step graph's sampler inputs for a DDIM (eta 0) step, written out from Song et al. 2020,
 eq. 12 (x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev) eps), for tests that call ``unet_step``
-directly: coefficients (runtime/model/samplers.COEFS order), no history, no noise."""
+directly: coefficients (runtime/model/step_coefs.COEFS order), no history, no noise."""
 
 import numpy as np
 

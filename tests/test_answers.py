@@ -16,11 +16,9 @@
 from __future__ import annotations
 
 import base64
-import os
 import re
 import shutil
 import subprocess
-import sys
 
 import httpx
 import pytest
@@ -28,7 +26,7 @@ import pytest
 from edit_rt.runtime.config.load import config_from_dict
 from edit_rt.runtime.errors import ConfigError
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, serve_to_its_end
 
 TOKEN = "tökén-1"
 USERS = {"alice": "open sesame", "bob": "pa:ss"}  # a colon in a password: only the first one splits
@@ -178,20 +176,13 @@ def test_api_auth_is_validated_naming_the_field_and_never_the_password(model_dir
         assert message.startswith("serve.api_auth: ") and "user:password" in message and "s3cret" not in message, message
 
 
-def _serve_cli(config, env: dict, *args: str) -> subprocess.CompletedProcess:
-    """`edit-rt serve CONFIG ARGS` in a subprocess; ``env`` values of None are taken out."""
-    environ = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config), *args],
-                          capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
-
-
 def test_the_environment_s_api_auth_is_checked_and_counts_as_authentication(server):
-    r = _serve_cli(server.config, {"EDIT_RT_API_AUTH": "alices3cret", "EDIT_RT_TOKEN": None})
+    r = serve_to_its_end(server.config, env={"EDIT_RT_API_AUTH": "alices3cret", "EDIT_RT_TOKEN": None})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: EDIT_RT_API_AUTH: ") and "user:password" in line and "s3cret" not in line
     # beyond loopback, Basic users are authentication enough (the port is the running server's: taken)
-    r = _serve_cli(server.config, {"EDIT_RT_API_AUTH": "alice:x", "EDIT_RT_TOKEN": None}, "--host", "0.0.0.0")
+    r = serve_to_its_end(server.config, "--host", "0.0.0.0", env={"EDIT_RT_API_AUTH": "alice:x", "EDIT_RT_TOKEN": None})
     assert r.returncode == 2 and "no token is set" not in r.stderr and "is in use" in r.stderr, r.stderr
 
 

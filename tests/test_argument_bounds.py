@@ -204,10 +204,10 @@ def _main(*args: str, env: dict | None = None) -> tuple[int, list[str]]:
 
 
 def test_serve_with_a_blank_token_exits_2_in_one_line_before_it_starts(tmp_path, monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the server started")
+    def bound(*args, **kwargs):
+        raise AssertionError("the server bound its port")
 
-    monkeypatch.setattr("edit_rt.runtime.web.server.serve", started)
+    monkeypatch.setattr("edit_rt.runtime.web.http_server.listening_sockets", bound)  # serve() binds first
     monkeypatch.delenv("EDIT_RT_TOKEN", raising=False)
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"model": str(tmp_path / "no-model"), "build_dir": str(tmp_path / "build"),

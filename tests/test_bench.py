@@ -25,6 +25,39 @@ def _finite(value) -> bool:
     return True
 
 
+def _bench_config(tmp_path, model_dir, onnx_dir):
+    return config_from_dict({
+        "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
+        "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
+        "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 2},
+    })  # fmt: skip
+
+
+def test_bench_points_count_their_unet_rows_and_ratios_are_of_their_seconds(tmp_path, model_dir, onnx_dir, capsys):
+    """The measured points without the LoRA slots' section (an export and diffusers sweeps of its
+    own: the slow test below): each point's UNet rows are what its method runs (diffusers' 2N
+    per step, a tail's N at its entry step), and each comparison is the ratio of the seconds of
+    the points it names."""
+    report = run_bench(_bench_config(tmp_path, model_dir, onnx_dir), ns=(1, 2), fractions=(0.5,), repeats=1,
+                       say=lambda s: None, sliders=False, catalogue_sizes=(2,))  # fmt: skip
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(report))
+    rows = {(p["method"], p["n"]): p["unet_rows"] for p in report["points"]}
+    # 4 steps x 2 halves x 2 rows; a 2-step tail of 2 rows: its entry step takes u from the base
+    assert rows[("diffusers", 2)] == 8 and rows[("edit-rt tail", 2)] == 4 and rows[("img2img", 2)] == 4
+    seconds = {(p["method"], p["n"]): p["seconds"] for p in report["points"]}
+    for c in report["comparisons"]:
+        n, tail = c["n"], seconds[("edit-rt tail", c["n"])]
+        assert c["speedup_vs_diffusers"] == pytest.approx(seconds[("diffusers", n)] / tail)
+        assert c["uncond_reuse_speedup"] == pytest.approx(tail / seconds[(UNCOND_METHOD, n)])
+    assert "sliders" not in report and _finite(report)
+    from edit_rt.runtime.apps.summaries import print_bench
+
+    print_bench(report, tmp_path)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "server, 2 concurrent" in printed and "LoRA slots" not in printed
+
+
+@pytest.mark.slow  # ~40-90 s; the default run keeps the points and ratios (test above)
 def test_bench_smoke_report_shape(tmp_path, model_dir, onnx_dir, capsys):
     cfg = config_from_dict({
         "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),

@@ -23,12 +23,12 @@ from PIL import Image
 
 from edit_rt.runtime.config.serve import Serve
 from edit_rt.runtime.model.sweep import MAX_POINTS, expand_all, rows_of
-from edit_rt.runtime.serving.http_errors import ApiError
+from edit_rt.runtime.web.http_errors import ApiError
 from edit_rt.runtime.web import a1111_masks, api_openai
 from edit_rt.runtime.web.a1111_masks import a1111_pixel_mask, gaussian_blur
 from edit_rt.runtime.web.api import EditsRequest
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 
 LIMIT = Serve.__dataclass_fields__["max_edits_per_request"].default  # 64
 
@@ -84,19 +84,19 @@ def test_the_docs_state_the_limits_the_code_declares():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("bounds"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("bounds"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
 
-def _health_while(url: str, send) -> tuple[httpx.Response, list[int]]:
+def _health_while(client: httpx.Client, send) -> tuple[httpx.Response, list[int]]:
     """``send()`` in a thread while /health is asked every 50 ms: its answer and /health's statuses."""
     out: dict = {}
     thread = threading.Thread(target=lambda: out.setdefault("r", send()))
     thread.start()
     statuses = []
     while thread.is_alive() or not statuses:
-        statuses.append(httpx.get(url + "/health", timeout=10).status_code)  # the timeout: a hang guard
+        statuses.append(client.get("/health", timeout=10).status_code)  # the timeout: a hang guard
         time.sleep(0.05)
     thread.join()
     return out["r"], statuses
@@ -107,9 +107,9 @@ def test_an_oversized_edits_body_is_refused_and_health_answers_meanwhile(server,
     text = json.dumps(_body(edits, points))
 
     def send():
-        return httpx.post(server.url + "/v1/images/edits", content=text, headers={"content-type": "application/json"}, timeout=120)
+        return server.client.post("/v1/images/edits", content=text, headers={"content-type": "application/json"}, timeout=120)
 
-    r, health = _health_while(server.url, send)
+    r, health = _health_while(server.client, send)
     assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text
     assert set(health) == {200}, health
 
@@ -193,23 +193,23 @@ def test_a_5000px_mask_is_served_and_another_upload_is_answered_meanwhile(server
     big = {}
 
     def send():
-        big["r"] = httpx.post(server.url + "/sdapi/v1/img2img", json=body, timeout=120)
+        big["r"] = server.client.post("/sdapi/v1/img2img", json=body, timeout=120)
 
     thread = threading.Thread(target=send)
     thread.start()
     time.sleep(0.2)
-    small = httpx.post(server.url + "/v1/bases", json={"image": _b64_png(pixels), "source_prompt": "a cat"}, timeout=120)
+    small = server.client.post("/v1/bases", json={"image": _b64_png(pixels), "source_prompt": "a cat"}, timeout=120)
     thread.join()
     assert small.status_code == 200, small.text
     assert big["r"].status_code == 200, big["r"].text
 
 
 def test_a_sweep_within_the_limit_still_runs_as_its_rows(server):
-    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a cat", "steps": 6, "seed": 1}, timeout=120)
+    r = server.client.post("/v1/images/generations", json={"prompt": "a cat", "steps": 6, "seed": 1}, timeout=120)
     assert r.status_code == 200, r.text
     body = {"base_id": r.json()["id"], "edits": [{"prompt": "a dog", "tail_steps": 2, "sweep": {"from": 0, "to": 1, "n": 3}}]}
-    r = httpx.post(server.url + "/v1/images/edits", json=body, timeout=120)
+    r = server.client.post("/v1/images/edits", json=body, timeout=120)
     assert r.status_code == 200 and [d["index"] for d in r.json()["data"]] == [0, 1, 2], r.text
     body["edits"] *= 22  # 66 rows: past the limit by its sweeps, not its length
-    r = httpx.post(server.url + "/v1/images/edits", json=body, timeout=120)
+    r = server.client.post("/v1/images/edits", json=body, timeout=120)
     assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text

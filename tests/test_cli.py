@@ -1,9 +1,11 @@
-"""`edit-rt run` end to end in a subprocess, and every bad input it must refuse cleanly; then
-every command's refusals (issue 35: a busy port, click's usage errors, options that are no
-numbers, a missing model folder, a config that cannot be read) and Ctrl-C.
+"""`edit-rt run` end to end, and every bad input it must refuse cleanly; then every command's
+refusals (issue 35: a busy port, click's usage errors, options that are no numbers, a missing
+model folder, a config that cannot be read) and Ctrl-C.
 
 A refusal is exit code 2, one line on stderr that names the file/field and the fix, and no
-traceback.
+traceback. Commands run in this process as the console script runs them (cli_in_process.py);
+a real process only where one matters: the installed ``edit-rt`` script binding a port, a
+fresh interpreter's imports, an interrupt.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import yaml
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
+from .cli_in_process import Ran, edit_rt
+from .server_process import ENTRY_POINT, serve_to_its_end
 from .step_feeds import count_step_calls
 
 EDITS = [
@@ -44,13 +48,10 @@ def _config(tmp_path: Path, model_dir: Path, onnx_dir: Path, **overrides) -> dic
     return cfg
 
 
-def _run(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, cfg: dict) -> Ran:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.run(
-        [sys.executable, "-m", "edit_rt.runtime.apps.cli", "run", str(path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return edit_rt("run", str(path))
 
 
 def test_run_writes_images_grid_and_report(tmp_path, model_dir, onnx_dir):
@@ -98,7 +99,7 @@ def test_second_run_takes_the_base_from_the_disk_store(tmp_path, model_dir, onnx
     edit_png = (tmp_path / "out" / "edit_01.png").read_bytes()
     assert first["base_source"] == "generated" and first["unet_rows"]["base"] == 8
     assert list((tmp_path / "bases" / "bases").glob(f"{first['base_id']}.safetensors"))
-    assert _run(tmp_path, cfg).returncode == 0  # a new process: only the disk tier remembers
+    assert _run(tmp_path, cfg).returncode == 0  # a new run makes a new store: only the disk tier remembers
     second = json.loads((tmp_path / "out" / "report.json").read_text())
     assert second["base_source"] == "store (disk)" and second["unet_rows"]["base"] == 0
     assert second["base_id"] == first["base_id"] and second["store"]["hits_disk"] == 1
@@ -118,6 +119,7 @@ def test_run_images_equal_the_pipeline(tmp_path, model_dir, onnx_dir, pipeline):
 
 
 def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
+    """A fresh interpreter (this one has torch loaded): a real process."""
     cfg = _config(tmp_path, model_dir, onnx_dir, edits=EDITS[:1])
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -130,7 +132,7 @@ def test_runtime_does_not_import_torch(tmp_path, model_dir, onnx_dir):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
-def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
+def _refused(result: Ran, *needles: str) -> None:
     """Exit 2 and one ``error:`` line, the last; before it only the progress lines a run prints
     without a terminal ("loading the graphs ...", a stage that failed says no "done")."""
     assert result.returncode == 2, (result.returncode, result.stderr)
@@ -173,6 +175,19 @@ def test_edits_without_strength_take_the_configured_default(tmp_path, model_dir,
     assert [r.strength for r in tail_rows(cfg)] == [1.5, 0.5]
 
 
+def test_export_refuses_a_size_no_step_row_fits_before_exporting(tmp_path, model_dir):
+    """512x512 on the 32x32 test model: self-attention over its 256x256 latents needs hundreds of
+    GB for one row on any machine, counted from the model's own configs, so the export is
+    refused in one line before it writes anything."""
+    cfg = {"model": str(model_dir), "build_dir": str(tmp_path / "build"),
+           "base": {"prompt": "x", "steps": 4, "width": 512, "height": 512}}  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    result = edit_rt("export", str(tmp_path / "config.yaml"))
+    _one_error_line(result, "base.width/height: 512x512 needs about", "for one step row", "the model's own is 32x32",
+                    "raise engines.max_memory_gb")  # fmt: skip
+    assert not (tmp_path / "build").exists()
+
+
 def test_missing_model_dir_is_refused(tmp_path, model_dir, onnx_dir):
     result = _run(tmp_path, _config(tmp_path, model_dir, onnx_dir, model=str(tmp_path / "nope")))
     _refused(result, "does not exist", "make model")
@@ -206,12 +221,7 @@ def test_corrupt_graph_is_refused(tmp_path, model_dir, onnx_dir):
 # --- every refusal of every command: one `error:` line, exit status 2 ----------------------------
 
 
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)  # fmt: skip
-
-
-def _one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
+def _one_error_line(result: Ran | subprocess.CompletedProcess, *needles: str) -> str:
     """Exactly one line on stderr, ``error: ...``, naming ``needles``; exit status 2."""
     assert result.returncode == 2, (result.returncode, result.stderr)
     lines = result.stderr.splitlines()
@@ -230,15 +240,17 @@ def no_model_config(tmp_path) -> Path:
     return path
 
 
-def test_a_busy_port_is_the_only_line_serve_prints(no_model_config):
-    """The listening line comes once the port is bound: a busy port prints no address it never served."""
+def test_a_busy_port_is_the_only_line_the_installed_edit_rt_serve_prints(no_model_config):
+    """The console script pip installed, as a shell runs it: the listening line comes once the
+    port is bound, so a busy port prints no address it never served, and exits 2."""
     import socket
 
+    assert Path(ENTRY_POINT[0]).is_file(), f"{ENTRY_POINT[0]}: edit-rt is not installed (pip install -e .)"
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        result = _cli("serve", str(no_model_config), "--port", str(port))
+        result = serve_to_its_end(no_model_config, "--port", str(port), cli=ENTRY_POINT)
     _one_error_line(result, f"serve.port {port} on 127.0.0.1 is in use", "--port")
 
 
@@ -257,7 +269,7 @@ def test_a_busy_port_is_the_only_line_serve_prints(no_model_config):
 def test_a_usage_error_is_one_line(no_model_config, args, needles):
     """click's usage errors (a missing argument, an unknown option, a value that is no number)
     keep click's words and exit status 2, in one line that says where the usage is."""
-    _one_error_line(_cli(*(a.replace("{config}", str(no_model_config)) for a in args)), *needles)
+    _one_error_line(edit_rt(*(a.replace("{config}", str(no_model_config)) for a in args)), *needles)
 
 
 @pytest.mark.parametrize(
@@ -265,12 +277,12 @@ def test_a_usage_error_is_one_line(no_model_config, args, needles):
     [("--ns", "abc"), ("--ns", "4,,8"), ("--ns", "0"), ("--fractions", "x"), ("--fractions", "2"), ("--fractions", "nan")],
 )
 def test_bench_options_that_are_no_numbers_are_one_line(no_model_config, option, value):
-    _one_error_line(_cli("bench", str(no_model_config), option, value), option, repr(value))
+    _one_error_line(edit_rt("bench", str(no_model_config), option, value), option, repr(value))
 
 
 @pytest.mark.parametrize("command", ["run", "bench", "quality"])
 def test_a_missing_model_folder_is_one_line(no_model_config, command):
-    _one_error_line(_cli(command, str(no_model_config)), "no-model does not exist", "make model")
+    _one_error_line(edit_rt(command, str(no_model_config)), "no-model does not exist", "make model")
 
 
 @pytest.mark.parametrize(
@@ -289,19 +301,22 @@ def test_a_config_that_cannot_be_read_is_one_line(tmp_path, text, needles):
         path.write_bytes(text)
     elif text is not None:
         path.write_text(text)
-    _one_error_line(_cli("run", str(path)), "config.yaml", *needles)
+    _one_error_line(edit_rt("run", str(path)), "config.yaml", *needles)
 
 
 @pytest.mark.parametrize("command", ["serve", "export", "engines", "adapters", "parity", "bench", "quality", "gates"])
 def test_every_command_reads_its_config_the_same_way(tmp_path, command):
     (tmp_path / "config.yaml").write_text("model: [unclosed\n")
-    _one_error_line(_cli(command, str(tmp_path / "config.yaml")), "config.yaml", "line 2", "fix the YAML")
+    _one_error_line(edit_rt(command, str(tmp_path / "config.yaml")), "config.yaml", "line 2", "fix the YAML")
 
 
 def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(tmp_path):
     """An interrupt is the user's own act, not an error: nothing printed, 130 (128 + SIGINT),
-    which shells and make read as interrupted."""
+    which shells and make read as interrupted. A real process: the signal is delivered to it."""
+    # Python's own SIGINT handler, as in a terminal: a job started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then keeps it ignored
     code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from edit_rt.runtime.apps import cli\n"
             "def interrupted(path):\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
@@ -315,4 +330,4 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(tmp_path):
 
 def test_a_model_folder_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("not a folder")
-    _one_error_line(_cli("model", "--out", str(tmp_path / "taken")), "--out", "taken", "is a file, not a folder")
+    _one_error_line(edit_rt("model", "--out", str(tmp_path / "taken")), "--out", "taken", "is a file, not a folder")

@@ -10,14 +10,13 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from .server_process import ServerProcess
+from .server_process import CLI, ServerProcess
 
 STEPS = 6
 PROMTOOL = shutil.which("promtool")
@@ -193,8 +192,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(server):
 
 
 def test_cli_version_and_serve_host_port(tmp_path, model_dir, onnx_dir):
-    cli = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
-    out = subprocess.run([*cli, "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("edit-rt ")
-    out = subprocess.run([*cli, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert "--host" in out.stdout and "--port" in out.stdout

@@ -1,6 +1,6 @@
 """DeepCache over an edit's tail and a generation (issue 37, item 2): ``tail.deepcache`` /
 ``base.deepcache`` k runs every k-th step full and the others on the outer blocks alone, fed the
-deep features of the last full step (export/compile/graphs.py's UNetShallowStepGraph, loop/slots.py).
+deep features of the last full step (export/compile/graphs.py's UNetShallowStepGraph, loop/row_scheduler.py).
 
 The reference is written here from diffusers' own blocks (conv_in, the time embedding, the
 first down block, the last up block, conv_out, called directly) and its DDIMScheduler, not
@@ -146,7 +146,7 @@ def test_deepcache_with_preserve_auto_and_structure_keeping(pipeline, base_state
     auto = TailRow(EDIT, 1.5, 3, g, preserve="auto", deepcache=2)
     (final,) = pipeline.run_tail(base_state, [auto])
     shallow, maps = scheduler.stats.shallow_calls - before[0], scheduler.stats.map_calls - before[1]
-    assert maps == pipeline.preserve.steps and shallow == len(range(maps, TEST_BASE.steps - 3, 2))  # after the last map step
+    assert maps == pipeline.preservation.preserve.steps and shallow == len(range(maps, TEST_BASE.steps - 3, 2))  # after the last map step
     keep = pipeline.auto_mask(TEST_BASE.prompt, auto, final.shape)[0]
     assert keep is not None
     before = scheduler.stats.shallow_calls

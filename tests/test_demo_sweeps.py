@@ -1,6 +1,6 @@
 """`make demo`'s slider sweeps (issue 36): configs/demo.yaml, as it is, on the embedded model.
 
-`edit-rt export` and `edit-rt run` (the commands make demo runs, in a subprocess) write a sweep
+`edit-rt export` and `edit-rt run` (the commands make demo runs, in this process) write a sweep
 row per slider, scales -2..2, in the one batched tail; the same sweeps asked for through the
 Python API (`Editor.edit` with `sweep:`) give the same images, and the grid lays each sweep on
 a row of its own (its cells read back from grid.png's pixels).
@@ -9,14 +9,14 @@ a row of its own (its cells read back from grid.png's pixels).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from PIL import Image
+
+from .cli_in_process import edit_rt
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIDERS = ("saturation", "stroke", "blur")
@@ -36,8 +36,7 @@ def demo(tmp_path_factory) -> tuple[Path, dict]:
     path = tmp / "demo.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     for command in ("export", "run"):
-        done = subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", command, str(path)], capture_output=True,
-                              text=True, timeout=900)  # fmt: skip
+        done = edit_rt(command, str(path))
         assert done.returncode == 0, done.stderr[-2000:]
     return path, json.loads((tmp / "out" / "report.json").read_text())
 

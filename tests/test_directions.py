@@ -24,7 +24,7 @@ from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.model.directions import token_permutation, units
 from edit_rt.runtime.model.edit import Direction, Edit, EditDefaults, TailRow, resolve_edit
 from edit_rt.runtime.pipeline.pnginfo import edit_fields, parameters_text, parse_fields
-from edit_rt.runtime.serving.http_errors import validation_error
+from edit_rt.runtime.web.http_errors import validation_error
 from edit_rt.runtime.serving.results import Edited
 from edit_rt.runtime.web.api import EditsRequest
 
@@ -130,10 +130,8 @@ def test_the_tokenizers_ids_give_the_hand_made_permutations(pipeline):
 
 
 @pytest.fixture(scope="module")
-def sd(model_dir):
-    from diffusers import StableDiffusionPipeline
-
-    return StableDiffusionPipeline.from_pretrained(model_dir)
+def sd(model_dir, diffusers_reference):
+    return diffusers_reference.pipe(model_dir)[0]  # read only: its encoders and UNet
 
 
 def _embeds(sd, prompts: list[str]) -> torch.Tensor:
@@ -330,23 +328,20 @@ def sdxl(sdxl_dir, sdxl_onnx_dir):
 def test_sdxl_tokenizers_align_the_words_alike(sdxl):
     """K/V project the two encoders' states concatenated per position, so one permutation must
     serve both: the first tokenizer's (padding with its EOS) is the second's (padding with "!")."""
-    pad = sdxl.tokenizers[1].token_to_id("!")
+    pad = sdxl.text.tokenizers[1].token_to_id("!")
     for edit in (INSERTED, DELETED, SAME_LENGTH, "a big red circle on a bluish background, top left"):
-        first, second = (sdxl.input_ids([BASE, edit], t) for t in sdxl.tokenizers)
+        first, second = (sdxl.input_ids([BASE, edit], t) for t in sdxl.text.tokenizers)
         np.testing.assert_array_equal(
             token_permutation(first[0], first[1], sdxl.special_ids, sdxl.word_ends),
             token_permutation(second[0], second[1], sdxl.special_ids | {pad}, sdxl.word_ends))  # fmt: skip
 
 
-def test_sdxl_directions_mix_prompt_and_pooled_embeddings_alike(sdxl, sdxl_dir):
+def test_sdxl_directions_mix_prompt_and_pooled_embeddings_alike(sdxl, sdxl_dir, diffusers_reference):
     """An edit from step 0 is a generation (test_families' reference): diffusers fed the prompt
     embeddings mixed through the permutations and the pooled embedding by the same sum."""
-    from diffusers import StableDiffusionXLPipeline
-
     from .test_families import _sdxl_reference
 
-    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)  # its own Euler: edit-rt's default for it
-    pipe.set_progress_bar_config(disable=True)
+    pipe, _ = diffusers_reference.pipe(sdxl_dir, sdxl=True)  # its own Euler: edit-rt's default for it
     noise = sdxl.initial_noise(TEST_BASE)
     state = sdxl.generate_base(TEST_BASE, noise=noise)
     terms = [(INSERTED, 0.6, inserted_at(77, 2, 3)), (SAME_LENGTH, -0.3, np.arange(77))]

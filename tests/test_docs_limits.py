@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from edit_rt.runtime.web.docs import docs_routes
+from edit_rt.runtime.web import docs
 
 # --- the API docs pages: nothing from another host ------------------------------------------------
 
@@ -44,8 +44,8 @@ class _Links(HTMLParser):
 
 @pytest.fixture(scope="module")
 def docs_client():
-    app = FastAPI(docs_url=None, redoc_url=None)
-    app.include_router(docs_routes("edit-rt"))
+    app = FastAPI(title="edit-rt", docs_url=None, redoc_url=None)
+    app.include_router(docs.router)
     return TestClient(app)
 
 

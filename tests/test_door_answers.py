@@ -1,4 +1,4 @@
-"""Answers a client reads as it expects (issue 35, items 7 and 5), against a real server:
+"""Answers a client reads as it expects (issue 35, items 7 and 5), against the served app (in this process, over ASGI):
 
 - a JSON edits stream's ``partial_images`` come per edit, spread over that edit's own tail: with
   tails of 12 and 6 steps and ``partial_images: 1`` each edit gets one, at the middle of its tail;
@@ -19,7 +19,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 from .test_related import _generate  # the same reply check
 
 STEPS = 12
@@ -31,7 +31,7 @@ B = "a green circle on a blue background"
 def server(tmp_path_factory, model_dir, onnx_dir):
     # every prompt of the tiny random model is "related" at this threshold (test_related.py)
     related = {"enabled": True, "thresholds": [{"similarity": 0.01, "skip": 0.5}]}
-    proc = ServerProcess(tmp_path_factory.mktemp("door-answers"), model_dir, onnx_dir, serve={"related": related},
+    proc = InProcessServer(tmp_path_factory.mktemp("door-answers"), model_dir, onnx_dir, serve={"related": related},
                          base={"prompt": "x", "steps": STEPS, "guidance": 7.5, "width": 32, "height": 32})  # fmt: skip
     yield proc
     assert proc.stop()
@@ -49,7 +49,7 @@ def test_each_edit_gets_its_partial_images_over_its_own_tail(server):
     bid = _generate(server, A, seed=3, related=False).json()["id"]
     body = {"base_id": bid, "stream": True, "partial_images": 1,
             "edits": [{"prompt": B, "tail_steps": 12}, {"prompt": B, "tail_steps": 6}]}  # fmt: skip
-    r = httpx.post(server.url + "/v1/images/edits", json=body, timeout=120)
+    r = server.client.post("/v1/images/edits", json=body, timeout=120)
     assert r.status_code == 200, r.text
     partial = [e for e in _events(r) if e["type"] == "image_edit.partial_image"]
     # one each, at the middle of its own tail (every ceil(tail / 2) steps, never the last)
@@ -70,13 +70,13 @@ def test_a_related_reply_does_not_name_another_clients_base(server):
     params = _parameters(reply["data"][0]["b64_json"])
     assert theirs not in params and f"Skipped steps: {STEPS // 2}" in params
     ours = reply["id"]
-    assert theirs not in httpx.get(f"{server.url}/v1/bases/{ours}", timeout=30).text
-    edit = httpx.post(server.url + "/v1/images/edits", json={"base_id": ours, "edits": [{"prompt": A}]}, timeout=120)
+    assert theirs not in server.client.get(f"/v1/bases/{ours}", timeout=30).text
+    edit = server.client.post("/v1/images/edits", json={"base_id": ours, "edits": [{"prompt": A}]}, timeout=120)
     assert edit.status_code == 200 and theirs not in _parameters(edit.json()["data"][0]["b64_json"])
     # streamed, and at the A1111 door (one unseeded image: related as the server says)
     stream = _generate(server, B, related=True, stream=True)
     assert theirs not in stream.text and "skipped_steps" in stream.text
-    a1111 = httpx.post(server.url + "/sdapi/v1/txt2img", json={"prompt": B, "seed": -1, "width": 32, "height": 32,
+    a1111 = server.client.post("/sdapi/v1/txt2img", json={"prompt": B, "seed": -1, "width": 32, "height": 32,
                                                                 "steps": STEPS}, timeout=120).json()  # fmt: skip
     info = json.loads(a1111["info"])
     assert info["related"][0] is not None and "base_id" not in info["related"][0]

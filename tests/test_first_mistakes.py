@@ -3,7 +3,8 @@ load as written, a wrong model path is the first thing said (before the export, 
 adapters), a missing export names `edit-rt export`, and an adapter name no `adapters:` holds is
 refused when the config is read, naming the file and the field, before any step runs.
 
-In process (typer's CliRunner, load_config), on the session's tiny model and its export.
+In process (the console script's own road, cli_in_process.py; load_config), on the session's
+tiny model and its export.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
-
-from edit_rt.runtime.apps.cli import app
 from edit_rt.runtime.config.load import config_from_dict, load_config
-from edit_rt.runtime.errors import ConfigError, EditRtError
+from edit_rt.runtime.errors import ConfigError
+
+from .cli_in_process import edit_rt
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 YAML_BLOCKS = re.findall(r"^```yaml\n(.*?)^```", README.read_text(), flags=re.S | re.M)
@@ -29,11 +29,13 @@ def _write(tmp_path: Path, cfg: dict) -> Path:
     return path
 
 
-def _refusal(args: list[str]) -> EditRtError:
-    """What the command raised: the error `edit-rt` prints as its one `error:` line."""
-    result = CliRunner().invoke(app, args)
-    assert isinstance(result.exception, EditRtError), (result.exception, result.output)
-    return result.exception
+def _refusal(args: list[str]) -> str:
+    """What `edit-rt ARGS` says of its refusal: its one ``error:`` line, without the prefix
+    (exit status 2, nothing else on stderr)."""
+    result = edit_rt(*args)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (result.returncode, result.stderr)
+    return lines[0].removeprefix("error: ")
 
 
 @pytest.fixture
@@ -104,7 +106,7 @@ def test_an_opt_batch_set_above_max_batch_is_refused_naming_it_and_the_fix():
 def test_run_says_a_wrong_model_path_first(tmp_path, lora):
     """Not the adapters' conversion (whose command would then say the manifest is missing)."""
     config = _write(tmp_path, _config(tmp_path, tmp_path / "no-such-model", tmp_path / "build", adapters={"saturation": str(lora)}))
-    message = str(_refusal(["run", str(config)]))
+    message = _refusal(["run", str(config)])
     assert message.startswith(f"{config}: model: ") and "no-such-model does not exist" in message, message
     assert "adapters" not in message.split(";")[0]
     assert not (tmp_path / "out").exists()  # nothing made before the refusal
@@ -122,33 +124,33 @@ def test_serve_says_a_wrong_model_path_first(tmp_path, lora):
 
 def test_export_says_a_wrong_model_path_first(tmp_path):
     config = _write(tmp_path, _config(tmp_path, tmp_path / "no-such-model", tmp_path / "build"))
-    message = str(_refusal(["export", str(config)]))
+    message = _refusal(["export", str(config)])
     assert message.startswith(f"{config}: model: ") and "no-such-model does not exist" in message, message
 
 
 def test_a_wrong_checkpoint_path_is_refused_at_load_naming_model(tmp_path):
     config = _write(tmp_path, _config(tmp_path, tmp_path / "v1-5-pruned-emaonly.safetensors", tmp_path / "build"))
     for command in ("run", "export", "serve"):
-        message = str(_refusal([command, str(config)]))
+        message = _refusal([command, str(config)])
         assert message.startswith(f"{config}: model: ") and "not found; fix the path" in message, (command, message)
 
 
 def test_run_before_export_names_the_export_command_not_the_adapters(tmp_path, model_dir, lora):
     config = _write(tmp_path, _config(tmp_path, model_dir, tmp_path / "build", adapters={"saturation": str(lora)}))
-    message = str(_refusal(["run", str(config)]))
+    message = _refusal(["run", str(config)])
     assert f"edit-rt export {config}" in message and "manifest.json not found" in message, message
     assert "adapters" not in message
 
 
 def test_adapters_before_export_names_the_export_command(tmp_path, model_dir, lora):
     config = _write(tmp_path, _config(tmp_path, model_dir, tmp_path / "build", adapters={"saturation": str(lora)}))
-    message = str(_refusal(["adapters", str(config)]))
+    message = _refusal(["adapters", str(config)])
     assert f"edit-rt export {config}" in message, message
 
 
 def test_unconverted_adapters_come_after_the_model_and_the_export(tmp_path, model_dir, onnx_dir, lora):
     config = _write(tmp_path, _config(tmp_path, model_dir, onnx_dir.parent.parent, adapters={"saturation": str(lora)}))
-    message = str(_refusal(["run", str(config)]))
+    message = _refusal(["run", str(config)])
     assert message.startswith("adapters.saturation: not converted") and f"edit-rt adapters {config}" in message, message
 
 
@@ -179,8 +181,8 @@ def test_an_unknown_adapter_is_refused_at_load_naming_the_file_and_field(tmp_pat
 def test_an_unknown_sweep_adapter_stops_run_before_any_step(tmp_path, model_dir, onnx_dir, lora):
     edits = [{"prompt": "a green circle", "tail_steps": 2}] * 13 + [{"prompt": "b", "sweep": SWEEP}]
     config = _write(tmp_path, _config(tmp_path, model_dir, onnx_dir.parent.parent, adapters={"saturation": str(lora)}, edits=edits))
-    refused = _refusal(["run", str(config)])
-    assert isinstance(refused, ConfigError) and str(refused).startswith(f"{config}: edits[13].sweep.adapter: "), refused
+    refused = _refusal(["run", str(config)])  # the class, ConfigError: the test above, at load_config
+    assert refused.startswith(f"{config}: edits[13].sweep.adapter: "), refused
     assert not (tmp_path / "out").exists()  # no base, no tail: the refusal came before the run
 
 

@@ -31,25 +31,27 @@ from edit_rt.runtime.model.edit import TailRow
 from edit_rt.runtime.storage.store import BaseStore
 
 from .conftest import TEST_BASE
+from .cli_in_process import Ran, edit_rt
+from .in_process_server import InProcessServer
 from .server_process import ServerProcess
 
 STEPS = 6
 CLI = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 
 
-def _gen(url: str, seed: int = 1, **extra) -> httpx.Response:
+def _gen(client: httpx.Client, seed: int = 1, **extra) -> httpx.Response:
     body = {"prompt": "a red circle", "negative_prompt": "blurry", "seed": seed, **extra}
-    return httpx.post(url + "/v1/images/generations", json=body, timeout=120)
+    return client.post("/v1/images/generations", json=body, timeout=120)
 
 
-def _edit(url: str, bid: str, prompt: str = "a blue square", **extra) -> httpx.Response:
+def _edit(client: httpx.Client, bid: str, prompt: str = "a blue square", **extra) -> httpx.Response:
     body = {"base_id": bid, "edits": [{"prompt": prompt, "tail_steps": 3, **extra}]}
-    return httpx.post(url + "/v1/images/edits", json=body, timeout=120)
+    return client.post("/v1/images/edits", json=body, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("hard"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("hard"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
@@ -58,15 +60,15 @@ def server(tmp_path_factory, model_dir, onnx_dir):
 
 
 def test_a_prompt_the_tokenizer_cannot_take_fails_alone(server):
-    bid = _gen(server.url).json()["id"]
+    bid = _gen(server.client).json()["id"]
     # JSON "\ud800": a lone UTF-16 surrogate, which the tokenizer cannot take
     bad = '{"base_id": "%s", "edits": [{"prompt": "a \\ud800 square", "tail_steps": 3}]}' % bid
     bad_gen = '{"prompt": "a red circle", "negative_prompt": "x \\udfff", "seed": 3}'
     with ThreadPoolExecutor(6) as pool:
-        good = [pool.submit(_edit, server.url, bid, f"a {c} square") for c in ("blue", "green", "white")]
-        refused = pool.submit(httpx.post, server.url + "/v1/images/edits", content=bad,
+        good = [pool.submit(_edit, server.client, bid, f"a {c} square") for c in ("blue", "green", "white")]
+        refused = pool.submit(server.client.post, "/v1/images/edits", content=bad,
                               headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
-        refused_gen = pool.submit(httpx.post, server.url + "/v1/images/generations", content=bad_gen,
+        refused_gen = pool.submit(server.client.post, "/v1/images/generations", content=bad_gen,
                                   headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
         for r in (refused.result(), refused_gen.result()):
             assert r.status_code == 400, r.text
@@ -125,21 +127,21 @@ def test_an_edited_header_fails_the_checksum(tmp_path, base_state):
 
 
 def test_damaged_and_stray_bases_answer_409_never_500(server):
-    bid = _gen(server.url, seed=21).json()["id"]
-    other = _gen(server.url, seed=22).json()["id"]
+    bid = _gen(server.client, seed=21).json()["id"]
+    other = _gen(server.client, seed=22).json()["id"]
     folder = Path(yaml.safe_load(server.config.read_text())["store"]["disk_dir"]) / "bases"
     (folder / f"{bid}.safetensors").write_bytes((folder / f"{other}.safetensors").read_bytes())
-    httpx.delete(server.url + f"/v1/bases/{other}")  # not in RAM any more either
+    server.client.delete(f"/v1/bases/{other}")  # not in RAM any more either
     # the damaged base is in this server's RAM: a restarted server would read the file; here a
     # stray copy under a third id does (it was never in RAM)
     stray = "0123456789abcdef01234567"
-    for route in (lambda: httpx.get(server.url + f"/v1/bases/{stray}"), lambda: _edit(server.url, stray)):
+    for route in (lambda: server.client.get(f"/v1/bases/{stray}"), lambda: _edit(server.client, stray)):
         (folder / f"{stray}.safetensors").write_bytes((folder / f"{bid}.safetensors").read_bytes())
         r = route()
         assert r.status_code == 409, r.text
         assert r.json()["error"]["code"] == "base_damaged" and stray in r.json()["error"]["message"]
-        assert httpx.get(server.url + f"/v1/bases/{stray}").status_code == 404  # set aside: unknown now
-    assert _edit(server.url, bid).status_code == 200  # everyone else is still served
+        assert server.client.get(f"/v1/bases/{stray}").status_code == 404  # set aside: unknown now
+    assert _edit(server.client, bid).status_code == 200  # everyone else is still served
 
 
 # --- 3. processes sharing a store folder ------------------------------------------------------
@@ -199,7 +201,7 @@ def test_a_server_and_a_run_sharing_a_store_folder_keep_its_budget(tmp_path, mod
             (tmp_path / f"run{k}.yaml").write_text(yaml.safe_dump(cfg))
             runs.append(subprocess.Popen([*CLI, "run", str(tmp_path / f"run{k}.yaml")], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         with ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda s: _gen(proc.url, seed=s), range(24)))
+            responses = list(pool.map(lambda s: _gen(proc.client, seed=s), range(24)))
         codes = [r.status_code for r in responses]
         for run in runs:
             out, err = run.communicate(timeout=300)
@@ -238,22 +240,22 @@ def test_odd_methods_and_huge_ids_stay_bounded(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     def series() -> set:
-        text = httpx.get(server.url + "/metrics").text  # parsable: M-SEARCH and all
+        text = server.client.get("/metrics").text  # parsable: M-SEARCH and all
         return {(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(text) for s in f.samples}
 
     for k in range(40):
-        httpx.request(f"X-ODD{k}", server.url + "/health")
+        server.client.request(f"X-ODD{k}", "/health")
     series(), series()  # the scrapes' own series are in from here on
     before = series()
     for k in range(40, 300):
-        httpx.request(f"X-ODD{k}", server.url + "/health")
-    httpx.request("M-SEARCH", server.url + "/health")
+        server.client.request(f"X-ODD{k}", "/health")
+    server.client.request("M-SEARCH", "/health")
     after = series()
     assert after == before  # 260 more odd methods: not one more series
     methods = {dict(labels).get("method") for _, labels in after} - {None}
     assert methods <= {"GET", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "PATCH", "OTHER"}
     huge = "f" * 10_000  # (h11 refuses a request line past 16 KiB itself)
-    r = httpx.get(server.url + f"/v1/bases/{huge}")
+    r = server.client.get(f"/v1/bases/{huge}")
     assert r.status_code == 404 and len(r.text) < 1000
 
 
@@ -262,14 +264,14 @@ def test_odd_methods_and_huge_ids_stay_bounded(server):
 
 @pytest.mark.parametrize("edit", [{"tail_steps": "3"}, {"strength": "1"}, {"tail_steps": True}, {"seed": 1.5}])
 def test_the_api_coerces_nothing(server, edit):
-    bid = _gen(server.url).json()["id"]
-    r = _edit(server.url, bid, **edit)
+    bid = _gen(server.client).json()["id"]
+    r = _edit(server.client, bid, **edit)
     assert r.status_code == 400 and r.json()["error"]["param"] == f"edits[0].{next(iter(edit))}"
 
 
 @pytest.mark.parametrize("steps", ["10", True])
 def test_steps_must_be_an_integer(server, steps):
-    r = _gen(server.url, steps=steps)
+    r = _gen(server.client, steps=steps)
     assert r.status_code == 400 and r.json()["error"]["param"] == "steps"
 
 
@@ -278,10 +280,10 @@ def _config(model_dir, onnx_dir, tmp_path, **over) -> dict:
             "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32}, "edits": [{"prompt": "y"}], **over}  # fmt: skip
 
 
-def _cli_run(tmp_path, text: bytes | str) -> subprocess.CompletedProcess:
+def _cli_run(tmp_path, text: bytes | str) -> Ran:
     path = tmp_path / "config.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    return subprocess.run([*CLI, "run", str(path)], capture_output=True, text=True, timeout=300)
+    return edit_rt("run", str(path))
 
 
 @pytest.mark.parametrize(
@@ -385,7 +387,7 @@ def test_weights_changed_with_the_same_size_and_mtime_are_caught(tmp_path, model
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-16", categories=None, exclude_categories=()), max_size=700))
 def test_fuzzed_prompts_never_get_a_5xx_or_a_traceback(server, model_dir, onnx_dir, tmp_path_factory, text):
-    r = httpx.post(server.url + "/v1/images/generations", content=json.dumps({"prompt": text or "x", "steps": 2}),
+    r = server.client.post("/v1/images/generations", content=json.dumps({"prompt": text or "x", "steps": 2}),
                    headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
     assert r.status_code in (200, 400), r.text
     assert "error" in r.json() or "id" in r.json()
@@ -401,9 +403,9 @@ def test_fuzzed_prompts_never_get_a_5xx_or_a_traceback(server, model_dir, onnx_d
 def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path, model_dir, onnx_dir):
     proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"drain_timeout_s": 1.0, "max_steps": 900},
                          base={"prompt": "x", "steps": STEPS, "width": 32, "height": 32})  # fmt: skip
-    bid = _gen(proc.url).json()["id"]
+    bid = _gen(proc.client).json()["id"]
     with ThreadPoolExecutor(3) as pool:
-        long_run = pool.submit(_gen, proc.url, 7, steps=900)  # ~4 s of work: past the drain
+        long_run = pool.submit(_gen, proc.client, 7, steps=900)  # ~4 s of work: past the drain
         stream_lines = []
 
         def stream() -> None:
@@ -415,7 +417,7 @@ def test_shutdown_answers_503_then_fails_what_runs_with_a_proper_error(tmp_path,
         time.sleep(1.0)
         proc.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        during = _gen(proc.url, seed=8)
+        during = _gen(proc.client, seed=8)
         assert during.status_code == 503 and during.headers.get("retry-after") == "5"
         assert during.json()["error"]["code"] == "shutting_down"
         r = long_run.result(timeout=60)
@@ -443,46 +445,53 @@ def test_a_second_batcher_stop_returns_without_waiting(pipeline, base_state):
     assert not wait.called and not call.called
 
 
-def test_slow_clients_are_timed_out(tmp_path, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"header_timeout_s": 1.0, "body_timeout_s": 1.0})
-    try:
-        with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
-            # closed by the server (uvicorn has no timer before a first request: without ours
-            # the client's own 10 s timeout would raise here instead)
-            assert s.recv(100) == b""
-        with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
-            s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                      b"content-length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
-            reply = b""
-            while b"}}" not in reply:
-                chunk = s.recv(1000)
-                if not chunk:
-                    break
-                reply += chunk
-            assert b" 408 " in reply.split(b"\r\n")[0] and b"body_timeout" in reply
-        assert httpx.get(proc.url + "/health").status_code == 200
-    finally:
-        assert proc.stop()
+TOKEN = "tökén-sécret"
+
+
+@pytest.fixture(scope="module")
+def socket_server(tmp_path_factory, model_dir, onnx_dir):
+    """One real process for what only a socket and a process show: slow clients timed out, and
+    what reaches its access log."""
+    proc = ServerProcess(tmp_path_factory.mktemp("hard-socket"), model_dir, onnx_dir, env={"EDIT_RT_TOKEN": TOKEN},
+                         serve={"host": "127.0.0.1", "header_timeout_s": 1.0, "body_timeout_s": 1.0})  # fmt: skip
+    yield proc
+    assert proc.stop()
+
+
+def test_slow_clients_are_timed_out(socket_server):
+    proc = socket_server
+    with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
+        # closed by the server (uvicorn has no timer before a first request: without ours
+        # the client's own 10 s timeout would raise here instead)
+        assert s.recv(100) == b""
+    with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
+        s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                  b"authorization: Bearer " + TOKEN.encode() + b"\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
+        reply = b""
+        while b"}}" not in reply:
+            chunk = s.recv(1000)
+            if not chunk:
+                break
+            reply += chunk
+        assert b" 408 " in reply.split(b"\r\n")[0] and b"body_timeout" in reply
+    assert proc.client.get("/health").status_code == 200
 
 
 # --- 8. access ---------------------------------------------------------------------------------
 
 
-def test_tokens_never_reach_the_log_and_hosts_are_checked(tmp_path, model_dir, onnx_dir):
-    token = "tökén-sécret"
-    proc = ServerProcess(tmp_path, model_dir, onnx_dir, env={"EDIT_RT_TOKEN": token}, serve={"host": "127.0.0.1"})
-    try:
-        httpx.get(proc.url + f"/?token={token}")
-        auth = {"authorization": b"Bearer " + token.encode()}
-        assert httpx.get(proc.url + "/v1/bases/0123456789abcdef01234567", headers=auth).status_code == 404
-        assert httpx.get(proc.url + "/v1/bases/0123456789abcdef01234567", headers={"authorization": b"Bearer x"}).status_code == 401
-        r = httpx.get(proc.url + "/health", headers={"host": "evil.example"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_host"
-        assert httpx.get(proc.url + "/health", headers={"host": f"localhost:{proc.port}"}).status_code == 200
-    finally:
-        assert proc.stop()
+def test_tokens_never_reach_the_log_and_hosts_are_checked(socket_server):
+    proc = socket_server
+    proc.client.get(f"/?token={TOKEN}")
+    auth = {"authorization": b"Bearer " + TOKEN.encode()}
+    assert proc.client.get("/v1/bases/0123456789abcdef01234567", headers=auth).status_code == 404
+    assert proc.client.get("/v1/bases/0123456789abcdef01234567", headers={"authorization": b"Bearer x"}).status_code == 401
+    r = proc.client.get("/health", headers={"host": "evil.example"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_host"
+    assert proc.client.get("/health", headers={"host": f"localhost:{proc.port}"}).status_code == 200
+    time.sleep(0.3)  # the access line is written after the response
     log = Path(proc.log.name).read_text()
-    assert "GET / 200" in log and token not in log and "token=" not in log
+    assert "GET / 200" in log and TOKEN not in log and "token=" not in log
 
 
 # --- kill -9 ----------------------------------------------------------------------------------
@@ -500,7 +509,7 @@ def test_kill_9_loses_no_acknowledged_base(tmp_path, model_dir, onnx_dir):
             k = 0
             while not stop.is_set():
                 try:
-                    r = _gen(proc.url, seed=1000 * round_ + 100 * offset + k)
+                    r = _gen(proc.client, seed=1000 * round_ + 100 * offset + k)
                 except httpx.HTTPError:
                     return
                 if r.status_code == 200:
@@ -521,8 +530,8 @@ def test_kill_9_loses_no_acknowledged_base(tmp_path, model_dir, onnx_dir):
     proc = ServerProcess(tmp_path, model_dir, onnx_dir, store={"ram_mb": 64, "disk_dir": str(folder), "disk_mb": 256})
     try:
         for bid in acknowledged:
-            assert httpx.get(proc.url + f"/v1/bases/{bid}").status_code == 200, bid
-        assert _edit(proc.url, acknowledged[-1]).status_code == 200
+            assert proc.client.get(f"/v1/bases/{bid}").status_code == 200, bid
+        assert _edit(proc.client, acknowledged[-1]).status_code == 200
     finally:
         assert proc.stop()
     assert not list(folder.rglob("*.corrupt"))

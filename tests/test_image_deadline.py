@@ -21,8 +21,9 @@ import pytest
 from PIL import Image
 
 from edit_rt.runtime.config.load import config_from_dict
-from edit_rt.runtime.serving import inversion
-from edit_rt.runtime.serving.http_errors import ApiError
+from edit_rt.runtime.serving import image_work
+from edit_rt.runtime.errors import ImageTimeoutError
+from edit_rt.runtime.web.http_errors import api_error
 from edit_rt.runtime.serving.service import Service
 
 DEADLINE = 0.5  # seconds: far below a real decode's bound, far above this test's small ones
@@ -48,11 +49,11 @@ class SlowDecode:
     worker as a hostile image could hold one), counting the calls that started."""
 
     def __init__(self, monkeypatch, slow: set[bytes]):
-        self.real = inversion.image_from_bytes
+        self.real = image_work.image_from_bytes
         self.slow = slow
         self.release = threading.Event()
         self.started: list[bytes] = []
-        monkeypatch.setattr(inversion, "image_from_bytes", self)
+        monkeypatch.setattr(image_work, "image_from_bytes", self)
 
     def __call__(self, data: bytes, *args):
         self.started.append(data)
@@ -109,17 +110,18 @@ def test_a_task_still_queued_at_its_deadline_never_runs(tmp_path, monkeypatch):
     service = Service(_config(tmp_path, tmp_path / "model", tmp_path / "build" / "m" / "onnx", workers=1))  # decodes only
 
     async def uploads():
-        first = asyncio.create_task(service.upload(stuck, "image"))
+        first = asyncio.create_task(service.images.upload(stuck, "image"))
         await asyncio.sleep(0.05)
-        outcomes = await asyncio.gather(first, service.upload(queued, "image"), return_exceptions=True)
+        outcomes = await asyncio.gather(first, service.images.upload(queued, "image"), return_exceptions=True)
         decode.release.set()  # the stuck decode ends; its result is discarded
         await asyncio.sleep(0.2)
-        return outcomes, await service.upload(later, "image")
+        return outcomes, await service.images.upload(later, "image")
 
     try:
         (first, second), after = asyncio.run(uploads())
         for outcome in (first, second):
-            assert isinstance(outcome, ApiError) and outcome.status == 503 and outcome.code == "image_timeout", outcome
+            assert isinstance(outcome, ImageTimeoutError) and outcome.field == "image", outcome
+            assert api_error(outcome).status == 503 and api_error(outcome).code == "image_timeout"
         assert queued not in decode.started  # dropped before it ran
         assert after.pixels.shape == (32, 32, 3)  # the worker is free again
     finally:

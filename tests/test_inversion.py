@@ -60,7 +60,7 @@ def test_identity_edits_of_an_inverted_base_reconstruct_the_input(which, shapes_
     pipe, base = (shapes_pipe, SHAPES_BASE) if which == "shapes" else (pipeline, TEST_BASE)
     image = _rendered().astype(np.float32) / 255
     state = pipe.invert(image, dataclasses.replace(base, image="sha256:test"))
-    round_trip = pipe.decode(pipe.encode_image(image))[0]  # the VAE's own reconstruction
+    round_trip = pipe.decode(pipe.decoders.encode_image(image))[0]  # the VAE's own reconstruction
     T = base.steps
     # The random model's steps multiply fp32 noise by ~5 each (batch-size rounding: the
     # corrections were computed in one batch, this row runs alone): from step 0 its 10-step

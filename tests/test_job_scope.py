@@ -1,5 +1,5 @@
 """Adapters past the slots queue (never 500), and A1111 job control scoped to its own door:
-real servers on loopback (issue 35, items 3 and 4)."""
+the served app, in this process over ASGI (issue 35, items 3 and 4)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 
 STEPS = 6
 BASE = {"prompt": "x", "steps": STEPS, "guidance": 7.5, "width": 32, "height": 32}
@@ -29,30 +29,30 @@ def server(model_dir, adapter_onnx_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("job-scope")
     loras = {n: make_lora(model_dir, root / n, seed=20 + k) for k, n in enumerate(NAMES)}
     convert_adapters(model_dir, load_manifest(adapter_onnx_dir), loras, adapter_onnx_dir.parent / "adapters")
-    proc = ServerProcess(root, model_dir, adapter_onnx_dir, base=BASE, extra={"adapters": {n: str(p) for n, p in loras.items()}})
+    proc = InProcessServer(root, model_dir, adapter_onnx_dir, base=BASE, extra={"adapters": {n: str(p) for n, p in loras.items()}})
     yield proc
     assert proc.stop()
 
 
-def _gen(url: str, k: int) -> httpx.Response:
+def _gen(client: httpx.Client, k: int) -> httpx.Response:
     body = {"prompt": f"a circle {k}", "size": "32x32", "steps": STEPS, "adapters": {NAMES[k % 5]: 0.8}}
-    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    return client.post(f"/v1/images/generations", json=body, timeout=120)
 
 
 def test_more_adapters_in_flight_than_slots_never_answer_500(server):
     with ThreadPoolExecutor(10) as pool:
-        answers = list(pool.map(lambda k: _gen(server.url, k), range(10)))
+        answers = list(pool.map(lambda k: _gen(server.client, k), range(10)))
     codes = Counter(r.status_code for r in answers)
     assert all(r.status_code == 200 or (r.status_code == 429 and "retry-after" in r.headers) for r in answers), \
         (codes, [r.text[:200] for r in answers if r.status_code != 200])
 
 
 def test_one_row_with_more_adapters_than_slots_is_400_on_both_doors(server):
-    r = httpx.post(f"{server.url}/v1/images/generations", timeout=60,
+    r = server.client.post(f"/v1/images/generations", timeout=60,
                    json={"prompt": "x", "size": "32x32", "steps": STEPS, "adapters": {n: 0.5 for n in NAMES[:4]}})
     assert r.status_code == 400, r.text
     tags = " ".join(f"<lora:{n}:0.5>" for n in NAMES[:4])
-    r = httpx.post(f"{server.url}/sdapi/v1/txt2img", json={"prompt": f"x {tags}", "steps": STEPS}, timeout=60)
+    r = server.client.post(f"/sdapi/v1/txt2img", json={"prompt": f"x {tags}", "steps": STEPS}, timeout=60)
     assert r.status_code == 400 and "prompt" in r.text, r.text
 
 
@@ -61,15 +61,15 @@ def test_interrupts_never_stop_another_doors_work(server):
 
     def storm():
         while not stop.is_set():
-            httpx.post(f"{server.url}/sdapi/v1/interrupt", timeout=30)
-            httpx.post(f"{server.url}/sdapi/v1/skip", timeout=30)
-            progress.append(httpx.get(f"{server.url}/sdapi/v1/progress", timeout=30).json())
+            server.client.post(f"/sdapi/v1/interrupt", timeout=30)
+            server.client.post(f"/sdapi/v1/skip", timeout=30)
+            progress.append(server.client.get(f"/sdapi/v1/progress", timeout=30).json())
 
     t = threading.Thread(target=storm)
     t.start()
     try:
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda k: _gen(server.url, k % 3), range(8)))
+            answers = list(pool.map(lambda k: _gen(server.client, k % 3), range(8)))
     finally:
         stop.set()
         t.join()
@@ -82,15 +82,15 @@ def test_an_a1111_interrupt_stops_its_own_job_as_documented(server):
     answer = {}
 
     def run():
-        answer["r"] = httpx.post(f"{server.url}/sdapi/v1/txt2img", timeout=120,
+        answer["r"] = server.client.post(f"/sdapi/v1/txt2img", timeout=120,
                                  json={"prompt": "y", "steps": 120, "batch_size": 2, "n_iter": 2})  # fmt: skip
 
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and httpx.get(f"{server.url}/sdapi/v1/progress").json()["state"]["job_count"] == 0:
+    while time.monotonic() < deadline and server.client.get(f"/sdapi/v1/progress").json()["state"]["job_count"] == 0:
         time.sleep(0.02)
-    assert httpx.post(f"{server.url}/sdapi/v1/interrupt").json()["interrupted"] >= 1
+    assert server.client.post(f"/sdapi/v1/interrupt").json()["interrupted"] >= 1
     t.join(60)
     r = answer["r"]
     assert r.status_code in (200, 409), r.text  # its finished images, or 409 interrupted (docs/serving.md)
@@ -100,8 +100,8 @@ def test_an_a1111_interrupt_stops_its_own_job_as_documented(server):
         assert json.loads(r.json()["info"])["interrupted"]
 
 
-def _active_rows(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+def _active_rows(client: httpx.Client) -> float:
+    for line in client.get(f"/metrics", timeout=30).text.splitlines():
         if line.startswith("edit_rt_active_rows "):
             return float(line.split()[1])
     return 0.0
@@ -112,19 +112,19 @@ def test_a1111_progress_counts_its_own_doors_requests_and_rows_only(server):
     door's one request and one row, never the OpenAI door's four."""
     busy = {"prompt": "busy", "size": "32x32", "steps": 60, "n": 4}
     with ThreadPoolExecutor(2) as pool:
-        other = pool.submit(httpx.post, f"{server.url}/v1/images/generations", json=busy, timeout=120)
+        other = pool.submit(server.client.post, f"/v1/images/generations", json=busy, timeout=120)
         deadline = time.monotonic() + 60
-        while _active_rows(server.url) < 4 and time.monotonic() < deadline:
+        while _active_rows(server.client) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        ours = pool.submit(httpx.post, f"{server.url}/sdapi/v1/txt2img", json={"prompt": "y", "steps": 150}, timeout=120)
+        ours = pool.submit(server.client.post, f"/sdapi/v1/txt2img", json={"prompt": "y", "steps": 150}, timeout=120)
         seen = None
         while time.monotonic() < deadline:
-            seen = httpx.get(f"{server.url}/sdapi/v1/progress", timeout=30).json()
+            seen = server.client.get(f"/sdapi/v1/progress", timeout=30).json()
             if seen["state"]["sampling_steps"]:
                 break
             time.sleep(0.01)
         other_running = not other.done()
-        httpx.post(f"{server.url}/sdapi/v1/interrupt", timeout=30)
+        server.client.post(f"/sdapi/v1/interrupt", timeout=30)
         assert ours.result().status_code in (200, 409) and other.result().status_code == 200
     assert other_running  # the other door's rows were in the step loop beside ours (60 steps x 4 rows)
     assert seen["state"]["job_count"] == 1, seen

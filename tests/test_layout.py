@@ -64,10 +64,10 @@ class _GraphWithOneMoreImport:
 @pytest.mark.parametrize("contract,importer,imported,reported", [
     ("runtime-layers", "edit_rt.runtime.model.edit", "edit_rt.runtime.serving.service", None),  # upward
     ("runtime-layers", "edit_rt.runtime.engine.manifest", "edit_rt.runtime.model.edit", None),  # between independent siblings
-    ("runtime-layers", "edit_rt.runtime.loop.slots", "edit_rt.runtime.storage.related_index", None),
+    ("runtime-layers", "edit_rt.runtime.loop.row_scheduler", "edit_rt.runtime.storage.related_index", None),
     ("runtime-layers", "edit_rt.runtime.newroom", "edit_rt.runtime.errors", "not listed as layers: - edit_rt.runtime.newroom"),
     ("export-stages", "edit_rt.export.compile.graphs", "edit_rt.export.world.shapes", None),
-    ("no-cycles", "edit_rt.runtime.loop.rows", "edit_rt.runtime.loop.slots", "No cycles are allowed in edit_rt.runtime.loop."),
+    ("no-cycles", "edit_rt.runtime.loop.rows", "edit_rt.runtime.loop.row_scheduler", "No cycles are allowed in edit_rt.runtime.loop."),
     ("runtime-without-export", "edit_rt.runtime.pipeline.text", "edit_rt.export.compile.graphs", None),
     ("runtime-without-torch", "edit_rt.runtime.pipeline.text", "torch", None),
     ("export-below-apps", "edit_rt.export.eval.gates", "edit_rt.runtime.apps.run", None),
@@ -126,7 +126,7 @@ def test_runtime_imports_no_torch_world_and_no_cli():
 
 
 def _module_of(path: Path) -> str:
-    """runtime/loop/slots.py -> edit_rt.runtime.loop.slots (the package mapping of pyproject)."""
+    """runtime/loop/row_scheduler.py -> edit_rt.runtime.loop.row_scheduler (the package mapping of pyproject)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -138,7 +138,7 @@ def _module_of(path: Path) -> str:
 # ("history" and "history_out" too: latent_blend's)
 STEP_NAMES = {"timestep", "alpha_t", "coefs", "noise", "guidance", "uncond_index", "uncond_given", "uncond_slope", "self_ref",
               "uncond_out", "attn_maps"}  # fmt: skip
-LOOP_FILES = ["runtime/loop/slots.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
+LOOP_FILES = ["runtime/loop/row_scheduler.py", "runtime/loop/rows.py", "runtime/loop/batcher.py", "runtime/loop/resolve.py",
               "runtime/loop/solver_slots.py", "runtime/loop/uncond_sets.py", "runtime/loop/bindings.py",
               "runtime/engine/backend.py", "runtime/engine/backend_ort.py", "runtime/engine/backend_trt.py",
               "runtime/pipeline/edit_pipeline.py", "export/compile/parity.py", "scripts/gpu_bench.py"]  # fmt: skip
@@ -210,3 +210,39 @@ def test_the_openvino_extra_stops_below_next_year():
     (req,) = [Requirement(line) for line in project["optional-dependencies"]["openvino"]]
     assert req.name == "openvino" and req.specifier.contains("2026.4.1") and not req.specifier.contains("2027.0")
     assert "openvino" in (ROOT / "Makefile").read_text().split("$(VENV)/.installed:")[1].split("touch")[0]
+
+
+def _classes(folder: Path):
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                yield path.relative_to(ROOT), node
+
+
+def test_the_service_and_the_pipeline_are_composed_not_mixed():
+    """Issue 52: Service and EditPipeline each one class in one file; no class of serving/ or
+    pipeline/ is assembled from several bases (a mixin reads attributes another class declares)."""
+    mixed = [f"{path}: {node.name}({', '.join(ast.unparse(b) for b in node.bases)})"
+             for folder in ("runtime/serving", "runtime/pipeline") for path, node in _classes(ROOT / folder)
+             if len(node.bases) > 1]  # fmt: skip
+    assert mixed == []
+    homes = {name: sorted(str(p) for p, node in _classes(ROOT / "runtime") if node.name == name) for name in ("Service", "EditPipeline")}
+    assert homes == {"Service": ["runtime/serving/service.py"], "EditPipeline": ["runtime/pipeline/edit_pipeline.py"]}
+
+
+def test_only_the_web_layer_speaks_http():
+    """The service raises the domain's errors (runtime/errors.py); only web/ makes an ApiError
+    or knows a status, and no module below web/ imports the web framework."""
+    outside = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        if path.is_relative_to(ROOT / "runtime" / "web"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "ApiError":
+                outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: ApiError")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                outside += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                            if n.split(".")[0] in ("starlette", "fastapi", "uvicorn")]  # fmt: skip
+    assert outside == []

@@ -13,12 +13,12 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("limits"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("limits"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
@@ -34,10 +34,10 @@ def _png(seed: int = 0, parameters: str | None = None) -> bytes:
     return out.getvalue()
 
 
-def _inverted(url: str) -> float:
+def _inverted(client: httpx.Client) -> float:
     """Bases inverted so far (the store's puts show in edit_rt_store_* and the inversions in
     the step histogram; the plainest count is the metric of edit requests by tier)."""
-    text = httpx.get(url + "/metrics").text
+    text = client.get("/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("edit_rt_step_seconds_count"))
 
 
@@ -57,22 +57,22 @@ def _inverted(url: str) -> float:
     ],
 )
 def test_the_multipart_form_meets_the_json_ranges_before_inverting(server, field, value, needle):
-    before = _inverted(server.url)
+    before = _inverted(server.client)
     data = {"prompt": "a blue square", field: value}
-    r = httpx.post(server.url + "/v1/images/edits", data=data, files={"image": ("x.png", _png(), "image/png")}, timeout=60)
+    r = server.client.post("/v1/images/edits", data=data, files={"image": ("x.png", _png(), "image/png")}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and needle in error["message"], error
-    assert _inverted(server.url) == before  # refused before a single step ran
+    assert _inverted(server.client) == before  # refused before a single step ran
 
 
 def test_img2img_takes_at_most_the_edit_limit_of_images_before_decoding(server):
     # not images: had any been decoded before the count, the answer would be its 400
     images = [base64.b64encode(b"not an image %d" % k).decode() for k in range(65)]  # the limit is 64 edits
-    r = httpx.post(server.url + "/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images}, timeout=60)
+    r = server.client.post("/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["param"] == "edits", r.text
     assert "at most 64" in r.json()["error"]["message"]
-    one = httpx.post(server.url + "/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images[:1]}, timeout=60)
+    one = server.client.post("/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": images[:1]}, timeout=60)
     assert one.status_code == 400 and one.json()["error"]["param"] == "init_images[0]", one.text  # what a decode answers
 
 
@@ -86,7 +86,7 @@ def test_img2img_takes_at_most_the_edit_limit_of_images_before_decoding(server):
     ],
 )
 def test_txt2img_meets_the_same_ranges(server, body, param):
-    r = httpx.post(server.url + "/sdapi/v1/txt2img", json=body, timeout=60)
+    r = server.client.post("/sdapi/v1/txt2img", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -94,7 +94,7 @@ def test_txt2img_meets_the_same_ranges(server, body, param):
 def test_a_malformed_base_id_in_png_info_is_an_ordinary_image(server, base_id):
     """Not edit-rt's own PNG: it is inverted like any other image, never a 500."""
     png = _png(7, f"a prompt\nSteps: 6, Base id: {base_id}")
-    r = httpx.post(server.url + "/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": [base64.b64encode(png).decode()],
+    r = server.client.post("/sdapi/v1/img2img", json={"prompt": "a cat", "init_images": [base64.b64encode(png).decode()],
                                                            "denoising_strength": 0.3}, timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
 
@@ -104,17 +104,17 @@ def test_uploads_inverting_together_never_starve_reads(server):
     """Eight uploads inverting at once (60 steps each): a read of another base answers meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
-    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a red circle", "seed": 5}, timeout=120)
+    r = server.client.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 5}, timeout=120)
     bid = r.json()["id"]
     uploads = [{"image": base64.b64encode(_png(100 + k)).decode(), "steps": 60} for k in range(8)]
     with ThreadPoolExecutor(9) as pool:
         started = time.monotonic()
-        posted = [pool.submit(httpx.post, server.url + "/v1/bases", json=u, timeout=300) for u in uploads]
+        posted = [pool.submit(server.client.post, "/v1/bases", json=u, timeout=300) for u in uploads]
         time.sleep(1.0)  # the uploads are decoding and inverting
         slowest = 0.0
         while not all(f.done() for f in posted):
             start = time.monotonic()
-            assert httpx.get(f"{server.url}/v1/bases/{bid}", timeout=30).status_code == 200
+            assert server.client.get(f"/v1/bases/{bid}", timeout=30).status_code == 200
             slowest = max(slowest, time.monotonic() - start)
             time.sleep(0.2)
         inverting = time.monotonic() - started

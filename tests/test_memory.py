@@ -192,6 +192,6 @@ def test_lazy_graphs_load_on_first_use(onnx_dir, model_dir):
     with EditPipeline(onnx_dir, model_dir) as pipe:
         encoder = pipe.graphs["vae_encoder"]
         assert encoder.session is None and pipe.graphs["unet_step"].session is not None
-        latent = pipe.encode_image(np.full((32, 32, 3), 0.5, np.float32))
+        latent = pipe.decoders.encode_image(np.full((32, 32, 3), 0.5, np.float32))
         assert encoder.session is not None and latent.shape == (1, 4, 16, 16)
 

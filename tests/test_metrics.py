@@ -1,4 +1,5 @@
-"""What an operator graphs, read from a real `edit-rt serve`'s ``/metrics`` (issue 24, item 8).
+"""What an operator graphs, read from `edit-rt serve`'s ``/metrics`` (issue 24, item 8), its app
+run in this process over ASGI (in_process_server.py).
 
 Every family is parsed by prometheus_client's own text parser and checked by promtool; the
 values are checked against what the requests must have cost, counted by hand from the request
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import shutil
 import subprocess
 import time
@@ -20,25 +22,25 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 
-T = 6  # the ServerProcess default's steps
+T = 6  # the test servers' default steps (server_process.server_config)
 PROMTOOL = shutil.which("promtool")
 STAGES = ("text_encode", "kv_mix", "step", "decode", "png_encode", "inversion", "store_load")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("metrics"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("metrics"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
 
-def scrape(url: str) -> tuple[dict, str]:
+def scrape(client: httpx.Client) -> tuple[dict, str]:
     """``{(sample name, frozenset(labels)): value}`` and the text, through prometheus_client's parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = client.get("/metrics", timeout=30).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -58,15 +60,15 @@ def stage_count(before: dict, after: dict, stage: str) -> float:
     return moved(before, after, "edit_rt_stage_seconds_count", stage=stage)
 
 
-def _generate(url: str, seed: int) -> dict:
-    r = httpx.post(url + "/v1/images/generations", json={"prompt": "a red circle", "seed": seed}, timeout=120)
+def _generate(client: httpx.Client, seed: int) -> dict:
+    r = client.post("/v1/images/generations", json={"prompt": "a red circle", "seed": seed}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def _edit(url: str, bid: str, prompts: list[str], tail: int) -> dict:
+def _edit(client: httpx.Client, bid: str, prompts: list[str], tail: int) -> dict:
     edits = [{"prompt": p, "tail_steps": tail} for p in prompts]
-    r = httpx.post(url + "/v1/images/edits", json={"base_id": bid, "edits": edits}, timeout=120)
+    r = client.post("/v1/images/edits", json={"base_id": bid, "edits": edits}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -75,16 +77,16 @@ def test_a_generation_and_an_edit_move_every_family_by_what_they_cost(server):
     """One generation (T steps, one row), then 3 edits of it with 2-step tails (3 rows, 2 calls):
     8 unet_step calls, 6 + 3 x 2 rows, 3 x (T - 2) rows saved, each stage observed as often as it
     ran, the base found in RAM, and a base nobody stored missing from both tiers."""
-    before, _ = scrape(server.url)
+    before, _ = scrape(server.client)
     start = time.monotonic()
-    gen = _generate(server.url, seed=5)
+    gen = _generate(server.client, seed=5)
     gen_s = time.monotonic() - start
-    _edit(server.url, gen["id"], ["a green circle", "a blue square", "a yellow circle"], tail=2)
+    _edit(server.client, gen["id"], ["a green circle", "a blue square", "a yellow circle"], tail=2)
     edit_s = time.monotonic() - start - gen_s
-    unknown = httpx.post(server.url + "/v1/images/edits", json={"base_id": "0" * 24, "edits": [{"prompt": "x"}]}, timeout=60)
+    unknown = server.client.post("/v1/images/edits", json={"base_id": "0" * 24, "edits": [{"prompt": "x"}]}, timeout=60)
     assert unknown.status_code == 404, unknown.text
     client_s = time.monotonic() - start  # the client's clock: every observed second lies within it
-    after, text = scrape(server.url)
+    after, text = scrape(server.client)
 
     # the step loop, counted by hand: 6 calls of 1 row, then 2 calls of 3 rows
     calls = moved(before, after, "edit_rt_unet_calls_total")
@@ -129,10 +131,10 @@ def test_a_generation_and_an_edit_move_every_family_by_what_they_cost(server):
 def test_build_info_names_what_runs(server, model_dir):
     from edit_rt.runtime import __version__
 
-    gen = _generate(server.url, seed=6)
+    gen = _generate(server.client, seed=6)
     params = Image.open(io.BytesIO(base64.b64decode(gen["data"][0]["b64_json"]))).text["parameters"]
     model_hash = params.split("Model hash: ")[1].split(",")[0]
-    samples, _ = scrape(server.url)
+    samples, _ = scrape(server.client)
     info = [dict(labels) for (name, labels), v in samples.items() if name == "edit_rt_build_info" and v == 1]
     assert len(info) == 1
     assert info[0]["version"] == __version__ and info[0]["backend"] == "ort-cpu" and info[0]["model"] == model_dir.name
@@ -142,10 +144,10 @@ def test_build_info_names_what_runs(server, model_dir):
 def test_process_cpu_and_rss_are_the_kernels(server):
     """process_resident_memory_bytes against the server's own /proc/<pid>/status; its CPU
     seconds grow while it generates."""
-    before, _ = scrape(server.url)
-    _generate(server.url, seed=7)
-    after, _ = scrape(server.url)
-    status = open(f"/proc/{server.proc.pid}/status").read()
+    before, _ = scrape(server.client)
+    _generate(server.client, seed=7)
+    after, _ = scrape(server.client)
+    status = open(f"/proc/{os.getpid()}/status").read()  # the server runs in this process
     rss = int(status.split("VmRSS:")[1].split()[0]) * 1024
     reported = value(after, "process_resident_memory_bytes")
     assert 0.5 * rss < reported < 2 * rss
@@ -158,11 +160,11 @@ def test_an_inversion_is_a_stage_and_its_rows_are_counted(server):
     pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
-    before, _ = scrape(server.url)
-    r = httpx.post(server.url + "/v1/bases", json={"image": base64.b64encode(out.getvalue()).decode(), "source_prompt": "noise"},
+    before, _ = scrape(server.client)
+    r = server.client.post("/v1/bases", json={"image": base64.b64encode(out.getvalue()).decode(), "source_prompt": "noise"},
                    timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
-    after, _ = scrape(server.url)
+    after, _ = scrape(server.client)
     assert stage_count(before, after, "inversion") == 1
     assert moved(before, after, "edit_rt_unet_rows_total") == 2 * T
     assert moved(before, after, "edit_rt_unet_rows_saved_total") == 0  # no edit ran
@@ -171,16 +173,16 @@ def test_an_inversion_is_a_stage_and_its_rows_are_counted(server):
     assert stage_count(before, after, "step") == moved(before, after, "edit_rt_unet_calls_total") > 0
 
 
-def test_a_base_another_process_stored_is_a_disk_hit_and_a_disk_load(server, tmp_path, model_dir, onnx_dir):
-    """A second server on the same store folder finds the first one's base on disk: a RAM miss,
+def test_a_base_another_server_stored_is_a_disk_hit_and_a_disk_load(server, tmp_path, model_dir, onnx_dir):
+    """A second server (its own service) on the same store folder finds the first one's base on disk: a RAM miss,
     a disk hit, one disk load, and its store_load stage lasting at least the load."""
-    gen = _generate(server.url, seed=8)
+    gen = _generate(server.client, seed=8)
     folder = server.config.parent / "bases"
-    other = ServerProcess(tmp_path, model_dir, onnx_dir, store={"ram_mb": 64, "disk_dir": str(folder), "disk_mb": 256})
+    other = InProcessServer(tmp_path, model_dir, onnx_dir, store={"ram_mb": 64, "disk_dir": str(folder), "disk_mb": 256})
     try:
-        before, _ = scrape(other.url)
-        _edit(other.url, gen["id"], ["a green circle"], tail=2)
-        after, _ = scrape(other.url)
+        before, _ = scrape(other.client)
+        _edit(other.client, gen["id"], ["a green circle"], tail=2)
+        after, _ = scrape(other.client)
     finally:
         assert other.stop()
     assert moved(before, after, "edit_rt_store_hits_total", tier="disk") == 1
@@ -193,8 +195,8 @@ def test_a_base_another_process_stored_is_a_disk_hit_and_a_disk_load(server, tmp
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (.ci/run installs Debian's prometheus)")
 def test_every_family_passes_promtool(server):
-    _generate(server.url, seed=9)
-    _, text = scrape(server.url)
+    _generate(server.client, seed=9)
+    _, text = scrape(server.client)
     check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 

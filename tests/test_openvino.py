@@ -2,14 +2,17 @@
 
 tests/test_pipeline.py, test_families.py (SD 2.x, SDXL) and test_samplers_pipeline.py (every
 sampler, v-prediction) run their exactness promises against diffusers on it (fp32) beside
-``ort-cpu``; here: its
-precision is what the config says and what OpenVINO itself reports after compiling (fp32 pinned
-on a CPU whose default is bf16; in bf16 the guidance and sampler update still fp32), shapes are
-compiled static per row bucket, bf16 is refused with the reason on a CPU without it (the CPU's
-flags simulated), and bf16 stays near fp32 on the same base.
+``ort-cpu`` in make test-all; the default run holds it here by every graph of each family against
+its PyTorch source and one generation per family against diffusers. Here too: its precision is
+what the config says and what OpenVINO itself reports after compiling (fp32 pinned on a CPU whose
+default is bf16; in bf16 the guidance and sampler update still fp32), shapes are compiled static
+per row bucket, bf16 is refused with the reason on a CPU without it (the CPU's flags simulated),
+and bf16 stays near fp32 on the same base.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -167,16 +170,55 @@ def test_a_pipeline_on_ort_cpu_does_not_load_openvino(onnx_dir, model_dir):
     assert done.stdout.split() == ["False"], done.stdout
 
 
-def test_an_export_with_idle_adapter_slots_runs_and_equals_diffusers(adapter_onnx_dir, model_dir, diffusers_pipe):
+def test_an_export_with_idle_adapter_slots_runs_and_equals_diffusers(adapter_onnx_dir, model_dir, diffusers_reference):
     """A generation whose rows use no adapter binds the slots zero wide on ONNX Runtime; OpenVINO
     cannot compile a zero-wide input, so its rows bind them full width at zero scales."""
-    import torch
-
     with EditPipeline(adapter_onnx_dir, model_dir, backend="openvino") as pipe:
         noise = pipe.initial_noise(TEST_BASE)
         image = pipe.decode(pipe.generate_base(TEST_BASE, noise=noise).final_latent)
-    b = TEST_BASE
-    expected = diffusers_pipe(b.prompt, negative_prompt=b.negative_prompt, num_inference_steps=b.steps,
-                              guidance_scale=b.guidance, height=b.height, width=b.width, eta=0.0,
-                              latents=torch.from_numpy(noise), output_type="np").images  # fmt: skip
-    np.testing.assert_allclose(image, expected, atol=1e-4)
+    np.testing.assert_allclose(image, diffusers_reference(model_dir, TEST_BASE, noise), atol=1e-4)
+
+
+# --- the exactness promises on OpenVINO: each graph, and one generation per family -----------------
+#
+# tests/test_pipeline.py, test_samplers_pipeline.py and test_families.py run every promise on
+# OpenVINO in make test-all. The default run holds the engine by its parts: every graph of every
+# family against its PyTorch source (what a step computes), and one whole
+# generation per family against diffusers (what the step loop binds, pads and chains on it).
+
+FAMILIES = {"sd": ("onnx_dir", "model_dir"), "sd2": ("sd2_onnx_dir", "sd2_dir"), "sdxl": ("sdxl_onnx_dir", "sdxl_dir")}
+GRAPH_ATOL, GRAPH_RTOL = 1e-4, 1e-3  # fp32 fusions and reorderings, as tests/test_graphs.py allows ONNX Runtime
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_graph_on_openvino_equals_its_torch_source(request, family):
+    from edit_rt.export.compile.parity import random_feeds, torch_runner
+    from edit_rt.runtime.engine.engines import graphs_of
+    from edit_rt.runtime.engine.manifest import load_manifest
+
+    onnx_dir, model_dir = (request.getfixturevalue(name) for name in FAMILIES[family])
+    manifest = load_manifest(onnx_dir)
+    rng = np.random.default_rng(0)
+    graphs = graphs_of(manifest)
+    assert {"text_encoder", "kv_proj", "unet_step", "vae_decoder", "vae_encoder"} <= set(graphs)
+    for graph in graphs:
+        # 3 rows, 2 uncond sets: neither the traced batch (2) nor 1, so a frozen axis shows
+        feeds = [random_feeds(manifest, graph, 3, 2, rng, hw=16)]
+        with backend_ov.OvGraph(manifest.path(graph), precision="fp32") as ours, torch_runner(graph, manifest, model_dir) as torch_graph:
+            for feed in feeds:
+                expected = torch_graph.infer(feed)
+                for name, got in zip(ours.output_names, ours.infer(feed)):
+                    np.testing.assert_allclose(got, expected[name], atol=GRAPH_ATOL, rtol=GRAPH_RTOL, err_msg=f"{family} {graph} {name}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_generation_on_openvino_equals_diffusers(request, family, diffusers_reference):
+    onnx_dir, model_dir = (request.getfixturevalue(name) for name in FAMILIES[family])
+    # each family's own sampler (DDIM on SD, SDXL's Euler), a second sampler's history slots on SD 2.x
+    sampler = {"sd": "ddim", "sd2": "dpmpp_2m_karras", "sdxl": "own"}[family]
+    base = dataclasses.replace(TEST_BASE, sampler=sampler, steps=8) if family == "sd2" else TEST_BASE
+    with EditPipeline(onnx_dir, model_dir, backend="openvino") as pipe:
+        assert pipe.graph_set.backend == "openvino"
+        noise = pipe.initial_noise(base)
+        ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
+    np.testing.assert_allclose(ours, diffusers_reference(model_dir, base, noise, sampler, sdxl=family == "sdxl"), atol=1e-4)

@@ -31,7 +31,7 @@ def _diff(pipeline, base: str, edit: str):
 
 
 def _text(pipeline, ids, positions) -> str:
-    return pipeline.tokenizer.decode([ids[p] for p in positions]).replace(" ", "").replace("</w>", "")
+    return pipeline.text.tokenizer.decode([ids[p] for p in positions]).replace(" ", "").replace("</w>", "")
 
 
 def test_a_word_swap_changes_that_word_in_both_prompts(pipeline):
@@ -154,21 +154,21 @@ def test_auto_mask_rows_batched_equal_one_at_a_time(pipeline, base_state, tight_
 @pytest.fixture
 def tight_preserve(pipeline):
     """A tight mask on the random test model (its maps mark no object): threshold 0.6, no dilation."""
-    pipeline.preserve = Preserve(threshold=0.6, dilate=0, region="words")
-    yield pipeline.preserve
-    pipeline.preserve = Preserve()
+    pipeline.preservation.preserve = Preserve(threshold=0.6, dilate=0, region="words")
+    yield pipeline.preservation.preserve
+    pipeline.preservation.preserve = Preserve()
 
 
 def test_auto_mask_keeps_the_base_outside_and_uses_the_maps_graph_only_first(pipeline, base_state, tight_preserve):
     scheduler = pipeline.batcher(base_state.latents.shape[1:]).scheduler
     before = scheduler.stats.map_calls
     (result,) = pipeline.edit(base_state, [TailRow("a red circle on a green background", 1.0, 2, G, preserve="auto")])
-    assert scheduler.stats.map_calls - before == pipeline.preserve.steps  # then the plain graph
+    assert scheduler.stats.map_calls - before == pipeline.preservation.preserve.steps  # then the plain graph
     assert result.preserve == "auto" and result.keep is not None and 0 < result.keep.mean() < 1
     keep = result.keep[0]
     np.testing.assert_array_equal(result.latent[:, keep], base_state.final_latent[0][:, keep])
     # and in pixels: outside the (bilinear) edge band the image is the base's
-    weight = pipeline.pixel_weight(TailRow("x", 1, 2, G, preserve="auto"), result.keep, result.image.shape[:2])
+    weight = pipeline.preservation.pixel_weight(TailRow("x", 1, 2, G, preserve="auto"), result.keep, result.image.shape[:2])
     base_image = pipeline.base_image(base_state)
     outside = weight == 0
     assert outside.any()
@@ -356,9 +356,9 @@ def test_a_runs_preserve_knobs_reach_its_edits(tmp_path, model_dir, onnx_dir, pi
     written = np.asarray(Image.open(tmp_path / "out" / "edit_00.png"), dtype=np.int16)
     images = {}
     for name, knobs in (("tight", Preserve(threshold=0.9, dilate=0, region="words")), ("default", Preserve())):
-        pipeline.preserve = knobs
+        pipeline.preservation.preserve = knobs
         (result,) = pipeline.edit(base_state, [TailRow(edit, 2.0, 1, TEST_BASE.guidance, preserve="auto")])
         images[name] = np.round(np.clip(result.image, 0, 1) * 255).astype(np.int16)
-    pipeline.preserve = Preserve()
+    pipeline.preservation.preserve = Preserve()
     assert np.abs(images["tight"] - images["default"]).max() > 2  # the knobs matter on this model
     assert np.abs(written - images["tight"]).max() <= 1

@@ -14,14 +14,15 @@ import io
 import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from PIL import Image
+
+from .cli_in_process import edit_rt
+from .server_process import serve_to_its_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -274,13 +275,6 @@ def test_calls_from_threads_batch_and_equal_each_alone(editor):
 # --- the CLI's host/token rule ------------------------------------------------------------------
 
 
-def _serve(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`edit-rt serve CONFIG ARGS` in a subprocess; ``env`` values of None are taken out."""
-    environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config), *args], capture_output=True,
-                          text=True, timeout=60, env=environ)  # fmt: skip
-
-
 @pytest.fixture
 def busy_port():
     """A port taken on every IPv4 address: a serve that passes the token rule stops at binding it
@@ -292,7 +286,7 @@ def busy_port():
 
 
 def test_serve_beyond_loopback_without_a_token_is_refused(demo_config, busy_port):
-    r = _serve(demo_config, "--host", "0.0.0.0", "--port", str(busy_port), env={"EDIT_RT_TOKEN": None})
+    r = serve_to_its_end(demo_config, "--host", "0.0.0.0", "--port", str(busy_port), env={"EDIT_RT_TOKEN": None})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: serve.host: 0.0.0.0 is not loopback and no token is set")
@@ -305,7 +299,7 @@ def test_serve_beyond_loopback_without_a_token_is_refused(demo_config, busy_port
     (("--host", "127.0.0.1"), {"EDIT_RT_TOKEN": None}, False),
 ])  # fmt: skip
 def test_serve_with_a_token_or_on_loopback_or_allowed_passes_the_rule(demo_config, busy_port, args, env, warned):
-    r = _serve(demo_config, *args, "--port", str(busy_port), env=env)
+    r = edit_rt("serve", str(demo_config), *args, "--port", str(busy_port), env=env)  # the exit status's process: above
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"serve.port {busy_port} on {args[1]} is in use" in r.stderr and "no token is set" not in r.stderr
     assert ("WARNING: listening on 0.0.0.0 without a token (--allow-no-token)" in r.stderr) == warned

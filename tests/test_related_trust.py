@@ -12,12 +12,12 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from edit_rt.runtime.serving.bases import Bases
 from edit_rt.runtime.serving.related import RelatedGenerations
 from edit_rt.runtime.storage.related_index import RelatedIndex, group
 from edit_rt.runtime.storage.store import BaseStore
@@ -93,9 +93,10 @@ def _service(store, index):
     metrics = SimpleNamespace(counts={}, inc=lambda name, v=1.0: metrics.counts.__setitem__(name, metrics.counts.get(name, 0) + v))
     cfg = SimpleNamespace(serve=SimpleNamespace(related=SimpleNamespace(
         enabled=True, thresholds=[SimpleNamespace(similarity=0.5, skip=0.4)], embedding="mean")))
-    svc = RelatedGenerations()
-    svc.cfg, svc.store, svc.metrics, svc.related_index = cfg, store, metrics, index
-    svc.store_pool = ThreadPoolExecutor(2)
+    bases = Bases(metrics)
+    bases.store = store
+    svc = RelatedGenerations(cfg, metrics, bases)
+    svc.attach(index, embed=None)  # the tests give the prompt vectors themselves
     return svc
 
 
@@ -113,12 +114,12 @@ def test_a_planted_entry_naming_another_base_is_not_served(tmp_path, planted_as)
     # the planted file claims the request's group and a vector x1000 (a similarity of ~1000)
     _plant(folder, vbid, id=vbid, group=group(request), window_start=0, kind="mean", vector=(_vector(5) * 1000).tolist())
     svc = _service(store, index)
-    assert asyncio.run(svc.related_plan(request, _vector(5))) is None
+    assert asyncio.run(svc.plan(request, _vector(5))) is None
     # a valid-looking vector but the stored base's key differs: still a miss, and unpinned
     _plant(folder, vbid, id=vbid, group=group(request), window_start=0, kind="mean", vector=_vector(5).tolist())
     os.utime(folder / "related", (time.time() + 5, time.time() + 5))
     index._seen_mtime = -1.0
-    assert asyncio.run(svc.related_plan(request, _vector(5))) is None
+    assert asyncio.run(svc.plan(request, _vector(5))) is None
     assert svc.metrics.counts.get("edit_rt_related_hits_total", 0) == 0
     store.delete(vbid)  # not pinned any longer
 
@@ -129,10 +130,10 @@ def test_a_genuine_entry_is_served_with_a_similarity_of_at_most_one(tmp_path):
     state = fake_state(0)
     bid = store.put(state)
     svc = _service(store, index)
-    svc.index_base(bid, state, _vector(0))
-    plan = asyncio.run(svc.related_plan(dataclasses.replace(state.base, prompt="another", seed=9), _vector(0)))
+    svc.add(bid, state, _vector(0))
+    plan = asyncio.run(svc.plan(dataclasses.replace(state.base, prompt="another", seed=9), _vector(0)))
     assert plan is not None and plan.bid == bid and plan.similarity <= 1.0
-    svc.related_done(plan, True)
+    svc.done(plan, True)
 
 
 def test_an_upload_base_is_never_indexed(tmp_path):
@@ -140,8 +141,8 @@ def test_an_upload_base_is_never_indexed(tmp_path):
     state = fake_state(0)
     state = dataclasses.replace(state, base=dataclasses.replace(state.base, image="sha256:" + "1" * 64))
     svc = _service(store, RelatedIndex(folder))
-    svc.index_base(store.put(state), state, _vector(0))
-    assert len(svc.related_index) == 0
+    svc.add(store.put(state), state, _vector(0))
+    assert len(svc.index) == 0
 
 
 def test_a_ram_only_index_is_bounded_by_the_stores_bases():
@@ -149,8 +150,8 @@ def test_a_ram_only_index_is_bounded_by_the_stores_bases():
     svc = _service(store, RelatedIndex(None))
     for k in range(300):
         state = fake_state(k, steps=2)
-        svc.index_base(store.put(state), state, _vector(k))
-    assert len(svc.related_index) <= 2 * 64 + 2
+        svc.add(store.put(state), state, _vector(k))
+    assert len(svc.index) <= 2 * 64 + 2
 
 
 def test_a_client_that_leaves_while_its_related_base_is_being_pinned_lets_the_pin_go(tmp_path):
@@ -160,7 +161,7 @@ def test_a_client_that_leaves_while_its_related_base_is_being_pinned_lets_the_pi
     state = fake_state(0)
     bid = store.put(state)
     svc = _service(store, RelatedIndex(folder))
-    svc.index_base(bid, state, _vector(0))
+    svc.add(bid, state, _vector(0))
     pinned, release = threading.Event(), threading.Event()
     pin = store.pin
 
@@ -173,7 +174,7 @@ def test_a_client_that_leaves_while_its_related_base_is_being_pinned_lets_the_pi
     store.pin = slow_pin
 
     async def leave() -> bool:
-        task = asyncio.ensure_future(svc.related_plan(dataclasses.replace(state.base, prompt="another", seed=9), _vector(0)))
+        task = asyncio.ensure_future(svc.plan(dataclasses.replace(state.base, prompt="another", seed=9), _vector(0)))
         assert await asyncio.get_running_loop().run_in_executor(None, pinned.wait, 5)
         task.cancel()
         release.set()

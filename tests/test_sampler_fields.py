@@ -196,7 +196,7 @@ def test_a_config_sampler_the_model_cannot_run_is_refused_when_its_pipeline_is_b
     cosine = {"_class_name": "DDIMScheduler", "beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 1000}
 
     class Pipe:  # what pipeline_of reads of a pipeline, over a cosine-schedule model
-        adapter_bank, conds, family = None, [], {"clip_skips": 2}
+        adapter_bank, family, text = None, {"clip_skips": 2}, SimpleNamespace(conds=[])
 
         def __init__(self, *args, **kwargs):
             self.manifest = SimpleNamespace(data={"model": {"variant": None}}, scheduler_config=cosine)

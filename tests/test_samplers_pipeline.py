@@ -13,22 +13,11 @@ ancestral noise), against diffusers' own pipelines with its own schedulers:
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from diffusers import (
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    StableDiffusionPipeline,
-    UniPCMultistepScheduler,
-)
-from diffusers.schedulers import scheduling_euler_ancestral_discrete
 
 from edit_rt.runtime.loop.jobs import Job, Request
-from edit_rt.runtime.loop.solver_slots import ancestral_noise
 from edit_rt.runtime.model.edit import TailRow
 from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 from edit_rt.runtime.storage.store import BaseStore, base_id
@@ -37,16 +26,7 @@ from .conftest import TEST_BASE
 
 BATCH_ATOL = 1e-5  # as tests/test_pipeline.py: fp32 reordering across batch sizes
 
-# diffusers' scheduler for each of edit-rt's samplers, from the model's own scheduler config
-REFERENCE = {
-    "euler": lambda cfg: EulerDiscreteScheduler.from_config(cfg),
-    "euler_karras": lambda cfg: EulerDiscreteScheduler.from_config(cfg, use_karras_sigmas=True),
-    "euler_a": lambda cfg: EulerAncestralDiscreteScheduler.from_config(cfg),
-    "dpmpp_2m": lambda cfg: DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="dpmsolver++", solver_order=2),
-    "dpmpp_2m_karras": lambda cfg: DPMSolverMultistepScheduler.from_config(
-        cfg, algorithm_type="dpmsolver++", solver_order=2, use_karras_sigmas=True),
-    "unipc": lambda cfg: UniPCMultistepScheduler.from_config(cfg),
-}
+SAMPLERS = ["euler", "euler_karras", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc"]
 
 
 @pytest.fixture(scope="module")
@@ -56,35 +36,22 @@ def openvino_pipeline(onnx_dir, model_dir):
         yield pipe
 
 
-@pytest.fixture(scope="module", params=["ort-cpu", "openvino"])
+# OpenVINO's run of every sampler is in make test-all; the default run holds it by each graph
+# against its torch source and one generation per family (tests/test_openvino.py).
+OPENVINO = pytest.param("openvino", marks=pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", params=["ort-cpu", OPENVINO])
 def sd2(request, sd2_onnx_dir, sd2_dir):
     with EditPipeline(sd2_onnx_dir, sd2_dir, backend=request.param) as pipe:
         yield pipe, sd2_dir
 
 
-def _reference(model_dir: Path, sampler: str, base, latents: np.ndarray, monkeypatch) -> np.ndarray:
-    """diffusers' image for ``base`` with ``sampler``'s scheduler from ``latents`` (x_0 before
-    the scheduler's initial sigma); an ancestral scheduler draws edit-rt's per-step noise."""
-    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
-    pipe.scheduler = REFERENCE[sampler](pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
-    steps = iter(range(base.steps))
-
-    def noise(shape, generator=None, device=None, dtype=None, layout=None):
-        out = np.empty(tuple(shape), np.float32)
-        return torch.from_numpy(ancestral_noise(base.seed, next(steps), out)).to(dtype)
-
-    monkeypatch.setattr(scheduling_euler_ancestral_discrete, "randn_tensor", noise)
-    return pipe(
-        base.prompt, negative_prompt=base.negative_prompt, num_inference_steps=base.steps,
-        guidance_scale=base.guidance, height=base.height, width=base.width,
-        latents=torch.from_numpy(latents), output_type="np",
-    ).images  # fmt: skip
-
-
-@pytest.mark.parametrize("backend", ["ort-cpu", "openvino"])
-@pytest.mark.parametrize("sampler", list(REFERENCE))
-def test_a_generation_equals_diffusers_with_its_scheduler(request, backend, model_dir, sampler, monkeypatch):
+@pytest.mark.parametrize("backend", ["ort-cpu", OPENVINO])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_generation_equals_diffusers_with_its_scheduler(request, backend, model_dir, sampler, diffusers_reference):
+    """diffusers' StableDiffusionPipeline with the sampler's scheduler (tests/diffusers_reference.py:
+    Euler, Euler a with edit-rt's per-step noise, DPM-Solver++ 2M, UniPC) from the same latents."""
     pipeline = request.getfixturevalue("pipeline" if backend == "ort-cpu" else "openvino_pipeline")
     assert pipeline.graph_set.backend == backend
     base = dataclasses.replace(TEST_BASE, sampler=sampler)
@@ -92,16 +59,16 @@ def test_a_generation_equals_diffusers_with_its_scheduler(request, backend, mode
     ours = pipeline.decode(pipeline.generate_base(base, noise=noise).final_latent)
     # 1e-4 on images in [0, 1], as for DDIM (tests/test_pipeline.py): fp32 differences of the
     # graphs and of the coefficients (float64 on the host, float32 in torch) through 10 steps
-    np.testing.assert_allclose(ours, _reference(model_dir, sampler, base, noise, monkeypatch), atol=1e-4)
+    np.testing.assert_allclose(ours, diffusers_reference(model_dir, base, noise, sampler), atol=1e-4)
 
 
 @pytest.mark.parametrize("sampler", ["euler_a", "dpmpp_2m_karras", "unipc"])
-def test_a_v_prediction_generation_equals_diffusers_with_its_scheduler(sd2, sampler, monkeypatch):
+def test_a_v_prediction_generation_equals_diffusers_with_its_scheduler(sd2, sampler, diffusers_reference):
     pipe, model_dir = sd2
     base = dataclasses.replace(TEST_BASE, sampler=sampler, steps=8)
     noise = pipe.initial_noise(base)
     ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
-    np.testing.assert_allclose(ours, _reference(model_dir, sampler, base, noise, monkeypatch), atol=1e-4)
+    np.testing.assert_allclose(ours, diffusers_reference(model_dir, base, noise, sampler), atol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""`edit-rt serve` against a real server process on loopback.
+"""`edit-rt serve`'s API: its app in this process over ASGI (in_process_server.py), and a real
+server process on loopback where the process matters (a graceful shutdown).
 
 Images are compared with the same edit run alone through the pipeline (`edit-rt run`'s code),
 to one grey level: batching with other requests' rows reorders fp32 sums (~1e-5), which can
@@ -24,6 +25,7 @@ from edit_rt.runtime.model.edit import Base, Mask
 from edit_rt.runtime.pipeline.edit_pipeline import TailRow
 from edit_rt.runtime.pipeline.images import to_uint8
 
+from .in_process_server import InProcessServer
 from .server_process import ServerProcess
 
 STEPS = 6
@@ -31,10 +33,10 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("serve"), model_dir, onnx_dir,
-                         serve={"max_edits_per_request": 8, "queue_limit": 48, "max_body_bytes": 20_000})  # fmt: skip
-    yield proc
-    assert proc.stop()
+    app = InProcessServer(tmp_path_factory.mktemp("serve"), model_dir, onnx_dir,
+                          serve={"max_edits_per_request": 8, "queue_limit": 48, "max_body_bytes": 20_000})  # fmt: skip
+    yield app
+    app.stop()
 
 
 def _png(b64: str) -> tuple[np.ndarray, dict]:
@@ -42,8 +44,8 @@ def _png(b64: str) -> tuple[np.ndarray, dict]:
     return np.asarray(image, dtype=np.int16), dict(image.text)
 
 
-def _generate(url: str, prompt: str = "a red circle", seed: int = 1, **extra) -> dict:
-    r = httpx.post(url + "/v1/images/generations", json={"prompt": prompt, "negative_prompt": "blurry", "seed": seed, **extra}, timeout=120)
+def _generate(client: httpx.Client, prompt: str = "a red circle", seed: int = 1, **extra) -> dict:
+    r = client.post("/v1/images/generations", json={"prompt": prompt, "negative_prompt": "blurry", "seed": seed, **extra}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -61,7 +63,7 @@ def _base(prompt="a red circle", seed=1) -> Base:
 
 
 def test_generate_then_edit_matches_the_pipeline(server, pipeline):
-    gen = _generate(server.url)
+    gen = _generate(server.client)
     assert gen["seed"] == 1 and gen["parameters"]["steps"] == STEPS and len(gen["id"]) == 24
     image, text = _png(gen["data"][0]["b64_json"])
     base = _base()
@@ -77,7 +79,7 @@ def test_generate_then_edit_matches_the_pipeline(server, pipeline):
         {"prompt": "a blue circle", "tail_steps": 4, "structure": 0.5},
         {"prompt": "a red square", "tail_steps": 4, "uncond": "base-corrected"},  # the base's u (tail.uncond)
     ]
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["base_id"] == gen["id"] and [d["index"] for d in body["data"]] == [0, 1, 2, 3, 4, 5]
@@ -101,9 +103,9 @@ def test_generate_then_edit_matches_the_pipeline(server, pipeline):
 def test_deepcache_edits_match_the_pipeline(server, pipeline):
     """Two edits with ``deepcache: 2`` (every other tail step shallow) share the server's calls
     as they share the pipeline's; their PNGs say so."""
-    gen = _generate(server.url, seed=5)
+    gen = _generate(server.client, seed=5)
     edits = [{"prompt": "a blue square", "tail_steps": 4, "deepcache": 2}, {"prompt": "a green circle", "tail_steps": 4, "deepcache": 2}]
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": edits}, timeout=120)
     assert r.status_code == 200, r.text
     rows = [TailRow(e["prompt"], 1.0, STEPS - 4, 7.5, deepcache=2) for e in edits]
     expected = pipeline.edit(pipeline.generate_base(_base(seed=5)), rows)
@@ -114,10 +116,10 @@ def test_deepcache_edits_match_the_pipeline(server, pipeline):
 
 
 def test_stream_sends_queue_progress_images_then_done(server):
-    gen = _generate(server.url, seed=2)
+    gen = _generate(server.client, seed=2)
     edits = [{"prompt": "a blue square", "tail_steps": 3}, {"prompt": "a green square", "tail_steps": 2}]
     events = []
-    with httpx.stream("POST", server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": edits, "stream": True}, timeout=120) as r:
+    with server.client.stream("POST", "/v1/images/edits", json={"base_id": gen["id"], "edits": edits, "stream": True}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for block in r.read().decode().split("\n\n"):
             if block.strip():
@@ -132,13 +134,13 @@ def test_stream_sends_queue_progress_images_then_done(server):
 
 
 def test_base_metadata_and_delete(server):
-    gen = _generate(server.url, seed=4)
-    info = httpx.get(f"{server.url}/v1/bases/{gen['id']}").json()
+    gen = _generate(server.client, seed=4)
+    info = server.client.get(f"/v1/bases/{gen['id']}").json()
     assert info["tier"] == "ram" and info["base"]["seed"] == 4 and info["base"]["steps"] == STEPS
-    assert httpx.delete(f"{server.url}/v1/bases/{gen['id']}").json() == {"id": gen["id"], "deleted": True}
-    r = httpx.get(f"{server.url}/v1/bases/{gen['id']}")
+    assert server.client.delete(f"/v1/bases/{gen['id']}").json() == {"id": gen["id"], "deleted": True}
+    r = server.client.get(f"/v1/bases/{gen['id']}")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x"}]})
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "base_id"
 
 
@@ -163,7 +165,7 @@ def test_base_metadata_and_delete(server):
     ],
 )
 def test_errors_have_one_shape_and_a_json_path(server, path, body, status, param):
-    r = httpx.post(server.url + path, json=body)
+    r = server.client.post(path, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
@@ -171,10 +173,10 @@ def test_errors_have_one_shape_and_a_json_path(server, path, body, status, param
 
 
 def test_out_of_range_tail_and_mask_name_the_edit(server):
-    gen = _generate(server.url, seed=5)
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "tail_steps": 2}, {"prompt": "y", "tail_steps": 7}]})
+    gen = _generate(server.client, seed=5)
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "tail_steps": 2}, {"prompt": "y", "tail_steps": 7}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "edits[1].tail_steps"
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "mask": {"x": 30, "y": 0, "width": 8, "height": 8}}]})
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x", "mask": {"x": 30, "y": 0, "width": 8, "height": 8}}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "edits[0].mask"
 
 
@@ -210,8 +212,8 @@ def test_config_and_api_accept_and_refuse_the_same_edits(server, model_dir, onnx
         config_refusal = None
     except ConfigError as err:
         config_refusal = str(err)
-    gen = _generate(server.url, seed=1)
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [edit]}, timeout=120)
+    gen = _generate(server.client, seed=1)
+    r = server.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": [edit]}, timeout=120)
     if field is None:
         assert config_refusal is None and r.status_code == 200, (config_refusal, r.text)
         return
@@ -222,17 +224,17 @@ def test_config_and_api_accept_and_refuse_the_same_edits(server, model_dir, onnx
 
 
 def test_bad_json_and_oversized_body(server):
-    r = httpx.post(server.url + "/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
+    r = server.client.post("/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
-    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "negative_prompt": "y" * 30_000})
+    r = server.client.post("/v1/images/generations", json={"prompt": "x", "negative_prompt": "y" * 30_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
 def test_full_queue_answers_429_with_retry_after(tmp_path, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"queue_limit": 3, "max_edits_per_request": 8})
+    proc = InProcessServer(tmp_path, model_dir, onnx_dir, serve={"queue_limit": 3, "max_edits_per_request": 8})
     try:
-        gen = _generate(proc.url, seed=6)
-        r = httpx.post(proc.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x"}] * 4})
+        gen = _generate(proc.client, seed=6)
+        r = proc.client.post("/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "x"}] * 4})
         assert r.status_code == 429 and r.headers["retry-after"] == "2"
         assert r.json()["error"]["code"] == "queue_full"
     finally:
@@ -240,45 +242,39 @@ def test_full_queue_answers_429_with_retry_after(tmp_path, model_dir, onnx_dir):
 
 
 def test_bearer_token(tmp_path, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path, model_dir, onnx_dir, env={"EDIT_RT_TOKEN": "s3cret"})
+    proc = InProcessServer(tmp_path, model_dir, onnx_dir, env={"EDIT_RT_TOKEN": "s3cret"})
     try:
-        assert httpx.get(proc.url + "/health").status_code == 200  # health stays open for probes
-        r = httpx.post(proc.url + "/v1/images/generations", json={"prompt": "x"})
+        assert proc.client.get("/health").status_code == 200  # health stays open for probes
+        r = proc.client.post("/v1/images/generations", json={"prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(proc.url + "/metrics").status_code == 401
-        ok = httpx.post(proc.url + "/v1/images/generations", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+        assert proc.client.get("/metrics").status_code == 401
+        wrong = proc.client.post("/v1/images/generations", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cre"})
+        assert wrong.status_code == 401  # a bearer token is compared, not only present
+        ok = proc.client.post("/v1/images/generations", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert ok.status_code == 200
     finally:
         proc.stop()
 
 
 def test_not_ready_answers_503_and_health_says_why(tmp_path, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path, tmp_path / "no-model", onnx_dir, wait=False)
+    proc = InProcessServer(tmp_path, tmp_path / "no-model", onnx_dir, wait=False)
     try:
         for _ in range(100):
-            health = httpx.get(proc.url + "/health") if _port_open(proc) else None
-            if health is not None and health.json()["status"] == "failed":
+            health = proc.client.get("/health")
+            if health.json()["status"] == "failed":
                 break
             threading.Event().wait(0.2)
         assert health.status_code == 503 and "does not exist" in health.json()["error"]
-        r = httpx.post(proc.url + "/v1/images/generations", json={"prompt": "x"})
+        r = proc.client.post("/v1/images/generations", json={"prompt": "x"})
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
     finally:
         proc.stop()
 
 
-def _port_open(proc) -> bool:
-    try:
-        httpx.get(proc.url + "/health", timeout=1)
-        return True
-    except httpx.HTTPError:
-        return False
-
-
 def test_openapi_schema_and_page(server):
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = server.client.get("/openapi.json").json()
     assert {"/v1/images/generations", "/v1/images/edits", "/v1/bases/{bid}", "/v1/adapters"} <= set(schema["paths"])
-    page = httpx.get(server.url + "/")
+    page = server.client.get("/")
     assert page.status_code == 200 and "edit-rt" in page.text and "/v1/images/edits" in page.text
 
 
@@ -300,24 +296,24 @@ edit_like = st.fixed_dictionaries({"prompt": st.text(max_size=30)}, optional={
     | st.fixed_dictionaries({"prompt": st.text(max_size=30) | json_values}, optional={"steps": json_values, "seed": json_values, "size": json_values, "cfg_scale": json_values}),
 )  # fmt: skip
 def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
-    r = httpx.post(server.url + path, json=body, timeout=120)
+    r = server.client.post(path, json=body, timeout=120)
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_server_still_serves_after_the_fuzz(server):
-    assert httpx.get(server.url + "/health").json()["status"] == "ready"
+    assert server.client.get("/health").json()["status"] == "ready"
 
 
-def concurrent_single_edits(url: str, pipeline, bases: list[Base], ids: list[str], clients: int = 32) -> None:
+def concurrent_single_edits(http: httpx.Client, pipeline, bases: list[Base], ids: list[str], clients: int = 32) -> None:
     """``clients`` single-edit requests at once over the stored ``bases`` (``ids``), each
     answered 200 with the image of the same edit run alone through the pipeline."""
     jobs = [(k % len(bases), {"prompt": f"edit {k}", "strength": 0.5 + (k % 3) * 0.5, "tail_steps": 2 + k % 4}) for k in range(clients)]
 
     def client(job):
         b, edit = job
-        r = httpx.post(url + "/v1/images/edits", json={"base_id": ids[b], "edits": [edit]}, timeout=300)
+        r = http.post("/v1/images/edits", json={"base_id": ids[b], "edits": [edit]}, timeout=300)
         return b, edit, r
 
     with ThreadPoolExecutor(clients) as pool:
@@ -333,9 +329,9 @@ def concurrent_single_edits(url: str, pipeline, bases: list[Base], ids: list[str
 
 def test_32_concurrent_clients_share_batches_and_get_their_own_images(server, pipeline):
     bases = [_base(prompt=p, seed=10 + k) for k, p in enumerate(["a red circle", "a blue square", "a green triangle", "a cat"])]
-    ids = [_generate(server.url, prompt=b.prompt, seed=b.seed)["id"] for b in bases]
+    ids = [_generate(server.client, prompt=b.prompt, seed=b.seed)["id"] for b in bases]
     before = _batch_rows(server)
-    concurrent_single_edits(server.url, pipeline, bases, ids)
+    concurrent_single_edits(server.client, pipeline, bases, ids)
     after = _batch_rows(server)
     shared = sum(after.get(k, 0) - before.get(k, 0) for k in after if k > 1)
     assert shared > 0, after  # single-edit requests met in multi-row calls
@@ -346,7 +342,7 @@ def _batch_rows(server) -> dict[float, int]:
     from prometheus_client.parser import text_string_to_metric_families
 
     cumulative = {}
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+    for family in text_string_to_metric_families(server.client.get("/metrics").text):
         for sample in family.samples:
             if sample.name == "edit_rt_batch_rows_bucket":
                 cumulative[float(sample.labels["le"])] = int(sample.value)
@@ -358,25 +354,36 @@ def _batch_rows(server) -> dict[float, int]:
 
 
 def test_metrics_are_prometheus_text(server):
-    text = httpx.get(server.url + "/metrics").text
+    text = server.client.get("/metrics").text
     for name in ("edit_rt_queue_rows", "edit_rt_active_rows", "edit_rt_batch_rows_bucket", "edit_rt_step_seconds_bucket",
                  'edit_rt_store_hits_total{tier="ram"}', "edit_rt_edits_served_total", 'edit_rt_store_evictions_total{tier="ram"}'):  # fmt: skip
         assert name in text
 
 
-def test_client_that_disconnects_leaves_the_server_serving(server):
-    gen = _generate(server.url, seed=7)
-    with httpx.stream("POST", server.url + "/v1/images/edits",
+def client_that_disconnects_leaves_the_server_serving(url: str) -> None:
+    """A stream's client hangs up after its first event: the next request is served and the base
+    is unpinned. Needs a socket to hang up on (in-process, the answer is read whole)."""
+    gen = _generate(httpx.Client(base_url=url), seed=7)
+    with httpx.stream("POST", url + "/v1/images/edits",
                       json={"base_id": gen["id"], "edits": [{"prompt": "x", "tail_steps": 6}] * 8, "stream": True}, timeout=60) as r:  # fmt: skip
         next(r.iter_lines())  # the queue event, then hang up
-    r = httpx.post(server.url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "y", "tail_steps": 1}]}, timeout=60)
+    r = httpx.post(url + "/v1/images/edits", json={"base_id": gen["id"], "edits": [{"prompt": "y", "tail_steps": 1}]}, timeout=60)
     assert r.status_code == 200
-    assert httpx.get(f"{server.url}/v1/bases/{gen['id']}").json()["pinned"] is False
+    assert httpx.get(f"{url}/v1/bases/{gen['id']}").json()["pinned"] is False
+
+
+@pytest.mark.slow  # a real process; the default run keeps test_pins.py's hang-ups on a real server (and test_ray's)
+def test_client_that_disconnects_leaves_the_server_serving(tmp_path, model_dir, onnx_dir):
+    proc = ServerProcess(tmp_path, model_dir, onnx_dir)
+    try:
+        client_that_disconnects_leaves_the_server_serving(proc.url)
+    finally:
+        assert proc.stop()
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(tmp_path, model_dir, onnx_dir):
     proc = ServerProcess(tmp_path, model_dir, onnx_dir, base={"prompt": "x", "steps": 30, "width": 32, "height": 32})
-    gen = _generate(proc.url, seed=8)
+    gen = _generate(proc.client, seed=8)
     result = {}
 
     def slow_edit():

@@ -33,12 +33,8 @@ EDIT_SUCCESS_FLOOR, EDIT_KEPT_FLOOR = 0.75, 0.35
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    onnx_dir = tmp_path_factory.mktemp("shapes-sd") / "onnx"
-    export_onnx(MODEL, onnx_dir)
-    with EditPipeline(onnx_dir, MODEL) as pipe:
+def shapes(shapes_onnx_dir):
+    with EditPipeline(shapes_onnx_dir, MODEL) as pipe:
         yield pipe
 
 

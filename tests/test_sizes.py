@@ -9,9 +9,9 @@ import io
 import httpx
 import numpy as np
 import pytest
-import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline
 from PIL import Image
+
+from edit_rt.runtime.model.edit import Base
 
 from .server_process import ServerProcess
 
@@ -31,20 +31,17 @@ def _pixels(b64: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("size", ["32x32", *SIZES])
-def test_each_served_size_generates_what_diffusers_generates(server, model_dir, size):
+def test_each_served_size_generates_what_diffusers_generates(server, model_dir, diffusers_reference, size):
     body = {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 11, "steps": 6, "size": size, "cfg_scale": 7.5}
     r = httpx.post(server.url + "/v1/images/generations", json=body, timeout=120)
     assert r.status_code == 200, r.text
     ours = _pixels(r.json()["data"][0]["b64_json"])
     width, height = map(int, size.split("x"))
     assert ours.shape == (height, width, 3)
-    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
     # the runtime's initial noise: numpy's PCG64 from the seed, [1, 4, h, w] (pipeline.initial_noise)
     latents = np.random.default_rng(11).standard_normal((1, 4, height // 2, width // 2), dtype=np.float32)
-    expected = pipe("a red circle", negative_prompt="blurry", num_inference_steps=6, guidance_scale=7.5, height=height,
-                    width=width, eta=0.0, latents=torch.from_numpy(latents), output_type="np").images[0]  # fmt: skip
+    base = Base(prompt="a red circle", negative_prompt="blurry", seed=11, steps=6, guidance=7.5, width=width, height=height)
+    expected = diffusers_reference(model_dir, base, latents)[0]  # StableDiffusionPipeline + DDIM
     assert np.abs(ours.astype(int) - np.round(expected * 255).astype(int)).max() <= 1
     edit = {"base_id": r.json()["id"], "edits": [{"prompt": "a blue square", "tail_steps": 3}]}
     e = httpx.post(server.url + "/v1/images/edits", json=edit, timeout=120)

@@ -27,7 +27,7 @@ from edit_rt.export.compile.parity import random_feeds
 from edit_rt.runtime.engine.backend_ort import OrtGraph
 from edit_rt.runtime.engine.device import HostTensor
 from edit_rt.runtime.engine.manifest import load_manifest
-from edit_rt.runtime.loop import slots
+from edit_rt.runtime.loop import row_scheduler
 from edit_rt.runtime.loop.batcher import Batcher
 from edit_rt.runtime.loop.jobs import Job, Request
 from edit_rt.runtime.model.edit import TailRow
@@ -143,7 +143,7 @@ def test_no_array_is_allocated_per_step(pipeline):
     batcher.submit(request, jobs)
     for _ in range(3):  # admission, the entry step, the first steady step: bindings made
         batcher.work_once()
-    ours = [tracemalloc.Filter(True, str(Path(slots.__file__).parents[1] / "*"))]  # all of runtime/
+    ours = [tracemalloc.Filter(True, str(Path(row_scheduler.__file__).parents[1] / "*"))]  # all of runtime/
     numpy_arrays = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
     peaks = np.zeros(50, dtype=np.int64)  # each step's transient peak (made before tracing starts)
     tracemalloc.start()

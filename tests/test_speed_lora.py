@@ -188,10 +188,10 @@ def test_a_config_naming_the_speed_lora_runs_its_schedule(pipe, model_dir, adapt
 
 
 def test_the_server_switches_each_requests_schedule(model_dir, adapter_onnx_dir, lcm_lora, converted):
-    """The doors' generations (Service.base_of): a request naming the speed LoRA runs its schedule
+    """The doors' generations (RequestFields.base_of): a request naming the speed LoRA runs its schedule
     where it sets none; one that leaves adapters out gets the config's base; one that takes
     the LoRA off gets the base as its file declares it."""
-    from edit_rt.runtime.serving.http_errors import ApiError
+    from edit_rt.runtime.errors import RequestError
     from edit_rt.runtime.serving.service import Service
 
     cfg = _config(model_dir, adapter_onnx_dir, lcm_lora, {"sampler": "lcm", "steps": 4, "guidance": 1.0},
@@ -201,14 +201,14 @@ def test_the_server_switches_each_requests_schedule(model_dir, adapter_onnx_dir,
     try:
         assert service.ready.is_set(), service.load_error
         ran = lambda b: (b.sampler, b.steps, b.guidance)  # noqa: E731
-        assert ran(service.base_of("x")) == ("lcm", 4, 1.0)  # the config's base
-        assert ran(service.base_of("x", adapters={"lcm": 0.5})) == ("lcm", 4, 1.0)
-        assert ran(service.base_of("x", adapters={"lcm": 0.5}, steps=2, guidance=1.5)) == ("lcm", 2, 1.5)
-        assert ran(service.base_of("x", adapters={"lcm": 0.5}, sampler="DDIM")) == ("ddim", 4, 1.0)
-        assert ran(service.base_of("x", adapters={})) == (service.default_sampler, 50, 7.5)
-        assert ran(service.base_of("x", steps=3)) == ("lcm", 3, 1.0)
-        with pytest.raises(ApiError, match="adapters.lcm: scale 9"):
-            service.base_of("x", adapters={"lcm": 9.0})
+        assert ran(service.fields.base_of("x")) == ("lcm", 4, 1.0)  # the config's base
+        assert ran(service.fields.base_of("x", adapters={"lcm": 0.5})) == ("lcm", 4, 1.0)
+        assert ran(service.fields.base_of("x", adapters={"lcm": 0.5}, steps=2, guidance=1.5)) == ("lcm", 2, 1.5)
+        assert ran(service.fields.base_of("x", adapters={"lcm": 0.5}, sampler="DDIM")) == ("ddim", 4, 1.0)
+        assert ran(service.fields.base_of("x", adapters={})) == (service.fields.default_sampler, 50, 7.5)
+        assert ran(service.fields.base_of("x", steps=3)) == ("lcm", 3, 1.0)
+        with pytest.raises(RequestError, match="adapters.lcm: scale 9"):
+            service.fields.base_of("x", adapters={"lcm": 9.0})
     finally:
         service.shutdown()
 

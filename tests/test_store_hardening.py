@@ -22,11 +22,12 @@ import pytest
 import yaml
 
 from edit_rt.runtime.errors import DamagedBaseError, DiskFullError, StoreBusyError, UnknownBaseError
-from edit_rt.runtime.serving.http_errors import ApiError
-from edit_rt.runtime.serving.service import Service
+from edit_rt.runtime.web.http_errors import api_error
+from edit_rt.runtime.serving.bases import Bases
 from edit_rt.runtime.storage import store_codec, store_disk
 from edit_rt.runtime.storage.store import BaseStore, base_id
 
+from .in_process_server import InProcessServer
 from .server_process import ServerProcess
 from .test_store import BASE_BYTES, FP, UNCOND_BYTES, fake_state
 
@@ -318,8 +319,9 @@ def test_a_disk_that_stays_full_keeps_bases_in_ram_and_then_says_what_to_do(tmp_
 
 
 def test_keep_answers_a_full_disk_507_naming_the_fix():
-    """Service.keep's mapping (the 507 needs RAM full of pinned bases too, which a real server
-    reaches only by timing; the server tests below check the 200s a full disk still gives)."""
+    """Bases.keep's refusal as the server answers it (the 507 needs RAM full of pinned bases
+    too, which a real server reaches only by timing; the server tests below check the 200s a
+    full disk still gives)."""
     import asyncio
 
     class Full:
@@ -327,9 +329,14 @@ def test_keep_answers_a_full_disk_507_naming_the_fix():
             raise DiskFullError("the disk holding store.disk_dir (x) is full (No space left on device; ...): "
                                 "free space on that disk, or lower store.disk_mb")  # fmt: skip
 
-    with pytest.raises(ApiError) as caught:
-        asyncio.run(Service.keep(SimpleNamespace(store=Full()), fake_state(0)))
-    assert caught.value.status == 507 and caught.value.code == "disk_full" and "store.disk_mb" in caught.value.message
+    bases = Bases(SimpleNamespace())
+    bases.store = Full()
+    with pytest.raises(DiskFullError) as caught:
+        asyncio.run(bases.keep(fake_state(0)))
+    bases.close()
+    answer = api_error(caught.value)  # RFC 4918's Insufficient Storage, no Retry-After (the operator's fix)
+    assert answer.status == 507 and answer.code == "disk_full" and "store.disk_mb" in answer.message
+    assert "Retry-After" not in answer.headers
 
 
 # --- 5. shared folders: a DELETE is everyone's ----------------------------------------------
@@ -366,44 +373,44 @@ def _equal_latents(got, want) -> None:
     np.testing.assert_array_equal(got.latents, want.latents)
 
 
-# --- 6. against a real server ---------------------------------------------------------------
+# --- 6. against the served app ---------------------------------------------------------------
 
 
-def _gen(url: str, seed: int = 1, **extra) -> httpx.Response:
+def _gen(client: httpx.Client, seed: int = 1, **extra) -> httpx.Response:
     body = {"prompt": "a red circle", "negative_prompt": "blurry", "seed": seed, **extra}
-    return httpx.post(url + "/v1/images/generations", json=body, timeout=120)
+    return client.post("/v1/images/generations", json=body, timeout=120)
 
 
-def _edit(url: str, bid: str) -> httpx.Response:
-    return httpx.post(url + "/v1/images/edits", json={"base_id": bid, "edits": [{"prompt": "a cat", "tail_steps": 3}]}, timeout=120)
+def _edit(client: httpx.Client, bid: str) -> httpx.Response:
+    return client.post("/v1/images/edits", json={"base_id": bid, "edits": [{"prompt": "a cat", "tail_steps": 3}]}, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("store-hard"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("store-hard"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
 
-def _folder(server: ServerProcess) -> Path:
+def _folder(server: InProcessServer) -> Path:
     return Path(yaml.safe_load(server.config.read_text())["store"]["disk_dir"])
 
 
 def test_a_fifo_for_a_base_answers_409_at_once_and_blocks_no_one(server):
-    known = _gen(server.url, seed=31).json()["id"]
+    known = _gen(server.client, seed=31).json()["id"]
     stray = "0123456789abcdef0123fff0"
     fifo = _folder(server) / "bases" / f"{stray}.safetensors"
     os.mkfifo(fifo)
     with ThreadPoolExecutor(4) as pool:
-        fifo_edit = pool.submit(_edit, server.url, stray)
-        metrics = pool.submit(httpx.get, server.url + "/metrics", timeout=10)
-        gen = pool.submit(_gen, server.url, seed=32)
-        edit = pool.submit(_edit, server.url, known)
+        fifo_edit = pool.submit(_edit, server.client, stray)
+        metrics = pool.submit(server.client.get, "/metrics", timeout=10)
+        gen = pool.submit(_gen, server.client, seed=32)
+        edit = pool.submit(_edit, server.client, known)
         # a FIFO opened in the way would block for good (no writer): the timeout is a hang guard
         r, m, g, e = (f.result(timeout=60) for f in (fifo_edit, metrics, gen, edit))
     assert r.status_code == 409 and r.json()["error"]["code"] == "base_damaged" and "a FIFO" in r.text, r.text
     assert m.status_code == g.status_code == e.status_code == 200
-    assert httpx.get(server.url + f"/v1/bases/{stray}").status_code == 404  # set aside: unknown now
+    assert server.client.get(f"/v1/bases/{stray}").status_code == 404  # set aside: unknown now
     assert not os.path.lexists(fifo)
 
 
@@ -411,11 +418,11 @@ def test_a_directory_for_a_base_answers_409_is_set_aside_then_404(server):
     stray = "0123456789abcdef0123fff1"
     folder = _folder(server) / "bases"
     (folder / f"{stray}.safetensors").mkdir()
-    r = httpx.get(server.url + f"/v1/bases/{stray}")
+    r = server.client.get(f"/v1/bases/{stray}")
     assert r.status_code == 409 and "a directory" in r.json()["error"]["message"], r.text
     assert (folder / f"{stray}.corrupt").is_dir()
-    assert httpx.get(server.url + f"/v1/bases/{stray}").status_code == 404
-    assert _edit(server.url, stray).status_code == 404
+    assert server.client.get(f"/v1/bases/{stray}").status_code == 404
+    assert _edit(server.client, stray).status_code == 404
 
 
 def test_a_swapped_negative_prompt_file_is_never_served(server, pipeline):
@@ -430,26 +437,26 @@ def test_a_swapped_negative_prompt_file_is_never_served(server, pipeline):
     b = writer.put(pipeline.generate_base(dataclasses.replace(base, negative_prompt="bright")))
     ua, ub = _uncond_id_of(folder, a), _uncond_id_of(folder, b)
     shutil.copy(_file(folder, ub), _file(folder, ua))
-    r = _edit(server.url, a)
+    r = _edit(server.client, a)
     assert r.status_code == 409 and "another negative prompt" in r.json()["error"]["message"], r.text
     assert _file(folder, ua).with_suffix(".corrupt").exists()
-    assert _edit(server.url, a).status_code == 409  # still never served
-    assert _edit(server.url, b).status_code == 200
+    assert _edit(server.client, a).status_code == 409  # still never served
+    assert _edit(server.client, b).status_code == 200
 
 
 def test_two_servers_on_one_folder_a_delete_on_one_is_a_404_on_the_other(tmp_path, model_dir, onnx_dir):
     store = {"ram_mb": 64, "disk_dir": str(tmp_path / "shared"), "disk_mb": 256}
-    with ThreadPoolExecutor(2) as pool:  # both start at once: one wait, not two
-        a, b = pool.map(lambda _: ServerProcess(tmp_path, model_dir, onnx_dir, store=store), range(2))
+    # two services with a store each, on one folder (in this process: the folder is what they share)
+    a, b = (InProcessServer(tmp_path / name, model_dir, onnx_dir, store=store) for name in ("a", "b"))
     try:
-        bid = _gen(a.url, seed=51).json()["id"]
-        assert _edit(b.url, bid).status_code == 200  # b loads it from the folder into its RAM
-        assert httpx.get(b.url + f"/v1/bases/{bid}").json()["tier"] == "ram"
-        assert httpx.delete(a.url + f"/v1/bases/{bid}").status_code == 200
-        assert httpx.get(b.url + f"/v1/bases/{bid}").status_code == 404
-        assert _edit(b.url, bid).status_code == 404
-        assert _gen(a.url, seed=51).json()["id"] == bid  # generated again: back for everyone
-        assert _edit(b.url, bid).status_code == 200
+        bid = _gen(a.client, seed=51).json()["id"]
+        assert _edit(b.client, bid).status_code == 200  # b loads it from the folder into its RAM
+        assert b.client.get(f"/v1/bases/{bid}").json()["tier"] == "ram"
+        assert a.client.delete(f"/v1/bases/{bid}").status_code == 200
+        assert b.client.get(f"/v1/bases/{bid}").status_code == 404
+        assert _edit(b.client, bid).status_code == 404
+        assert _gen(a.client, seed=51).json()["id"] == bid  # generated again: back for everyone
+        assert _edit(b.client, bid).status_code == 200
     finally:
         assert a.stop() and b.stop()
 
@@ -499,11 +506,11 @@ def test_a_server_on_a_filling_disk_evicts_then_serves_from_ram_never_500(tmp_pa
     proc = ServerProcess(tmp_path, model_dir, onnx_dir, store={"ram_mb": 64, "disk_dir": str(folder), "disk_mb": 256})
     monkeypatch.undo()
     try:
-        made = [_gen(proc.url, seed=s) for s in range(12)]  # ~1.8 MiB free: three or four bases (0.4 MiB each), then evictions
+        made = [_gen(proc.client, seed=s) for s in range(12)]  # ~1.8 MiB free: three or four bases (0.4 MiB each), then evictions
         assert [r.status_code for r in made] == [200] * 12, [r.text for r in made if r.status_code != 200]
         ids = [r.json()["id"] for r in made]
-        assert all(_edit(proc.url, bid).status_code == 200 for bid in (ids[0], ids[-1]))
-        text = httpx.get(proc.url + "/metrics").text
+        assert all(_edit(proc.client, bid).status_code == 200 for bid in (ids[0], ids[-1]))
+        text = proc.client.get("/metrics").text
         evicted = [line for line in text.splitlines() if line.startswith("edit_rt_store_evictions") and "disk" in line]
         assert evicted and float(evicted[0].split()[-1]) > 0, text
     finally:

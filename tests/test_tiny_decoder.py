@@ -38,23 +38,14 @@ from .conftest import TEST_BASE
 
 
 @pytest.fixture(scope="module")
-def taesd_model(model_dir, tmp_path_factory):
+def taesd_model(taesd_dir):
     """The session's tiny model with a random tiny autoencoder in ``vae_tiny/`` (the VAE's 2x)."""
-    from edit_rt.export.world.tiny_model import write_tiny_vae
-
-    out = tmp_path_factory.mktemp("taesd") / "tiny-taesd"
-    shutil.copytree(model_dir, out)
-    write_tiny_vae(out / "vae_tiny", seed=1, factor=2, channels=16)
-    return out
+    return taesd_dir
 
 
 @pytest.fixture(scope="module")
-def taesd_onnx(taesd_model):
-    from edit_rt.export.compile.onnx_export import export_onnx
-
-    out = taesd_model.parent / "build" / taesd_model.name / "onnx"
-    export_onnx(taesd_model, out)
-    return out
+def taesd_onnx(taesd_onnx_dir):
+    return taesd_onnx_dir
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +224,7 @@ def test_the_doors_refuse_taesd_without_one_and_serve_it_with_one(model_dir, onn
     service, app = taesd_served
     (made,) = asyncio.run(_sent(app, [("/v1/images/generations", {"json": {"prompt": "x", "seed": 5, "decoder": "taesd"}})]))
     assert made.status_code == 200, made.text
-    latent = service.pipe.generate_base(service.base_of("x", None, None, None, None, 5, None)).final_latent
+    latent = service.pipe.generate_base(service.fields.base_of("x", None, None, None, None, 5, None)).final_latent
     pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(made.json()["data"][0]["b64_json"]))).convert("RGB"))
     assert np.abs(pixels.astype(int) - to_uint8(_diffusers_images(tiny, latent)[0]).astype(int)).max() <= 1
 
@@ -453,6 +444,7 @@ def test_the_request_decoder_crosses_the_ray_hop(taesd_served, tiny, monkeypatch
     pytest.importorskip("ray", reason="Ray Serve is not installed (pip install -e '.[ray]')")
     from edit_rt.runtime.engine.manifest import load_manifest
     from edit_rt.runtime.scale.ray_serve import EditWorker, RayService
+    from edit_rt.runtime.serving.fields import ServedModel
     from edit_rt.runtime.web.server import create_app
 
     service, _ = taesd_served
@@ -465,7 +457,8 @@ def test_the_request_decoder_crosses_the_ray_hop(taesd_served, tiny, monkeypatch
             pass
 
     ingress = RayService(service.cfg, _Hop(InProcessWorker()))
-    ingress.manifest, ingress._backend = load_manifest(service.cfg.onnx_dir), service.backend  # what load() asks a worker
+    # what load() reads and asks a worker
+    ingress.fields.model, ingress._backend = ServedModel.of_manifest(load_manifest(service.cfg.onnx_dir)), service.backend
     ingress.ready.set()
     app = create_app(service.cfg, ingress)
     counters = _counted(monkeypatch, service.pipe)
@@ -477,7 +470,7 @@ def test_the_request_decoder_crosses_the_ray_hop(taesd_served, tiny, monkeypatch
     assert made.status_code == 200 and edited.status_code == 200, (made.text, edited.text)
     # the generation's image, the inverted base's, the edit's: all by the tiny decoder
     assert _calls(counters) == {"vae_encoder": 0, "taesd_encoder": 1, "vae_decoder": 0, "taesd_decoder": 3}
-    latent = service.pipe.generate_base(service.base_of("x", None, None, None, None, 6, None)).final_latent
+    latent = service.pipe.generate_base(service.fields.base_of("x", None, None, None, None, 6, None)).final_latent
     image = np.asarray(Image.open(io.BytesIO(base64.b64decode(made.json()["data"][0]["b64_json"]))).convert("RGB"))
     assert np.abs(image.astype(int) - to_uint8(_diffusers_images(tiny, latent)[0]).astype(int)).max() <= 1
     inverted = service.store.get(edited.json()["base_id"])

@@ -27,6 +27,7 @@ def test_training_writes_a_loadable_exportable_model(tmp_path):
     export_onnx(out, tmp_path / "onnx")
 
 
+@pytest.mark.slow  # ~9-20 s; the default run keeps the resume to the same weights (the looks run, below)
 def test_a_cut_world2_run_resumes_to_the_same_model(tmp_path):
     """World 2 at toy length: a run cut after a checkpoint and resumed from it writes the same
     weights as one uncut run (the checkpoint holds the optimizer, schedule, EMA and generator)."""
@@ -72,3 +73,6 @@ def test_a_looks_run_cut_into_pieces_resumes_without_its_dataset_to_the_same_mod
     b = load_file(tmp_path / "piece2" / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "piece2" / "look_round_trip.png").is_file()
+    # a checkpoint of another spec is refused, not silently mixed in
+    with pytest.raises(ValueError, match="another spec"):
+        train_shapes(tmp_path / "other", dataclasses.replace(spec, seed=1), say=quiet, checkpoint=tmp_path / "ckpt")

@@ -85,15 +85,13 @@ def fed(pipeline, base_state, monkeypatch):
 
 
 @pytest.mark.parametrize("guidance", [1.0, 0.5])
-def test_an_unguided_generation_equals_diffusers_at_that_guidance(pipeline, diffusers_pipe, fed, guidance):
+def test_an_unguided_generation_equals_diffusers_at_that_guidance(pipeline, model_dir, diffusers_reference, fed, guidance):
     base = dataclasses.replace(TEST_BASE, guidance=guidance)
     noise = pipeline.initial_noise(base)
     state = pipeline.generate_base(base, noise=noise)
     # its one row is given its unconditional prediction at every step: the UNet runs c alone
     assert fed.calls == base.steps and fed.given == fed.rows == fed.unet_rows == base.steps
-    expected = diffusers_pipe(base.prompt, negative_prompt=base.negative_prompt, num_inference_steps=base.steps,
-                              guidance_scale=guidance, height=base.height, width=base.width, eta=0.0,
-                              latents=torch.from_numpy(noise), output_type="np").images  # fmt: skip
+    expected = diffusers_reference(model_dir, base, noise)  # StableDiffusionPipeline + DDIM
     # 1e-4 on images in [0, 1]: test_pipeline's tolerance for a full generation
     np.testing.assert_allclose(pipeline.decode(state.final_latent), expected, atol=1e-4)
     assert state.uncond_out is None  # it computed no unconditional prediction, so it keeps none

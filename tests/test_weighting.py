@@ -328,7 +328,7 @@ def test_past_75_tokens_a_prompt_is_truncated_and_counted(pipeline, torch_sd):
     tokenizer = torch_sd[0]
     text = "(" + "word " * 100 + ":1.2) tail"
     tokens = sum(len(tokenizer(span, add_special_tokens=False).input_ids) for span, _ in a1111_parse_prompt_attention(text))
-    ((got,),) = pipeline.weighted_ids([text])
+    ((got,),) = pipeline.text.weighted_ids([text])
     assert got.truncated == tokens - 75 > 0
     assert (got.weights[1:76] == np.float32(1.2)).all() and got.weights[0] == got.weights[76] == 1.0
 
@@ -364,7 +364,7 @@ def test_a_prompt_without_the_syntax_gives_bit_identical_kv(pipeline, torch_sd):
 
 
 def _diff(pipeline, base: str, edit: str):
-    (b, e) = pipeline.weighted_ids([base, edit])[0]
+    (b, e) = pipeline.text.weighted_ids([base, edit])[0]
     return token_diff(b.ids, e.ids, pipeline.special_ids, b.weights, e.weights)
 
 
@@ -405,7 +405,7 @@ def test_sdxl_weights_each_encoder_apart_and_not_the_pooled_embedding(sdxl):
     unet = UNet2DConditionModel.from_pretrained(model / "unet")
     text = "a (red:1.3) circle on a [blue] background, ((sky))"
     ours = pipe.kv_from_prompts([text])
-    assert pipe.text_widths(pipe.manifest.data["model"]["text_hidden_size"]) == [enc_1.config.hidden_size, enc_2.config.hidden_size]
+    assert pipe.text.text_widths(pipe.manifest.data["model"]["text_hidden_size"]) == [enc_1.config.hidden_size, enc_2.config.hidden_size]
     (ids_1, w_1), (ids_2, w_2) = a1111_chunk(tok_1, text), a1111_chunk(tok_2, text)
     with torch.no_grad():
         out_1 = enc_1(torch.tensor([ids_1]), output_hidden_states=True)

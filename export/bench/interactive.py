@@ -4,7 +4,7 @@ measurement a function returning its own dict, side by side with its baseline in
 is one more key in it.
 
 - ``unguided_vs_guided``: the same rows' tail at guidance 1 (the conditional prediction alone:
-  each row's unconditional half is not computed, runtime/loop/slots.py) over the same tail at the
+  each row's unconditional half is not computed, runtime/loop/row_scheduler.py) over the same tail at the
   base's guidance. The UNet rows each side ran (the step loop's counters) say what the ratio
   should be: N unguided rows run N UNet rows a step (no unconditional half at all: the step graph
   takes E = N, manifest ``step_all_given``; N + 1 on an export without it), N guided ones 2N.
@@ -66,7 +66,7 @@ def taesd_vs_vae(rt: EditPipeline, state, repeats: int) -> dict[str, Any]:
 def interactive(rt: EditPipeline, state, prompts: Sequence[str], k: int, repeats: int) -> dict[str, Any]:
     """The ``interactive`` section: each measurement under its own key."""
     section = {"unguided_vs_guided": unguided_vs_guided(rt, state, prompts, k, repeats)}
-    if rt.preview_decoder == "taesd":  # an export with a tiny decoder
+    if rt.decoders.preview_decoder == "taesd":  # an export with a tiny decoder
         section["taesd_vs_vae"] = taesd_vs_vae(rt, state, repeats)
     return section
 

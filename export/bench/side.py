@@ -270,7 +270,7 @@ def preserve_cost(rt: EditPipeline, state, prompts: list[str], k: int, repeats: 
     without it, interleaved: the maps graph's first steps and the masks are the difference."""
     seconds = _tail_seconds(rt, state, prompts, k, repeats, {"auto": {"preserve": "auto"}, "none": {}})
     auto, none = seconds["auto"], seconds["none"]
-    return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preserve.steps, "seconds_auto": auto,
+    return {"n": len(prompts), "tail_steps": k, "map_steps": rt.preservation.preserve.steps, "seconds_auto": auto,
             "seconds_none": none, "ratio": auto / none}  # fmt: skip
 
 

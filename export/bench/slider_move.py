@@ -122,7 +122,7 @@ def time_moves(cfg: RunConfig, rt, state, case: MoveCase, repeats: int, gflop_pe
     from edit_rt.runtime.storage.store import base_id
 
     base = state.base
-    decoder = case.decoder if case.decoder == "vae" or rt.preview_decoder == case.decoder else "vae"
+    decoder = case.decoder if case.decoder == "vae" or rt.decoders.preview_decoder == case.decoder else "vae"
     stats = rt.batcher(state.latents.shape[1:]).scheduler.stats
     prompt, bid = edit_prompt(cfg), base_id(state.fingerprint, base)
 

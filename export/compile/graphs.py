@@ -261,7 +261,7 @@ class UNetStepGraph(nn.Module):
 
     Inputs (N rows): ``latents [N,c,h,w]``, ``timestep [N]`` (float: Karras sigmas fall
     between training timesteps), ``alpha_t [N]`` (the latent's alpha-bar), ``coefs [N,7]`` (the
-    row's update, columns ``samplers.COEFS``), ``guidance [N]``, ``uncond_index [N]`` (int64:
+    row's update, columns ``step_coefs.COEFS``), ``guidance [N]``, ``uncond_index [N]`` (int64:
     the row's negative-prompt set), ``uncond_given [E,c,h,w]``, ``uncond_slope [E]`` (below),
     ``self_ref [N]`` (below),
     ``history [N,2,c,h,w]`` (the x_0 predicted one and two steps before), ``noise [N,c,h,w]``

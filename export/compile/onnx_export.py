@@ -30,7 +30,7 @@ import torch
 
 from edit_rt.runtime.engine.manifest import MANIFEST_VERSION, model_fingerprint, sha256_file
 from edit_rt.runtime.errors import ModelError
-from edit_rt.runtime.model.samplers import COEFS
+from edit_rt.runtime.model.step_coefs import COEFS
 from edit_rt.runtime.storage.store_files import follow_umask
 
 from . import adapter_slots, family_sd
@@ -156,7 +156,7 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
     pattern it takes), ``row_kv`` (the row's K/V, layer order), ``set_kv`` (the negative
     prompts' K/V), and with ``adapters`` ((adapter layers, slots, rank): adapter_slots.py)
     ``row_adapters`` (the row's scale per adapter slot) and ``adapter_weight`` (the slots' LoRA
-    matrices, resident), ``step_coefs`` (the sampler's update, samplers.COEFS), ``history``
+    matrices, resident), ``step_coefs`` (the sampler's update, step_coefs.COEFS), ``history``
     (the row's last two x_0), ``step_noise`` (an ancestral sampler's); outputs
     ``next_latents``, ``uncond_out``, ``history_out``, (the maps variant) ``attn_maps`` and
     ``deep_out`` (the ``deep`` channels entering the skip branch, at the latent's size).
@@ -170,7 +170,7 @@ def step_io(layers: list, c: int, h: int, w: int, maps: bool = False, conds: Opt
         ("latents", "latents", torch.randn(n, c, h, w), latent_axes),
         ("timestep", "step_scalar:timesteps", torch.tensor([900.0, 500.0, 20.0]), {0: "N"}),
         ("alpha_t", "step_scalar:alpha_t", torch.tensor([0.1, 0.5, 0.9]), {0: "N"}),
-        # the sampler's per-row update (samplers.COEFS), written once per step as one tensor
+        # the sampler's per-row update (step_coefs.COEFS), written once per step as one tensor
         ("coefs", "step_coefs", torch.rand(n, len(COEFS)) + 0.5, {0: "N"}),
         ("guidance", "row_scalar:guidance", torch.tensor([7.5, 5.0, 1.0]), {0: "N"}),
         ("uncond_index", "set_index", torch.tensor([1, 0, 1], dtype=torch.int64), {0: "N"}),

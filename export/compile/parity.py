@@ -111,7 +111,7 @@ def random_feeds(manifest: Manifest, graph: str, n: int, m: int, rng: np.random.
             feeds[spec.name] = rng.integers(0, 1024, size=shape).astype(np.float32)
         elif role.startswith("step_scalar:"):  # the schedule's value at a random step per row
             feeds[spec.name] = per_row(lambda schedule, attr=role.split(":", 1)[1]: getattr(schedule, attr))
-        elif role == "step_coefs":  # the samplers' updates at those steps (samplers.COEFS)
+        elif role == "step_coefs":  # the samplers' updates at those steps (step_coefs.COEFS)
             feeds[spec.name] = per_row(lambda schedule: schedule.coefs)
         elif role == "row_scalar:guidance":
             feeds[spec.name] = rng.uniform(1.0, 9.0, size=shape).astype(np.float32)

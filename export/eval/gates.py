@@ -102,7 +102,7 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
     T = cfg.base.steps
     start = T - max(1, round(cfg.cache.default_tail_fraction * T))
     scores: dict[str, list[float]] = defaultdict(list)
-    own = pipe.preserve
+    own = pipe.preservation.preserve
     try:
         for _, base, state, base_image, seen, edits in quality_bases(pipe, cfg, judge, bases, advance):
             if seen is None:
@@ -113,14 +113,14 @@ def map_overlap(pipe: EditPipeline, cfg: RunConfig, bases: int = 50, thresholds:
                     continue
                 _, _, half = _cells(_edited_pixels(judge, seen, base_image, kind)[1], hw)
                 for t in thresholds:
-                    pipe.preserve = dataclasses.replace(own, threshold=t, dilate=0, region="words")
+                    pipe.preservation.preserve = dataclasses.replace(own, threshold=t, dilate=0, region="words")
                     (result,) = pipe.edit(state, [TailRow(text, cfg.cache.default_strength, start, base.guidance, preserve="auto")])
                     if result.keep is None:
                         continue
                     scores[f"threshold {t:g}"].append(iou(~result.keep[0], half))
                     scores[f"threshold {t:g}, {kind}"].append(iou(~result.keep[0], half))
     finally:
-        pipe.preserve = own
+        pipe.preservation.preserve = own
     return {"map_factor": pipe.map_factor, "n": {k: len(v) for k, v in scores.items()},
             "iou": {k: float(np.mean(v)) for k, v in scores.items()}}  # fmt: skip
 

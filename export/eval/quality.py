@@ -186,12 +186,12 @@ def run_quality(
         # edit-rt, preserve: auto, each setting of its knobs, at the default tail and strength
         for knobs in auto_knobs:
             t, d, region = knobs
-            pipe.preserve = dataclasses.replace(cfg.preserve, threshold=t, dilate=d, region=region)
+            pipe.preservation.preserve = dataclasses.replace(cfg.preserve, threshold=t, dilate=d, region=region)
             rows = [TailRow(text, default_strength, start, base.guidance, preserve="auto") for _, text in edits.values()]
             for (kind, (target, _)), result in zip(edits.items(), pipe.edit(state, rows)):
                 tallies[knobs_label(knobs), kind, default_fraction, default_strength].add(
                     judge.score(result.image, base_image, seen, target, kind))
-        pipe.preserve = cfg.preserve
+        pipe.preservation.preserve = cfg.preserve
         # edit-rt, structure keeping (the base's self-attention pattern for the first fraction
         # of the tail), at the default tail and strength, and at longer tails
         rows = [TailRow(text, default_strength, T - max(1, round(f * T)), base.guidance, structure=k)

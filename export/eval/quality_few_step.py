@@ -81,7 +81,7 @@ def few_step_pipeline(cfg: RunConfig) -> EditPipeline:
     """The config's pipeline with its adapters, as `edit-rt run` builds it, and the config's
     ``preserve:`` knobs for ``preserve: auto`` rows (not activated)."""
     pipe = pipeline_of(cfg)
-    pipe.preserve = cfg.preserve
+    pipe.preservation.preserve = cfg.preserve
     return pipe
 
 

@@ -125,6 +125,7 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     """Export the config's model to ONNX under build_dir/<model>/onnx/ (a single-file
     checkpoint is first converted, once, into build_dir/<model>/diffusers/). Skipped when that
     folder already holds the export of the same weights, settings, code and tools."""
+    from ..engine.memory import refuse_sizes_no_row_fits
     from ..pipeline.assemble import require_model
 
     cfg = load_config(config)
@@ -132,7 +133,8 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     if cfg.single_file:
         checkpoint = _export_module("compile.checkpoint")
         checkpoint.diffusers_from_single_file(cfg.model, cfg.model_dir, family=cfg.family, config_dir=cfg.checkpoint_config, say=plain)
-    _refuse_what_no_row_fits(cfg)
+    # a size not even one step row fits in is refused before the export's minutes, not after them
+    refuse_sizes_no_row_fits(cfg.model_dir, cfg.backend, cfg.served_sizes(), cfg.engines.max_memory_gb)
     current = _export_module("compile.export_inputs")
     inputs = current.export_inputs(cfg.export.opset, cfg.export.external_data_threshold_mb, cfg.export.variant,
                                    cfg.adapter_slots, cfg.export.adapter_rank, cfg.export.attention_slicing,
@@ -157,21 +159,6 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     console.print(f"wrote {manifest.parent}: {human_bytes(total)} ({sizes}, manifest.json)")
     if cfg.adapters:
         _convert_adapters(cfg, skip_current=True)
-
-
-def _refuse_what_no_row_fits(cfg: RunConfig) -> None:
-    """The CPU path's refusal of a base size at which not even one step row fits beside the
-    weights (engine/memory.py), before the export's minutes rather than after them."""
-    from ..engine.memory import no_row_fits, plan_from_model_dir
-
-    if cfg.backend not in ("ort-cpu", "auto") or not (cfg.model_dir / "unet" / "config.json").is_file():
-        return  # a GPU's engines fix their own size; a folder that is no SD model is export's to refuse
-    e = cfg.engines
-    budget = None if e.max_memory_gb is None else int(e.max_memory_gb * 1e9)
-    for width, height in cfg.served_sizes():
-        plan = plan_from_model_dir(cfg.model_dir, width, height, budget)
-        if plan.step_rows(1) == 0:
-            raise ConfigError(no_row_fits(plan, width, height, plan.latent_hw, plan.native, budget is not None))
 
 
 def _convert_adapters(cfg, skip_current: bool = False) -> None:
@@ -429,7 +416,6 @@ def serve(
     if host is not None or port is not None:
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
         cfg = dataclasses.replace(cfg, serve=revalidated(s, "--host/--port"))
-    _token_or_refuse(cfg, config, allow_no_token)
     # no listening line here: each path says it once its port is taken (a busy port is then
     # the only line printed)
     if ray:
@@ -437,33 +423,11 @@ def serve(
             from ..scale.ray_serve import serve_forever as serve_on_ray
         except ImportError as err:
             raise EditRtError(f"--ray needs Ray Serve ({err.name} is missing): pip install -e '.[ray]'") from None
-        serve_on_ray(cfg, say=plain)
+        serve_on_ray(cfg, say=plain, allow_no_token=allow_no_token)
         return
     from ..web.server import serve as serve_forever
 
-    serve_forever(cfg, say=plain)
-
-
-def _token_or_refuse(cfg: RunConfig, config: Path, allow_no_token: bool) -> None:
-    """A server beyond loopback needs a token (or HTTP Basic users, ``serve.api_auth``): without
-    one, anyone who reaches the port drives the engines (a GPU, for as long as they like) and
-    fills the store's disk. Refused unless ``--allow-no-token`` says something in front of it
-    checks who connects (then said loudly). ``EDIT_RT_TOKEN`` and ``EDIT_RT_API_AUTH`` are checked
-    here (one no client could send is refused, loopback too), before anything is said or bound."""
-    from ..web.credentials import api_auth_of, token_of
-    from ..web.request_checks import LOOPBACK_HOSTS  # the hosts the server treats as loopback
-
-    s = cfg.serve
-    token, api_auth = token_of(s), api_auth_of(s)
-    if s.host in LOOPBACK_HOSTS or token or api_auth:
-        return
-    if not allow_no_token:
-        raise ConfigError(f"serve.host: {s.host} is not loopback and no token is set, so anyone who reaches port "
-                          f"{s.port} could run the engines and fill the store; set serve.token (or serve.api_auth's "
-                          f"user:password) in {config}, or EDIT_RT_TOKEN, or pass --allow-no-token if something "
-                          "in front of it authenticates")  # fmt: skip
-    console.print(f"edit-rt serve: WARNING: listening on {s.host} without a token (--allow-no-token): every client "
-                  f"that reaches port {s.port} can use the API", markup=False)  # fmt: skip
+    serve_forever(cfg, say=plain, allow_no_token=allow_no_token)
 
 
 @app.command()
@@ -479,14 +443,16 @@ def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base,
     print_run(report, cfg.output_dir)
 
 
-def main() -> None:
+def main(args: Optional[list[str]] = None) -> None:
+    """The ``edit-rt`` console script: run the command ``args`` name (None: ``sys.argv[1:]``)
+    and exit with its status; tests call it with ``args`` to go the road a user's shell does."""
     _quiet_third_parties()
     logging.basicConfig(
         level=os.environ.get("EDIT_RT_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     try:
         # not standalone: click's usage errors come here, to be said as every other error is
-        status = app(standalone_mode=False, prog_name="edit-rt")  # its name in usage lines, however started
+        status = app(args=args, standalone_mode=False, prog_name="edit-rt")  # its name in usage lines, however started
     except NO_ARGS as err:  # the help, as click shows it
         err.show()
         sys.exit(2)

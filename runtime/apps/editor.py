@@ -38,11 +38,11 @@ from ..config.load import config_from_dict, load_config
 from ..config.run_config import RunConfig
 from ..errors import EditRtError, EditorError
 from ..model.edit import Base, Direction, Edit
+from ..model.schema import request_refusal
 from ..model.sweep import expand
 from ..pipeline.images import to_uint8
 from ..pipeline.pnginfo import parse_fields
 from ..serving import service as service_module
-from ..serving.http_errors import ApiError, validation_error
 from ..serving.service import Service
 from .run import edit_label
 
@@ -213,7 +213,7 @@ class Editor:
 
         async def generate():
             s = self.service
-            base = s.base_of(given["prompt"], given["negative_prompt"], size, steps, guidance, given["seed"], clip_skip,
+            base = s.fields.base_of(given["prompt"], given["negative_prompt"], size, steps, guidance, given["seed"], clip_skip,
                              sizes, sampler=sampler)  # fmt: skip
             async with aclosing(s.generate_events(base, previews)) as events:
                 async for kind, data in events:
@@ -242,7 +242,7 @@ class Editor:
         _validated(_BASE, Base, {k: v for k, v in given.items() if v is not None}, "")
 
         async def invert():
-            upload = await self.service.upload(data, "image")
+            upload = await self.service.images.upload(data, "image")
             return await self.service.invert(upload, source_prompt, negative, steps, guidance, clip_skip)
 
         g = self._run(invert())
@@ -315,9 +315,9 @@ class Editor:
                           info.get("uncond", "compute"))  # fmt: skip
 
     def _run(self, operation: Coroutine[Any, Any, T]) -> T:
-        """Run one of the service's operations on the Editor's loop and wait for it; its API
-        error becomes an :class:`EditorError`. Interrupted (Ctrl-C), its rows leave the batch at
-        the next step."""
+        """Run one of the service's operations on the Editor's loop and wait for it; its refusal
+        (a domain error, with its field and code) becomes an :class:`EditorError` caused by it.
+        Interrupted (Ctrl-C), its rows leave the batch at the next step."""
         if self._closed:
             operation.close()
             raise EditRtError("this Editor is closed (its engines were released); open another one")
@@ -328,8 +328,10 @@ class Editor:
         future = asyncio.run_coroutine_threadsafe(operation, self._loop)
         try:
             return future.result()
-        except ApiError as err:
-            raise EditorError(err.message, err.param, err.code, err.status) from None
+        except EditorError:
+            raise
+        except EditRtError as err:
+            raise EditorError(str(err), err.field, err.code) from err
         except BaseException:
             future.cancel()
             raise
@@ -364,9 +366,9 @@ def _validated(adapter: TypeAdapter, owner: type, data: dict, where: str) -> Any
     try:
         return adapter.validate_python(data)
     except ValidationError as err:
-        refused = validation_error(err.errors(), owner=owner)
-        more = " (or -1 for a random seed)" if refused.param == "seed" else ""
-        raise EditorError(where + refused.message + more, where + (refused.param or ""), refused.code) from None
+        refused = request_refusal(err.errors(), owner=owner)
+        more = " (or -1 for a random seed)" if refused.field == "seed" else ""
+        raise EditorError(where + str(refused) + more, where + (refused.field or ""), refused.code) from None
 
 
 def _edit_of(spec: EditSpec, i: int) -> tuple[Edit, Optional[np.ndarray]]:

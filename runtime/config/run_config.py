@@ -91,7 +91,7 @@ class Tail:
     # says how; docs/performance.md what each costs and keeps. A row that differs from its base
     # in negative prompt, guidance, adapters or seed computes whatever this says.
     uncond: UncondMode = "compute"
-    # DeepCache over the tail (export/compile/graphs.py's UNetShallowStepGraph, loop/slots.py): every
+    # DeepCache over the tail (export/compile/graphs.py's UNetShallowStepGraph, loop/row_scheduler.py): every
     # k-th step of the tail, from its first, runs the whole UNet; the steps between run only its
     # outer blocks on the deep features of the last full step. 1: every step full.
     # docs/performance.md measures what each k costs and keeps.

@@ -25,7 +25,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+from ..errors import ConfigError
 
 # Live float32 tensors of the finest level's shape (channels x latent pixels) one UNet row holds
 # at its peak besides attention scores: ResNet and transformer activations, skip connections
@@ -143,7 +145,7 @@ def memory_plan(manifest: Any, latent_hw: tuple[int, int], budget: Optional[int]
     model = manifest.data["model"]
     blocks = model.get("block_out_channels")
     row = step_row_bytes(manifest.layers, latent_hw, int(step.get("slice_heads", 0)), blocks[0] if blocks else None)
-    shallow = graphs.get("unet_step_shallow", {})  # DeepCache's deep features, resident for both UNet rows (slots.py)
+    shallow = graphs.get("unet_step_shallow", {})  # DeepCache's deep features, resident for both UNet rows (loop/row_scheduler.py)
     deep = [t["shape"][1] for t in shallow.get("inputs", []) if shallow.get("roles", {}).get(t["name"]) == "deep_in"]
     row += deep_feature_bytes(int(deep[0]) if deep else 0, latent_hw)
     decode = decode_row_bytes(latent_hw, manifest.vae_scale_factor, int(model.get("vae_channels", 128)))
@@ -200,6 +202,27 @@ def no_row_fits(plan: MemoryPlan, width: int, height: int, latent_hw: tuple[int,
             f"(attention over {latent_hw[0]}x{latent_hw[1]} latents) beside {gib(plan.weights)} of weights, and {where} "
             f"{gib(max(plan.free or 0, 0))} more; use a smaller size (the model's own is {native}x{native}), free "
             "memory, or raise engines.max_memory_gb")  # fmt: skip
+
+
+# Backends whose rows this plan counts before an export: the CPU's (its memory is the host's) and
+# auto, which may choose it; a GPU's engines fix their own size and rows (engines.py checks them).
+PLANNED_BEFORE_EXPORT = frozenset({"ort-cpu", "auto"})
+
+
+def refuse_sizes_no_row_fits(model_dir: Path, backend: str, sizes: Iterable[tuple[int, int]],
+                             max_memory_gb: Optional[float]) -> None:  # fmt: skip
+    """Refuse (ConfigError, :func:`no_row_fits`'s line) the first of ``sizes`` (width, height) at
+    which not even one step row of the diffusers model in ``model_dir`` fits beside its weights,
+    within ``max_memory_gb`` (``engines.max_memory_gb``; None: what the machine has free). Read
+    from the model's configs (:func:`plan_from_model_dir`), so `edit-rt export` refuses before
+    its minutes rather than after them. A folder that is no SD model is left to the export."""
+    if backend not in PLANNED_BEFORE_EXPORT or not (model_dir / "unet" / "config.json").is_file():
+        return
+    budget = None if max_memory_gb is None else int(max_memory_gb * 1e9)
+    for width, height in sizes:
+        plan = plan_from_model_dir(model_dir, width, height, budget)
+        if plan.step_rows(1) == 0:
+            raise ConfigError(no_row_fits(plan, width, height, plan.latent_hw, plan.native, budget is not None))
 
 
 # ---- The CPU engines side by side: what each holds, and which one runs a model fastest ----

@@ -13,7 +13,7 @@ adapter (a name and a role) and nowhere in the step loop. Roles:
 - ``step_scalar:<attr>``: a per-row value that changes every step, the schedule's ``attr``
   at the row's step (``timesteps``, ``alpha_t``);
 - ``step_coefs``: the sampler's update at the row's step, ``[N, 7]`` (``schedule.coefs``,
-  columns ``samplers.COEFS``), one write per step;
+  columns ``step_coefs.COEFS``), one write per step;
 - ``history`` (in) / ``history_out`` (out): a multistep solver's last two x_0, ``[N, 2, c, h, w]``,
   resident per row (``latent_blend`` carries the output back to the input);
 - ``step_noise``: an ancestral sampler's noise for the step, ``[N, c, h, w]``;

@@ -1,7 +1,7 @@
 """The request loop around the row scheduler: a queue, fair admission, deadlines, futures.
 
 :class:`Batcher` turns submitted jobs (an edit of a base, or a base's generation) into rows of
-its :class:`~edit_rt.runtime.loop.slots.RowScheduler`, through a resolver (resolve.py: what a job's
+its :class:`~edit_rt.runtime.loop.row_scheduler.RowScheduler`, through a resolver (resolve.py: what a job's
 row is; this file knows only queues and rows), and steps it. The same loop body,
 :meth:`Batcher.work_once`, runs in two ways: on the pipeline's engine thread, the one thread
 that touches the backend (``edit-rt serve``; see engine_thread.py), or driven by the caller
@@ -38,7 +38,7 @@ from ..errors import CancelledError, QueueFullError, ShuttingDownError, SlotsBus
 from ..metrics import Metrics
 from .jobs import Job, Request, RowResult
 from .rows import Row
-from .slots import RowScheduler
+from .row_scheduler import RowScheduler
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a bucket of the step loop binds, and the bounded LRU that keeps the bindings.
 
 A binding is a graph's inputs and outputs bound by address once (its captured CUDA graph on a
-GPU): :func:`bind_step` binds the step graph to the first rows of a RowScheduler's (slots.py)
+GPU): :func:`bind_step` binds the step graph to the first rows of a RowScheduler's (row_scheduler.py)
 resident slots, :func:`bind_blend` the ``latent_blend`` graph; :class:`BindingCache` keeps one per
 bucket key (rows, given rows, sets) and frees the ones it evicts.
 """

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args
 
 import numpy as np
 
@@ -31,9 +31,21 @@ class RowResult:
     uncond: str = "compute"  # where its unconditional prediction came from (tail.uncond, as it ran)
 
 
+# What a job's row does (``Job.kind``):
+# "generate": the generation of ``base`` from the noise ``noise``, recorded as a base;
+# "edit": a tail of the base ``state`` from step row.start_step;
+# "invert": DDIM inversion of the image latent ``noise`` over steps row.start_step..T-1, and
+# "correct": one forward step of ``state`` from step row.start_step (pipeline.invert's two phases);
+# "related": a related generation of ``base`` as ``state``'s tail from row.start_step, recorded
+# as a base of its own.
+JobKind = Literal["generate", "edit", "invert", "correct", "related"]
+JOB_KINDS: tuple[str, ...] = get_args(JobKind)
+
+
 @dataclass
 class Job:
-    """One row: an edit of ``state``, or (``state`` None) the generation of base ``base``."""
+    """One row of a request: what it does is ``kind`` (``JobKind``); left None, a job with a
+    ``state`` is an edit of it and one without the generation of ``base``."""
 
     request: "Request"
     index: int
@@ -46,14 +58,16 @@ class Job:
     scheduled: Optional[Row] = None
     preserve: str = "none"
     uncond: str = "compute"  # tail.uncond as the row runs it (compute where the base's u is not its own)
-    # "": an edit (state) or a generation (noise); "invert": DDIM inversion of the image latent
-    # ``noise`` over steps row.start_step..T-1; "correct": one forward step of ``state`` from
-    # step row.start_step (pipeline.invert's two phases); "related": a related generation of
-    # ``base`` as ``state``'s tail from row.start_step, recorded as a base of its own
-    kind: str = ""
+    kind: Optional[JobKind] = None
     # every this many steps of its row, a preview (its request's ``on_preview``); 0: none. Per
     # row, so that rows of one request spread their previews over their own tails
     preview_every: int = 0
+
+    def __post_init__(self):
+        if self.kind is None:
+            self.kind = "generate" if self.state is None else "edit"
+        elif self.kind not in JOB_KINDS:
+            raise ValueError(f"Job kind {self.kind!r} is not one of {', '.join(JOB_KINDS)}")
 
 
 @dataclass

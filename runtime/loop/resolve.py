@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import EditRtError, RowError
 from ..model.directions import mixed_kv, token_permutation
 from ..model.edit import TailRow
-from ..model.samplers import Schedule
+from ..model.step_coefs import Schedule
 from ..model.scheduler_ddim import DDIMSchedule, InverseDDIMSchedule
 from ..model.state import KV, BaseState
 from .adapter_rows import NONE, RowAdapters, row_adapters, text_scales
@@ -189,7 +189,7 @@ class RowResolver:
             record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32))
             return Row(schedule, i, job.state.latent(i)[0].copy(), job.row.guidance, [t[0] for t in edit.tensors],
                        job.state.uncond_kv, record=record, stop=i + 1, conds=conds, owner=job)  # fmt: skip
-        if job.state is None:  # a base: its own prompt's K/V, from noise, recording
+        if job.kind == "generate":  # a base: its own prompt's K/V, from noise, recording
             T = base.steps
             record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32),
                                np.empty((T, *shape), dtype=np.float32) if schedule.history else None)  # fmt: skip
@@ -207,7 +207,7 @@ class RowResolver:
                        entry_uncond=state.entry_uncond(k), record=record, conds=conds, owner=job,
                        history=state.history(k) if schedule.history else None, noise_seed=state.base.seed,
                        deepcache=base.deepcache)  # fmt: skip
-        state, tail = job.state, job.row
+        state, tail = job.state, job.row  # an edit: a tail of its base
         auto, job.preserve = model.auto_mask(state.base.prompt, tail, shape)
         # the base prompt's and the negative prompt's K/V under the row's text adapters
         own = ad.text == ad.base_text
@@ -296,7 +296,7 @@ class RowResolver:
         for job in jobs:
             row = job.scheduled
             state = None
-            if row.record is not None and job.kind in ("", "related"):
+            if row.record is not None and job.kind in ("generate", "related"):
                 state = self._recorded_state(job, row)
             out.append(RowResult(row.latent, image_of.get(id(job)), state, time.perf_counter() - job.started,
                                  job.preserve, row.keep, row.record, job.uncond))  # fmt: skip

@@ -1,6 +1,6 @@
 """What the step loop schedules: a :class:`Row` (an edit's tail or a base's generation), what a
 generation row records, the scheduler's counters, and the row buckets of the GPU backends.
-The scheduler itself is in slots.py.
+The scheduler itself is in row_scheduler.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..model.automask import AutoMask
-from ..model.samplers import Schedule
+from ..model.step_coefs import Schedule
 from ..model.state import KV, BaseState
 from .uncond_reuse import BaseUncond
 
@@ -61,7 +61,7 @@ class Row:
     history: Optional[np.ndarray] = None
     noise_seed: int = 0
     # DeepCache: every ``deepcache``-th step full, the others shallow on its last full step's
-    # deep features (0 or 1: every step full; slots.py)
+    # deep features (0 or 1: every step full; row_scheduler.py)
     deepcache: int = 0
     slot: int = field(default=-1, init=False)
     set_key: str = field(default="", init=False)
@@ -75,7 +75,7 @@ class Row:
     # Unguided: the conditional prediction alone, as diffusers does at guidance <= 1 (and a
     # model without CFG, e.g. an LCM whose guidance is an embedding in ``conds``: its row is made
     # with ``unguided=True``). Fixed at construction: the row is given u = 0 at every step (the
-    # always-given suffix, slots.py) and runs at CFG scale 1, so ``u + 1 (c - u)`` is c exactly
+    # always-given suffix, row_scheduler.py) and runs at CFG scale 1, so ``u + 1 (c - u)`` is c exactly
     # and the UNet runs its conditional half only. Its recording keeps no u: it computed none.
     unguided: bool = False
 

@@ -23,7 +23,7 @@ import numpy as np
 from ..engine.backend import Graph
 from ..engine.device import DeviceTensor
 from ..engine.step_signature import StepSignature
-from ..model.samplers import COEFS
+from ..model.step_coefs import COEFS
 from .rows import Row
 
 

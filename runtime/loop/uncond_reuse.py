@@ -33,7 +33,7 @@ A row computes as today whenever the base's prediction is not the one it would c
 row with another negative prompt, guidance, adapters or seed than its base (its chain is not
 the base's), a generation, an inversion, a related generation, a structure reference row. A base
 generated unguided (guidance <= 1, rows.py) computed no prediction and keeps none: its edits
-compute theirs. An unguided row takes none at all (zeros at scale 1, slots.py), whatever its mode.
+compute theirs. An unguided row takes none at all (zeros at scale 1, row_scheduler.py), whatever its mode.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ family's set conditioning, SDXL's pooled embedding) lie side by side on the toke
 77 x sets) of the ``set_kv`` inputs, and each row's ``set_index`` says which is its own. A set
 is keyed by its values' digest (a fresh encoding and an int8-stored copy of one negative prompt
 are two sets), counts the rows that use it, and is dropped to make room only when no row does.
-The scheduler (slots.py) holds one :class:`UncondSets` and re-indexes its rows whenever the
+The scheduler (row_scheduler.py) holds one :class:`UncondSets` and re-indexes its rows whenever the
 layout is rewritten.
 """
 

@@ -141,7 +141,7 @@ class Edit:
     # ``tail.uncond``, loop/uncond_reuse.py). None: ``tail.uncond``.
     uncond: Optional[UncondMode] = None
     # DeepCache over the tail: every k-th step full, the others shallow (config
-    # ``tail.deepcache``, loop/slots.py); 1: every step full. None: ``tail.deepcache``.
+    # ``tail.deepcache``, loop/row_scheduler.py); 1: every step full. None: ``tail.deepcache``.
     deepcache: Optional[DeepCache] = None
     # LoRA adapters for this row, {name: scale} (the config's adapters:), over the base's: a
     # name given replaces the base's scale (0 takes it off), the others stay the base's.
@@ -225,7 +225,7 @@ class Base:
     # stored base whose chain it re-entered at that step (serving/related.py). Its key then
     # differs from the exact generation's of the same prompt and seed.
     related: Optional[Str] = None
-    # DeepCache over the generation (loop/slots.py): every k-th step runs the whole UNet, the
+    # DeepCache over the generation (loop/row_scheduler.py): every k-th step runs the whole UNet, the
     # others its outer blocks; 1 (the default): every step, diffusers' numbers.
     deepcache: DeepCache = 1
 

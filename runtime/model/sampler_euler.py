@@ -28,9 +28,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .sampler_sigmas import (COL, alphas_cumprod, check_first_timestep, check_steps, finish, karras_bounds,
-                             karras_sigmas, sigma_to_t, spaced_timesteps, sqrt1p, train_sigmas, vp_alpha)  # fmt: skip
-from .scheduler_ddim import COEFS, Schedule
+from .sampler_sigmas import (check_first_timestep, check_steps, karras_bounds, karras_sigmas, sigma_to_t,
+                             spaced_timesteps, sqrt1p, train_sigmas, vp_alpha)  # fmt: skip
+from .step_coefs import COEFS, COL, Schedule, finish
+from .training_chain import alphas_cumprod
 
 # EulerDiscreteScheduler.__init__'s signature (diffusers 0.42.1)
 EULER_DEFAULTS = dict(

@@ -34,8 +34,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .sampler_sigmas import COL, alphas_cumprod, finish
-from .scheduler_ddim import COEFS, Schedule
+from .step_coefs import COEFS, COL, Schedule, finish
+from .training_chain import alphas_cumprod
 
 # LCMScheduler.__init__'s signature (diffusers 0.42.1); TCDScheduler's is the same
 LCM_DEFAULTS = dict(

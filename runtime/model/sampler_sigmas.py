@@ -4,10 +4,10 @@ Each mirrors a diffusers scheduler's ``set_timesteps()`` (diffusers 0.42.1,
 ``schedulers/scheduling_euler_discrete.py``, ``scheduling_dpmsolver_multistep.py``,
 ``scheduling_unipc_multistep.py``); the pieces they share are here:
 
-1. the training chain's alpha-bar (``scheduler_ddim._betas``, float32 as diffusers builds it) and
-   its sigmas, sigma = sqrt((1 - abar) / abar) (the variance-exploding view of a VP latent:
-   x_sigma = x / sqrt(abar), Karras et al. 2022, "Elucidating the Design Space of
-   Diffusion-Based Generative Models", https://arxiv.org/abs/2206.00364, sec. 2 and table 1);
+1. the training chain's sigmas, sigma = sqrt((1 - abar) / abar) of its alpha-bar (training_chain.py)
+   (the variance-exploding view of a VP latent: x_sigma = x / sqrt(abar), Karras et al. 2022,
+   "Elucidating the Design Space of Diffusion-Based Generative Models",
+   https://arxiv.org/abs/2206.00364, sec. 2 and table 1);
 2. the inference timesteps per ``timestep_spacing`` (Lin et al. 2023, "Common Diffusion Noise
    Schedules and Sample Steps are Flawed", table 2), in each class's own variant;
 3. Karras sigmas (Karras et al. 2022, eq. 5, rho = 7) and ``sigma_to_t``, the timestep of a sigma
@@ -20,14 +20,9 @@ A VP latent x at sigma has alpha-bar 1 / (sigma^2 + 1); the step graph runs on V
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Optional
 
 import numpy as np
-
-from .scheduler_ddim import COEFS, DDIMConfig, _betas
-
-COL = {name: i for i, name in enumerate(COEFS)}
 
 
 def read_config(defaults: Mapping[str, Any], cfg: Mapping[str, Any], **overrides: Any) -> dict:
@@ -46,18 +41,6 @@ def read_config(defaults: Mapping[str, Any], cfg: Mapping[str, Any], **overrides
     out.update(overrides)
     out["hidden"] = {k: v for k, v in given.items() if k not in defaults}
     return out
-
-
-def alphas_cumprod(c: Mapping[str, Any]) -> np.ndarray:
-    """1. The training chain's alpha-bar (DDPM, Ho et al. 2020, eq. 4), float32.
-
-    The product accumulates in float64 and rounds each entry to float32, as torch's CPU cumprod
-    does (its accumulator type for float32 is double): equal to diffusers' to the bit where the
-    betas are (cosine), ~1e-7 relative where numpy's and torch's linspace round apart.
-    """
-    ddim = DDIMConfig(num_train_timesteps=int(c["num_train_timesteps"]), beta_start=float(c["beta_start"]),
-                      beta_end=float(c["beta_end"]), beta_schedule=c["beta_schedule"])  # fmt: skip
-    return np.cumprod((np.float32(1.0) - _betas(ddim)).astype(np.float64)).astype(np.float32)
 
 
 def train_sigmas(ac: np.ndarray) -> np.ndarray:
@@ -145,12 +128,3 @@ def sqrt1p(s: np.ndarray) -> np.ndarray:
     """sqrt(sigma^2 + 1): the VP <-> VE scale, float64."""
     s = np.asarray(s, dtype=np.float64)
     return np.sqrt(s * s + 1.0)
-
-
-def finish(coefs: np.ndarray) -> np.ndarray:
-    out = np.asarray(coefs, dtype=np.float64).astype(np.float32)
-    assert out.shape[1] == len(COEFS)
-    return out
-
-
-INF = math.inf

@@ -29,8 +29,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .sampler_lcm import LCM_DEFAULTS, consistency_timesteps
-from .sampler_sigmas import COL, alphas_cumprod, finish
-from .scheduler_ddim import COEFS, Schedule
+from .step_coefs import COEFS, COL, Schedule, finish
+from .training_chain import alphas_cumprod
 
 TCD_DEFAULTS = dict(LCM_DEFAULTS)  # TCDScheduler.__init__'s signature is LCMScheduler's
 TCD_GAMMA = 0.3  # TCDScheduler.step's default eta

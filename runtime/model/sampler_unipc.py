@@ -46,8 +46,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .sampler_dpmpp import alpha_sigma_lambda, multistep_sigmas
-from .sampler_sigmas import COL, check_steps, finish, vp_alpha
-from .scheduler_ddim import COEFS, Schedule
+from .sampler_sigmas import check_steps, vp_alpha
+from .step_coefs import COEFS, COL, Schedule, finish
 
 # UniPCMultistepScheduler.__init__'s signature (diffusers 0.42.1)
 UNIPC_DEFAULTS = dict(

@@ -2,7 +2,7 @@
 
 Every deterministic solver here is linear in the current VP latent and the last x0 predictions,
 so the ``unet_step`` graph runs them all with one update (``COEFS``, ``Schedule``: see
-``scheduler_ddim``); an ancestral one adds a per-step normal latent. One file per algorithm
+``step_coefs``); an ancestral one adds a per-step normal latent. One file per algorithm
 computes its timesteps, alphas and coefficients exactly as diffusers 0.42.1's scheduler does:
 
     ddim                          scheduler_ddim.py   DDIMScheduler (eta 0)
@@ -32,9 +32,11 @@ from .sampler_lcm import LCM_DEFAULTS, LCMSchedule
 from .sampler_sigmas import read_config
 from .sampler_tcd import TCD_DEFAULTS, TCDSchedule
 from .sampler_unipc import UNIPC_DEFAULTS, UniPCSchedule
-from .scheduler_ddim import COEFS, DDIMConfig, DDIMSchedule, Schedule, trained_betas_refusal
+from .scheduler_ddim import DDIMConfig, DDIMSchedule
+from .step_coefs import Schedule
+from .training_chain import trained_betas_refusal
 
-__all__ = ["COEFS", "IMAGE_SAMPLER", "SAMPLER_NAMES", "Schedule", "SamplerError", "a1111_label", "a1111_sampler", "a1111_samplers",
+__all__ = ["IMAGE_SAMPLER", "SAMPLER_NAMES", "SamplerError", "a1111_label", "a1111_sampler", "a1111_samplers",
            "a1111_schedulers", "check_sampler", "default_sampler", "parse_sampler", "schedule_for"]  # fmt: skip
 
 log = logging.getLogger(__name__)

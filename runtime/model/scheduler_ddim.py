@@ -8,52 +8,24 @@ checks them against it; the fused update is held against diffusers' pipelines th
 tests/test_pipeline.py and test_families.py). It matches diffusers'
 ``schedulers/scheduling_ddim.py`` (``DDIMScheduler``, eta 0) and ``scheduling_ddim_inverse.py``.
 
-This file also holds what every sampler's schedule shares, ``COEFS`` and ``Schedule`` (re-exported
-by ``samplers.py``, the registry): the step graph's generic linear update, per row,
-
-    next = c_x * x + c_x0 * x0 + c_eps * eps + c_h0 * h0 + c_h1 * h1 + c_noise * noise
-
-with x0 clamped to [-clip, clip]. DDIM eta 0 (eq. 12) is c_x0 = sqrt(alpha_prev),
-c_eps = sqrt(1 - alpha_prev), the rest 0.
+In the step graph's generic update (step_coefs.py) DDIM eta 0 (eq. 12) is c_x0 = sqrt(alpha_prev),
+c_eps = sqrt(1 - alpha_prev), the rest 0; its alpha-bar is the training chain's
+(training_chain.py), as every sampler's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal, Mapping
 
 import numpy as np
 
 from ..errors import ModelError
+from .step_coefs import COEFS, Schedule
+from .training_chain import alphas_cumprod, trained_betas_refusal
 
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
-
-# The columns of ``Schedule.coefs``: the step graph's update is
-#   next = c_x x + c_x0 clamp(x0, -clip, clip) + c_eps eps + c_h0 h0 + c_h1 h1 + c_noise noise
-COEFS = ("x", "x0", "eps", "h0", "h1", "noise", "clip")
-
-
-@dataclass(eq=False)
-class Schedule:
-    """A T-step sampler chain as the step graph runs it; row i maps VP latent x_i to x_{i+1}.
-
-    ``timesteps[i]`` is what the UNet takes at step i, ``alpha_t[i]`` the alpha-bar of x_i (the
-    graph converts the prediction to x0 and eps with it), ``alpha_prev[i]`` that of x_{i+1} (1.0
-    where the final sigma is 0), ``coefs[i]`` the update's coefficients (columns ``COEFS``).
-    x_0 = ``init_sigma`` * standard normal noise; ``ancestral``: the update reads a fresh normal
-    latent per step; ``history``: how many past x0 predictions (h0, h1) it reads.
-    """
-
-    name: str
-    num_inference_steps: int
-    timesteps: np.ndarray
-    alpha_t: np.ndarray
-    alpha_prev: np.ndarray
-    coefs: np.ndarray
-    init_sigma: float = 1.0
-    ancestral: bool = False
-    history: int = 0
 
 
 def ddim_coefs(alpha_prev: np.ndarray, clip: float) -> np.ndarray:
@@ -104,34 +76,6 @@ class DDIMConfig:
         return cls(**fields)
 
 
-def trained_betas_refusal(cfg: Mapping[str, Any]) -> Optional[str]:
-    """Why a scheduler config's betas cannot run here (None: they can): every sampler builds its
-    betas from ``beta_schedule`` (:func:`_betas`), so an explicit ``trained_betas`` list would be
-    ignored, and the model sampled on a chain it was not trained on."""
-    if cfg.get("trained_betas") is not None:
-        return "trained_betas is not supported by edit-rt"
-    return None
-
-
-def _betas(cfg: DDIMConfig) -> np.ndarray:
-    n = cfg.num_train_timesteps
-    # float32 throughout, as diffusers builds them, so alphas match to the last bit or two.
-    if cfg.beta_schedule == "linear":
-        return np.linspace(cfg.beta_start, cfg.beta_end, n, dtype=np.float32)
-    if cfg.beta_schedule == "scaled_linear":
-        return np.linspace(cfg.beta_start**0.5, cfg.beta_end**0.5, n, dtype=np.float32) ** 2
-    if cfg.beta_schedule == "squaredcos_cap_v2":
-        # Nichol & Dhariwal 2021, eq. 17, with betas capped at 0.999.
-        def alpha_bar(t: float) -> float:
-            return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
-
-        return np.array(
-            [min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)],
-            dtype=np.float32,
-        )
-    raise ModelError(f"scheduler_config.json: beta_schedule {cfg.beta_schedule!r} is not supported")
-
-
 class DDIMSchedule(Schedule):
     """The T-step DDIM chain: ``timesteps[i]``, ``alpha_t[i]``, ``alpha_prev[i]`` for step i.
 
@@ -152,7 +96,7 @@ class DDIMSchedule(Schedule):
         self.config = config
         self.num_inference_steps = num_inference_steps
         # 1. the training chain's cumulative alphas (the alpha-bar of DDPM, eq. 4)
-        self.alphas_cumprod = np.cumprod(1.0 - _betas(config), dtype=np.float32)
+        self.alphas_cumprod = alphas_cumprod(asdict(config))
         self.final_alpha_cumprod = np.float32(1.0) if config.set_alpha_to_one else self.alphas_cumprod[0]
         # 2. the inference timesteps (Lin et al. 2023, table 2: linspace / leading / trailing)
         self.timesteps = self._timesteps()

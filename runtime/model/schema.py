@@ -10,9 +10,11 @@ and no float may be inf or nan. Bounded: each range is declared on the type (pyd
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 from pydantic import AllowInfNan, Field, Strict, StringConstraints
+
+from ..errors import RequestError
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
@@ -43,7 +45,7 @@ PreserveMode = Literal["auto", "none"]
 # Where a tail row's unconditional prediction comes from at each step (loop/uncond_reuse.py):
 # its own UNet half (compute), its base's (base), or its base's with a first-order correction.
 UncondMode = Literal["compute", "base", "base-corrected"]
-# DeepCache (loop/slots.py): every k-th step of a row runs the whole UNet, the others its outer
+# DeepCache (loop/row_scheduler.py): every k-th step of a row runs the whole UNet, the others its outer
 # blocks on the deep features of the last full step; 1: every step full (diffusers' numbers).
 DeepCache = between(Int, 1, 16)
 # Prompts one edit mixes in `directions` (besides its own): each is one more text encoding per
@@ -147,3 +149,34 @@ def refusal(error: dict, owner: Any) -> str:
         n = ctx.get("min_length" if kind == "too_short" else "max_length")
         return f"must hold at {'least' if kind == 'too_short' else 'most'} {n} item{'' if n == 1 else 's'}, got {ctx.get('actual_length')}"
     return _TYPES.get(kind, str(error.get("msg", ""))) + got
+
+
+def json_path(loc: Sequence[Any]) -> Optional[str]:
+    """('body', 'edits', 3, 'strength') -> 'edits[3].strength'."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+def request_refusal(errors: Sequence[dict], owner: Any = None, candidates: Sequence[Any] = ()) -> RequestError:
+    """pydantic's ``errors`` of a request as one :class:`RequestError`, worded as the config
+    words them (:func:`refusal`); ``owner`` is the model the locations are in (for a field's
+    declared range), else the first of ``candidates`` that has the field."""
+    first = errors[0]
+    param = json_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return RequestError("the body is not valid JSON", code="json_invalid")
+    if first.get("type") == "missing":
+        message = f"{param}: required field missing"
+    elif first.get("type") in ("extra_forbidden", "unexpected_keyword_argument"):
+        message = f"{param}: unknown field"
+    else:
+        loc = tuple(first.get("loc", ()))
+        located = {**first, "loc": loc[1:] if loc[:1] == ("body",) else loc}
+        if owner is None:  # a request body: the model whose fields the location is in
+            owner = next((m for m in candidates if field_type(m, located["loc"])), None)
+        text = refusal(located, owner)
+        message = f"{param}: {text}" if param else str(text)
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return RequestError(message + more, param, first.get("type"))

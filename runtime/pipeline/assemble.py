@@ -115,7 +115,7 @@ def pipeline_of(cfg: RunConfig, **overrides) -> EditPipeline:
             check_sampler(cfg.base.sampler, pipe.manifest.scheduler_config, "base.sampler")
         except SamplerError as err:
             raise ConfigError(str(err)) from None
-    if not any(c["source"] == "time_ids" for c in pipe.conds):
+    if not any(c["source"] == "time_ids" for c in pipe.text.conds):
         for name in ("original_width", "original_height"):
             if getattr(cfg.base, name) is not None:
                 raise ConfigError(f"base.{name}: only SDXL models take size conditioning; remove it")

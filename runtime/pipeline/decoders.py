@@ -5,7 +5,7 @@ both), where the export has one.
 
 Finals go through the decoder a run, server or request names (``decoder: vae | taesd``, the VAE
 by default); previews (SSE ``partial_images``, A1111's ``current_image``, the page's drag) through
-:meth:`Decoding.decode_preview`, the one place that picks the tiny decoder when there is one.
+:meth:`Decoders.decode_preview`, the one place that picks the tiny decoder when there is one.
 Both graphs take the latents the UNet produces and give [0, 1] images (export/compile/graphs.py).
 
 An upload is encoded by the same pair (:func:`encoder_for`): ``taesd_encoder`` where the decoder
@@ -16,13 +16,15 @@ costs the tiny encoder), else ``vae_encoder``. Its base's key says which (pipeli
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ..engine.manifest import Manifest
+from ..engine.profiles import EditBatchProfile
 from ..errors import ConfigError
-from ..metrics import timed
+from ..metrics import Metrics, timed
+from .memory_fit import MemoryFit
 
 # decoder name (config, request) -> its graph, and the encoder of the same autoencoder
 DECODER_GRAPHS = {"vae": "vae_decoder", "taesd": "taesd_decoder"}
@@ -52,9 +54,21 @@ def encoder_for(manifest: Manifest, decoder: str) -> str:
     return "taesd" if decoder == "taesd" and manifest.has(ENCODER_GRAPHS["taesd"]) else "vae"
 
 
-class Decoding:
-    """Mixed into :class:`~edit_rt.runtime.pipeline.edit_pipeline.EditPipeline` (its graphs,
-    manifest, profile, metrics and the decoded images per call that fit, ``_fitting``)."""
+class Decoders:
+    """The export's autoencoders on the pipeline's graphs: latents -> images (``decode``, a
+    call at a time within what fits in memory), an upload's pixels -> latents
+    (``encode_image``), and which decoder a request may name (``check_decoder``)."""
+
+    def __init__(self, manifest: Manifest, graphs: Mapping[str, Any], profile: EditBatchProfile, memory_fit: MemoryFit,
+                 metrics: Metrics):  # fmt: skip
+        """``graphs`` the pipeline's (name -> graph), ``profile`` the shapes they are built for,
+        ``memory_fit`` the images per call that fit at each latent size, ``metrics`` where the
+        decode stage is timed (the pipeline hands over the server's own: edit_pipeline.py)."""
+        self.manifest = manifest
+        self.graphs = graphs
+        self.profile = profile
+        self.memory_fit = memory_fit
+        self.metrics = metrics
 
     @property
     def preview_decoder(self) -> str:
@@ -82,7 +96,7 @@ class Decoding:
         holds fewer (one at a time for SD 1.5 at 512x512 in a small budget). The tiny decoder
         takes the VAE's count: its activations are a fraction of the VAE's."""
         profile = self.profile.rows("max", DECODER_GRAPHS[decoder])
-        return min(profile, self._fitting.get(tuple(latent_shape), (0, profile))[1] or profile)
+        return min(profile, self.memory_fit.decode_images(latent_shape) or profile)
 
     @timed("decode")
     def decode(self, latents: np.ndarray, decoder: str = "vae") -> np.ndarray:

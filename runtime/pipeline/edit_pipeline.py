@@ -1,6 +1,12 @@
-"""The edit pipeline: the compiled graphs, text -> K/V (text.py), base generation and batched edit tails.
+"""The edit pipeline: the compiled graphs, base generation, inversion and batched edit tails.
 
-Generation and tails are rows of one :class:`~edit_rt.runtime.loop.slots.RowScheduler` (one per
+It is composed of one object per concept, each given what it needs: the prompts' K/V
+(``text``: text.py), what an edit keeps of its base (``preservation``: preserve.py), the
+autoencoders (``decoders``: decoders.py) and what fits in memory at each size
+(``memory_fit``: memory_fit.py). The calls other layers make of them (the row resolver's
+:class:`~edit_rt.runtime.loop.resolve.Model`, the server, the CLI) stay here, each one line.
+
+Generation and tails are rows of one :class:`~edit_rt.runtime.loop.row_scheduler.RowScheduler` (one per
 latent size), driven by its :class:`~edit_rt.runtime.loop.batcher.Batcher`: ``generate_base`` and
 ``run_tail`` submit one request and drive the loop until it is done; ``edit-rt serve`` runs the
 same batcher on the engine thread (engine/engine_thread.py). There is no other step loop.
@@ -11,18 +17,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ..engine.engine_thread import EngineThread
-from ..engine.backend import CPU_BACKENDS
 from ..engine.graph_set import GraphSet, graphs_from_artifacts
 from ..engine.manifest import Manifest, load_manifest, model_files
-from ..engine.memory import gib, memory_plan, no_row_fits
 from ..engine.profiles import EditBatchProfile
 from ..engine.step_signature import StepSignature
 from ..errors import ArtifactError, ConfigError
@@ -30,19 +33,20 @@ from ..loop.batcher import Batcher
 from ..loop.jobs import Job, Request
 from ..loop.resolve import RowResolver
 from ..loop.rows import pow2_buckets
-from ..loop.slots import RowScheduler
+from ..loop.row_scheduler import RowScheduler
 from ..metrics import Metrics, timed
 from ..model.adapters import Adapter, AdapterBank, load_adapter
-from ..model.directions import word_end_ids
-from ..model.edit import Base, Preserve, TailRow
-from ..model.samplers import Schedule, default_sampler, schedule_for
+from ..model.automask import AutoMask
+from ..model.edit import Base, Mask, Preserve, TailRow
+from ..model.samplers import default_sampler, schedule_for
 from ..model.scheduler_ddim import DDIMConfig
+from ..model.step_coefs import Schedule
 from ..model.state import KV, BaseState
-from ..model.weighting import SpanTokenizer
-from .decoders import Decoding
+from .decoders import Decoders
 from .images import to_uint8
+from .memory_fit import MemoryFit
 from .preserve import Preservation
-from .text import PromptEncoding
+from .text import PromptEncoder, tokenizers_from_export
 
 __all__ = ["EditPipeline", "KV", "BaseState", "TailRow"]
 
@@ -66,7 +70,7 @@ def edit_batch_profile(manifest: Manifest, batch_profile: tuple[int, int, int], 
                             manifest.step_all_given)  # fmt: skip
 
 
-class EditPipeline(PromptEncoding, Preservation, Decoding):
+class EditPipeline:
     """Runs the four compiled graphs. Use as a context manager, or call activate()/deactivate()."""
 
     def __init__(
@@ -109,19 +113,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         self.family = self.manifest.family
         self.signature = StepSignature.from_manifest(self.manifest)  # the step graph's inputs by role
         self.shallow_signature = StepSignature.from_manifest(self.manifest, "unet_step_shallow")  # DeepCache's
-        self.tokenizers = []
-        for name in self.family["tokenizers"]:  # SDXL has two
-            try:
-                self.tokenizers.append(Tokenizer.from_file(str(Path(onnx_dir) / name)))
-            except Exception as err:  # the tokenizers library raises its own types
-                raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
-        self.tokenizer = self.tokenizers[0]
-        # A1111's weighted spans -> ids and a weight per id (model/weighting.py), one per tokenizer
-        self.span_tokenizers = [SpanTokenizer(t) for t in self.tokenizers]
-        self._text_widths: Optional[list[int]] = None  # each text encoder's hidden columns, found on first use
-        self.conds = self.family.get("conds", [])
-        # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
-        self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
+        tokenizers = tokenizers_from_export(onnx_dir, self.family["tokenizers"])  # before the graphs load
         self.ddim_config = DDIMConfig.from_scheduler_config(self.manifest.scheduler_config)
         # the sampler a base names none runs: the model folder's scheduler (samplers.py)
         self.default_sampler = default_sampler(self.manifest.scheduler_config)
@@ -145,7 +137,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         # The one thread that calls the graphs once `edit-rt serve` starts it (engine_thread.py).
         self.engine = EngineThread()
         self.resolver = RowResolver(self)  # jobs -> rows, finished rows -> results
-        self.metrics = Metrics()  # the stages' seconds (@timed); the server's own once service.py hands it over
+        self._metrics = Metrics()  # the stages' seconds (@timed); the server's own once service.py hands it over
         self.reuse_entry = reuse_entry
         # LoRA slots (model/adapters.py): the adapters known by name, resident when rows use them
         spec = self.manifest.adapters
@@ -159,16 +151,12 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         self.text_len = self.manifest.data["model"]["text_len"]
         self.latent_channels = self.manifest.latent_channels
         self.map_factor = self.manifest.data["graphs"]["unet_step"]["map_factor"]
-        self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
-        # the ids that end a word: an edit's tokens align to its base's by words (model/directions.py)
-        self.word_ends = word_end_ids(self.tokenizer.get_vocab()) or None
-        self.preserve = preserve or Preserve()
         # latent shape -> the batcher (and its row scheduler), made on first use and kept
         self.batchers: dict[tuple[int, int, int], Batcher] = {}
-        self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
-        self.max_memory = max_memory
-        # latent shape -> (step rows, decoded images) per call that fit in memory (memory.py)
-        self._fitting: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self.memory_fit = MemoryFit(self.manifest, self.graph_set, max_memory)
+        self.text = PromptEncoder(self.manifest, self.graphs, tokenizers, self.adapter_bank, self.max_batch, self._metrics)
+        self.decoders = Decoders(self.manifest, self.graphs, self.profile, self.memory_fit, self._metrics)
+        self.preservation = Preservation(self.text, self.decoders, self.scale, self.map_factor, preserve or Preserve())
 
     def activate(self) -> "EditPipeline":
         """Load every graph but those made on first use (graph_set.LAZY on the CPU)."""
@@ -193,6 +181,81 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
     def __exit__(self, *exc) -> None:
         self.deactivate()
 
+    @property
+    def metrics(self) -> Metrics:
+        """Where the stages time themselves (text encode, decode, inversion: ``@timed``)."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics) -> None:
+        # the server hands over its own (service.py): every component's stages are timed there
+        self._metrics = self.text.metrics = self.decoders.metrics = metrics
+
+    # --- the components' calls other layers make (the row resolver's Model, the server, the CLI) --
+
+    @property
+    def pooled(self) -> list[str]:
+        return self.text.pooled
+
+    @property
+    def special_ids(self) -> set[int]:
+        return self.text.special_ids
+
+    @property
+    def word_ends(self) -> Optional[frozenset[int]]:
+        return self.text.word_ends
+
+    def input_ids(self, prompts: Sequence[str], tokenizer: Optional[Tokenizer] = None) -> np.ndarray:
+        return self.text.input_ids(prompts, tokenizer)
+
+    def kv_from_prompts(self, prompts: Sequence[Optional[str]], clip_skip: int = 0, negative: bool = False,
+                        scales: Optional[tuple[np.ndarray, np.ndarray]] = None) -> KV:  # fmt: skip
+        return self.text.kv_from_prompts(prompts, clip_skip, negative, scales)
+
+    def prompt_embeddings(self, prompts: Sequence[str], clip_skip: int = 0, kind: str = "mean") -> np.ndarray:
+        return self.text.prompt_embeddings(prompts, clip_skip, kind)
+
+    def row_conds(self, base: Base, kv: KV) -> dict[str, np.ndarray]:
+        return self.text.row_conds(base, kv)
+
+    def guidance_conds(self, guidance: float) -> dict[str, np.ndarray]:
+        return self.text.guidance_conds(guidance)
+
+    def keep_mask(self, mask: Optional[Mask], latent_shape: Sequence[int]) -> Optional[np.ndarray]:
+        return self.preservation.keep_mask(mask, latent_shape)
+
+    def pixel_keep(self, pixel_mask: np.ndarray, latent_shape: Sequence[int]) -> np.ndarray:
+        return self.preservation.pixel_keep(pixel_mask, latent_shape)
+
+    def auto_mask(self, base_prompt: str, row: TailRow, latent_shape: Sequence[int]) -> tuple[Optional[AutoMask], str]:
+        return self.preservation.auto_mask(base_prompt, row, latent_shape)
+
+    def with_base(self, image: np.ndarray, state: BaseState, row: TailRow, keep: Optional[np.ndarray],
+                  decoder: str = "vae") -> np.ndarray:  # fmt: skip
+        return self.preservation.with_base(image, state, row, keep, decoder)
+
+    def base_image(self, state: BaseState, decoder: str = "vae") -> np.ndarray:
+        return self.preservation.base_image(state, decoder)
+
+    def render_each(self, state: BaseState, rows: Sequence[TailRow], results: Sequence,
+                    decoder: str = "vae") -> Iterator[np.ndarray]:  # fmt: skip
+        return self.preservation.render_each(state, rows, results, decoder)
+
+    def check_decoder(self, decoder: str, field: str = "decoder") -> str:
+        return self.decoders.check_decoder(decoder, field)
+
+    def encoder_for(self, decoder: str) -> str:
+        return self.decoders.encoder_for(decoder)
+
+    def decode_rows(self, latent_shape: Sequence[int], decoder: str = "vae") -> int:
+        return self.decoders.decode_rows(latent_shape, decoder)
+
+    def decode(self, latents: np.ndarray, decoder: str = "vae") -> np.ndarray:
+        return self.decoders.decode(latents, decoder)
+
+    def decode_preview(self, latents: np.ndarray) -> np.ndarray:
+        return self.decoders.decode_preview(latents)
+
     # --- the chain --------------------------------------------------------------------------
 
     def latent_shape(self, base: Base) -> tuple[int, int, int]:
@@ -204,31 +267,8 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
                     f"(this model's VAE factor {self.scale} x UNet downsampling); pick a multiple"
                 )
         shape = (self.latent_channels, base.height // self.scale, base.width // self.scale)
-        if shape not in self._fitting:
-            self._check_fits(base, shape)
+        self.memory_fit.check(base, shape)
         return shape
-
-    def _check_fits(self, base: Base, shape: tuple[int, int, int]) -> None:
-        """The rows of a step call and the images of a decode that fit in memory at this size
-        (the CPU backend's memory is the host's: memory.py counts weights and each row's
-        activations), before anything is allocated; refuse the size only where not even one
-        row fits (attention grows with the square of the pixels: a 512x512 base on a model
-        made for 32x32 needs terabytes, and would be killed mid-run). A GPU backend's engines
-        fix their size and rows (engines.py checks them)."""
-        rows, images = self.max_batch, self.profile.vae_max_batch
-        if self.graph_set.backend in CPU_BACKENDS:
-            loading = sum(int(self.manifest.data["graphs"][name].get("weight_bytes", 0)) for name, graph in self.graphs.items()
-                          if not getattr(graph, "lazy", False) and not getattr(graph, "loaded", True))  # fmt: skip
-            plan = memory_plan(self.manifest, shape[1:], self.max_memory, loading=loading, engine=self.graph_set.backend)
-            rows, images = plan.step_rows(self.max_batch), plan.decode_rows(images)
-            if rows == 0:
-                native = self.manifest.data["model"]["sample_size"] * self.scale
-                raise ConfigError(no_row_fits(plan, base.width, base.height, shape[1:], native, self.max_memory is not None))
-            if rows < self.max_batch or images < self.profile.vae_max_batch:
-                log.info("%dx%d: %d step row(s) and %d image(s) per call fit in %s (%s a row, %s an image)",
-                         base.width, base.height, rows, images, gib(plan.free or 0), gib(plan.step_row),
-                         gib(plan.decode_row))  # fmt: skip
-        self._fitting[shape] = (rows, images)
 
     def sampler_of(self, base: Base) -> str:
         """The sampler ``base`` runs: its own, or the model's (``default_sampler``)."""
@@ -285,7 +325,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         """The batcher (and resident slots) for latents of ``latent_shape``, made once."""
         latent_shape = tuple(latent_shape)
         if latent_shape not in self.batchers:
-            rows = self._fitting.get(latent_shape, (self.max_batch, 0))[0]  # the rows that fit in memory
+            rows = self.memory_fit.step_rows(latent_shape) or self.max_batch  # the rows that fit in memory
             self.batchers[latent_shape] = Batcher(self.resolver, self.new_scheduler(latent_shape, rows), engine=self.engine)
         return self.batchers[latent_shape]
 
@@ -311,7 +351,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         shape = self.latent_shape(base)
         noise = self.initial_noise(base) if noise is None else noise
         request = Request(uuid.uuid4().hex, decode=False)
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise)
+        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise, kind="generate")
         (result,) = self._run([job], request, shape, progress)
         state = result.state
         if window_start:
@@ -335,13 +375,13 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         """
         shape = self.latent_shape(base)
         T = base.steps
-        z0 = self.encode_image(image, encoder)
+        z0 = self.decoders.encode_image(image, encoder)
         request = Request(uuid.uuid4().hex, decode=False)
         job = Job(request, 0, base, TailRow(base.prompt, 1.0, window_start, 1.0), noise=z0, kind="invert")
         (inversion,) = self._run([job], request, shape, progress)
         inverted = np.ascontiguousarray(inversion.record.latents[::-1])  # z*_ws .. z*_T
-        cond = self.kv_from_prompts([base.prompt], base.clip_skip)
-        uncond = self.kv_from_prompts([base.negative_prompt], negative=True)
+        cond = self.text.kv_from_prompts([base.prompt], base.clip_skip)
+        uncond = self.text.kv_from_prompts([base.negative_prompt], negative=True)
         partial = BaseState(base, self.manifest.fingerprint, window_start, inverted, cond, uncond)
         request = Request(uuid.uuid4().hex, decode=False)
         steps = list(range(window_start, T))
@@ -378,7 +418,7 @@ class EditPipeline(PromptEncoding, Preservation, Decoding):
         if not rows:
             return []
         shape = tuple(state.latents.shape[1:])
-        request = Request(uuid.uuid4().hex, decode=decode, decoder=self.check_decoder(decoder))
-        jobs = [Job(request, i, state.base, row, state=state) for i, row in enumerate(rows)]
+        request = Request(uuid.uuid4().hex, decode=decode, decoder=self.decoders.check_decoder(decoder))
+        jobs = [Job(request, i, state.base, row, state=state, kind="edit") for i, row in enumerate(rows)]
         return self._run(jobs, request, shape, progress, errors)
 

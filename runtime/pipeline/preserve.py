@@ -6,20 +6,35 @@ decoded image composited with the base's own pixels outside them.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..model.automask import AutoMask
 from ..model.directions import changed_positions, token_permutation
-from ..model.edit import Mask, TailRow
+from ..model.edit import Mask, Preserve, TailRow
 from ..model.state import BaseState
+from .decoders import Decoders
 from .images import composite, feathered_rectangle, latent_keep, upsample_weight
+from .text import PromptEncoder
 
 
 class Preservation:
-    """Mixed into :class:`~edit_rt.runtime.pipeline.edit_pipeline.EditPipeline` (its latent scale,
-    map factor, ``preserve`` defaults, tokenizers and decoder)."""
+    """An edit's keep-masks (explicit or ``preserve: auto``) in latent pixels, and its decoded
+    images with the base's own pixels outside them."""
+
+    def __init__(self, text: PromptEncoder, decoders: Decoders, scale: int, map_factor: int, preserve: Preserve):
+        """``text`` tokenizes prompts for the changed words, ``decoders`` decodes the bases and
+        edits, ``scale`` is the VAE's pixels per latent pixel, ``map_factor`` the latent pixels
+        per attention-map pixel, ``preserve`` the knobs of ``preserve: auto`` edits (the
+        config's ``preserve:``; a caller may swap them between runs)."""
+        self.text = text
+        self.decoders = decoders
+        self.scale = scale
+        self.map_factor = map_factor
+        self.preserve = preserve
+        self._base_images: OrderedDict[tuple, np.ndarray] = OrderedDict()  # a few decoded bases
 
     def keep_mask(self, mask: Optional[Mask], latent_shape: Sequence[int]) -> Optional[np.ndarray]:
         """[1, h, w] bool, True where a masked edit keeps the base's latent (None: no mask).
@@ -52,10 +67,10 @@ class Preservation:
             return None, "none"
         # the first tokenizer's ids (a word's changed weight changes it, its brackets do not),
         # aligned as the row's K/V are: the maps' positions are the base's (model/directions.py)
-        base, *terms = self.weighted_ids([base_prompt, *(p for p, _ in row.terms)])[0]
-        perms = [token_permutation(base.ids, t.ids, self.special_ids, self.word_ends) for t in terms]
+        base, *terms = self.text.weighted_ids([base_prompt, *(p for p, _ in row.terms)])[0]
+        perms = [token_permutation(base.ids, t.ids, self.text.special_ids, self.text.word_ends) for t in terms]
         changed, content = changed_positions(base.ids, base.weights, [(t.ids, t.weights) for t in terms], perms,
-                                             self.special_ids)  # fmt: skip
+                                             self.text.special_ids)  # fmt: skip
         if not changed:
             return None, "none: no token of the prompt changed (a global edit)"
         p = self.preserve
@@ -85,7 +100,7 @@ class Preservation:
         # the base's fields as text: a Base with adapters holds a dict, which cannot be hashed
         key = (state.fingerprint, repr(sorted(dataclasses.asdict(state.base).items())), state.window_start, decoder)
         if key not in self._base_images:
-            self._base_images[key] = self.decode(state.final_latent, decoder)[0]
+            self._base_images[key] = self.decoders.decode(state.final_latent, decoder)[0]
             while len(self._base_images) > 16:
                 self._base_images.popitem(last=False)
         self._base_images.move_to_end(key)
@@ -109,7 +124,7 @@ class Preservation:
                     decoder: str = "vae") -> Iterator[np.ndarray]:  # fmt: skip
         """:meth:`render`, each image as soon as its VAE call is done (a caller writes it then:
         a run killed while decoding keeps the images decoded before)."""
-        images = self.decode_each(np.stack([r.latent for r in results]), decoder)
+        images = self.decoders.decode_each(np.stack([r.latent for r in results]), decoder)
         k = 0
         for part in images:
             for image in part:

@@ -5,22 +5,61 @@ cross-attention layer) and the family's per-row conditioning.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import ConfigError
-from ..metrics import timed
+from ..engine.manifest import Manifest
+from ..errors import ArtifactError, ConfigError
+from ..metrics import Metrics, timed
+from ..model.adapters import AdapterBank
+from ..model.directions import word_end_ids
 from ..model.edit import Base
 from ..model.guidance_embedding import guidance_embedding
 from ..model.state import KV
-from ..model.weighting import WeightedIds, emphasize, encoder_widths, prompt_spans
+from ..model.weighting import SpanTokenizer, WeightedIds, emphasize, encoder_widths, prompt_spans
 
 
-class PromptEncoding:
-    """Mixed into :class:`~edit_rt.runtime.pipeline.edit_pipeline.EditPipeline` (its manifest, graphs,
-    tokenizers and span_tokenizers, family, conds, pooled, max_batch and _text_widths)."""
+def tokenizers_from_export(onnx_dir: Path, names: Sequence[str]) -> list[Tokenizer]:
+    """The export's tokenizer files ``names`` (SDXL has two); ArtifactError naming the file and the fix."""
+    tokenizers = []
+    for name in names:
+        try:
+            tokenizers.append(Tokenizer.from_file(str(Path(onnx_dir) / name)))
+        except Exception as err:  # the tokenizers library raises its own types
+            raise ArtifactError(f"{onnx_dir}/{name} cannot be loaded ({err}); re-run `make export`") from None
+    return tokenizers
+
+
+class PromptEncoder:
+    """Prompts -> ids (with their emphasis weights), K/V and the family's extras, on the export's
+    ``text_encoder`` and ``kv_proj`` graphs; and a row's per-row conditioning."""
+
+    def __init__(self, manifest: Manifest, graphs: Mapping[str, Any], tokenizers: Sequence[Tokenizer],
+                 adapter_bank: Optional[AdapterBank], max_batch: int, metrics: Metrics):  # fmt: skip
+        """``graphs`` the pipeline's (name -> graph), ``tokenizers`` the export's
+        (:func:`tokenizers_from_export`), ``adapter_bank`` the LoRA slots the text graphs read
+        (None: an export without slots), ``max_batch`` the prompts per graph call, ``metrics``
+        where the text_encode stage is timed (the pipeline hands over the server's own)."""
+        self.manifest = manifest
+        self.graphs = graphs
+        self.family = manifest.family
+        self.tokenizers = list(tokenizers)
+        self.tokenizer = self.tokenizers[0]
+        # A1111's weighted spans -> ids and a weight per id (model/weighting.py), one per tokenizer
+        self.span_tokenizers = [SpanTokenizer(t) for t in self.tokenizers]
+        self._text_widths: Optional[list[int]] = None  # each text encoder's hidden columns, found on first use
+        self.conds = self.family.get("conds", [])
+        # the conds that come from the prompt (SDXL's pooled embedding): kept with its K/V (KV.extras)
+        self.pooled = [c["name"] for c in self.conds if c["source"] == "pooled"]
+        self.adapter_bank = adapter_bank
+        self.max_batch = max_batch
+        self.metrics = metrics
+        self.special_ids = {self.tokenizer.token_to_id(t) for t in ("<|startoftext|>", "<|endoftext|>")} - {None}
+        # the ids that end a word: an edit's tokens align to its base's by words (model/directions.py)
+        self.word_ends = word_end_ids(self.tokenizer.get_vocab()) or None
 
     def input_ids(self, prompts: Sequence[str], tokenizer: Optional[Tokenizer] = None) -> np.ndarray:
         """CLIP ids [B, 77]: BOS, the prompt's tokens, EOS, padding (as diffusers tokenizes), of

@@ -2,7 +2,7 @@
 
 ``image_from_bytes`` reads them all, the same way for every route, and says clearly what is
 wrong with a bad one. It is blocking work (a decode): the server runs it in its image pool,
-each task within ``serve.image_timeout_s`` (serving/inversion.py); the checks below bound how
+each task within ``serve.image_timeout_s`` (serving/image_work.py); the checks below bound how
 long one can take.
 
 - Refused before a pixel is decoded: too many bytes (``serve.max_image_bytes``), or a declared

@@ -49,16 +49,19 @@ from ray.serve.config import RequestRouterConfig
 
 from ..config.run_config import RunConfig
 from ..engine.manifest import load_manifest
-from ..errors import ConfigError
+from ..errors import ConfigError, EditRtError, ReplicaLostError
 from ..metrics import merged
 from ..model.edit import Base, Edit
 from ..pipeline.uploads import Upload
 from ..serving.decoder_choice import DECODER
-from ..serving.http_errors import ApiError, is_base_id, until_done
+from ..serving.fields import ServedModel
+from ..serving.inversion import inversion_base
 from ..serving.job_control import DOOR
 from ..serving.results import Event, Generated
 from ..serving.service import Service
-from ..storage.store import base_id
+from ..serving.step_loops import until_done
+from ..storage.store import base_id, is_base_id
+from ..web.exposure import refuse_an_open_port
 from ..web.server import create_app, listening_line
 from .router import BaseAffinityRouter
 
@@ -73,16 +76,16 @@ WORKER = "edit-rt-worker"
 
 @dataclass
 class Refused:
-    """A worker's answer that is the API's error for the request (a refusal, returned rather
-    than raised: Ray would log a raised one as a replica failure, with its traceback)."""
+    """A worker's answer that is the service's refusal of the request (returned rather than
+    raised: Ray would log a raised one as a replica failure, with its traceback)."""
 
-    error: ApiError
+    error: EditRtError
 
 
 async def refusing(call):
     try:
         return await call
-    except ApiError as err:
+    except EditRtError as err:
         return Refused(err)
 
 
@@ -124,7 +127,7 @@ class EditWorker:
         try:
             async for event in self.service.edit_events(bid, specs, param, previews, **masks):
                 yield event
-        except ApiError as err:
+        except EditRtError as err:
             yield "refused", {"error": err}
 
     async def generate_events(self, base: Base, previews: int = 0, route: Optional[dict] = None, related: Optional[bool] = None,
@@ -133,7 +136,7 @@ class EditWorker:
         try:
             async for event in self.service.generate_events(base, previews, related, seed_given):
                 yield event
-        except ApiError as err:
+        except EditRtError as err:
             yield "refused", {"error": err}
 
     async def has_base(self, bid: str, route: Optional[dict] = None) -> bool:
@@ -159,7 +162,7 @@ class EditWorker:
 
     def check_health(self) -> None:
         """Ray Serve's health check: a worker whose step loop died is replaced."""
-        batcher = self.service.batcher
+        batcher = self.service.loops.first
         if batcher is None or not batcher.alive:
             raise RuntimeError("the step loop is not running")
 
@@ -171,17 +174,16 @@ class EditWorker:
 # --- the ingress ----------------------------------------------------------------------------------
 
 
-def replica_lost(err: BaseException) -> ApiError:
-    return ApiError(503, f"the replica serving this request stopped ({type(err).__name__}); retry: another replica "
-                    "serves the base from the shared store", "server_error", code="replica_lost",
-                    headers={"Retry-After": "1"})  # fmt: skip
+def replica_lost(err: BaseException) -> ReplicaLostError:
+    return ReplicaLostError(f"the replica serving this request stopped ({type(err).__name__}); retry: another replica "
+                            "serves the base from the shared store")  # fmt: skip
 
 
 def unwrap(err: BaseException) -> BaseException:
-    """A worker's ApiError as itself; a replica that died as a 503; anything else as is."""
-    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ApiError):
+    """A worker's refusal as itself; a replica that died as :class:`ReplicaLostError`; anything else as is."""
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, EditRtError):
         return err.cause
-    if isinstance(err, ApiError):
+    if isinstance(err, EditRtError):
         return err
     if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
         return replica_lost(err)
@@ -196,12 +198,12 @@ class RayService(Service):
         self.workers = workers
         self.resent = Counter("edit_rt_replica_lost_resent", "Requests sent again because their replica died",
                               registry=self.metrics.registry)  # fmt: skip
-        self.manifest = None
         self._backend = ""
 
     def load(self) -> None:
         try:
-            self.manifest = load_manifest(self.cfg.onnx_dir)  # base ids and validation need no engines
+            # base ids and validation need no engines
+            self.fields.model = ServedModel.of_manifest(load_manifest(self.cfg.onnx_dir))
             status = self.workers.status.remote(route={"replica": 0}).result(timeout_s=600)
             self._backend = status["backend"]
             self.ready.set()
@@ -216,33 +218,21 @@ class RayService(Service):
         self.metrics.ready.set(0)
 
     @property
-    def fingerprint(self) -> str:
-        return self.manifest.fingerprint if self.manifest is not None else ""
-
-    @property
     def backend(self) -> str:
         return f"ray:{self._backend}"
 
-    @property
-    def family(self) -> dict:
-        return self.manifest.family
-
-    @property
-    def scheduler_config(self) -> dict:
-        return self.manifest.scheduler_config
-
-    async def call(self, send, http=None):
+    async def call(self, send, client=None):
         """A worker's answer to ``send()``; a client that leaves cancels it (its rows go at the
         next step). Once, a request whose replica died is sent again (every operation here is
         idempotent: a base is a function of its key, an edit of its base and row)."""
         for attempt in range(2):
             response = send()
             task = asyncio.ensure_future(self._result(response))
-            await until_done([task], http, lambda: (response.cancel(), task.cancel()))
+            await until_done([task], client, lambda: (response.cancel(), task.cancel()))
             try:
                 return task.result()
-            except ApiError as err:
-                if err.code != "replica_lost" or attempt:
+            except ReplicaLostError:
+                if attempt:
                     raise
                 log.warning("a replica died under a request; sending it again")
                 self.resent.inc()
@@ -257,20 +247,18 @@ class RayService(Service):
             raise value.error
         return value
 
-    async def generate(self, base: Base, http=None, previews: int = 0, related: Optional[bool] = None,
+    async def generate(self, base: Base, client=None, previews: int = 0, related: Optional[bool] = None,
                        seed_given: bool = False) -> Generated:  # fmt: skip
         """On a replica. ``previews`` (A1111's live previews) are not made here: the ingress could
         not show a replica's (its /progress current_image stays None on Ray Serve). ``related``:
         the replica looks its related base up (docs/related.md: routed as any generation)."""
         bid, door, decoder = base_id(self.fingerprint, base), DOOR.get(), DECODER.get()
         return await self.call(lambda: self.workers.generate.remote(base, route={"base": bid, "new": True}, related=related,
-                                                                    seed_given=seed_given, door=door, decoder=decoder), http)  # fmt: skip
+                                                                    seed_given=seed_given, door=door, decoder=decoder), client)  # fmt: skip
 
     async def invert(self, upload: Upload, prompt: str = "", negative_prompt: Optional[str] = None, steps: Optional[int] = None,
                      guidance: Optional[float] = None, clip_skip: Optional[int] = None) -> Generated:  # fmt: skip
-        if prompt:
-            self.check_prompt(prompt, "source_prompt")
-        base = self.inversion_base(upload, prompt, negative_prompt, steps, guidance, clip_skip)
+        base = inversion_base(self.fields, upload, self.upload_encoder(), prompt, negative_prompt, steps, guidance, clip_skip)
         route, door, decoder = {"base": base_id(self.fingerprint, base), "new": True}, DOOR.get(), DECODER.get()
         return await self.call(lambda: self.workers.invert.remote(upload, prompt, negative_prompt, steps, guidance,
                                                                   clip_skip, route=route, door=door, decoder=decoder))  # fmt: skip
@@ -295,7 +283,7 @@ class RayService(Service):
                 return
             except Exception as err:
                 err = unwrap(err)
-                if getattr(err, "code", None) != "replica_lost" or started or attempt:
+                if not isinstance(err, ReplicaLostError) or started or attempt:
                     raise err from None
                 log.warning("a replica died before answering an edit; sending it again")
                 self.resent.inc()
@@ -303,16 +291,14 @@ class RayService(Service):
                 if not finished:
                     stream.cancel()  # the client left, or a row failed: the worker drops its rows
 
-    async def edit_base(self, bid: str, specs: list[Edit], http=None, param: str = "base_id", **masks):
+    async def edit_base(self, bid: str, specs: list[Edit], client=None, param: str = "base_id", **masks):
         """As the local one; a replica lost midway is tried once more (nothing was sent yet)."""
         try:
-            return await super().edit_base(bid, specs, http, param, **masks)
-        except ApiError as err:
-            if err.code != "replica_lost":
-                raise
+            return await super().edit_base(bid, specs, client, param, **masks)
+        except ReplicaLostError:
             log.warning("a replica died under an edit; sending it again")
             self.resent.inc()
-            return await super().edit_base(bid, specs, http, param, **masks)
+            return await super().edit_base(bid, specs, client, param, **masks)
 
     async def generate_events(self, base: Base, previews: int = 0, related: Optional[bool] = None,
                               seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
@@ -329,7 +315,7 @@ class RayService(Service):
                     raise data["error"]
                 yield kind, data
             finished = True
-        except ApiError:
+        except EditRtError:
             raise
         except Exception as err:
             raise unwrap(err) from None
@@ -384,8 +370,8 @@ class RayService(Service):
     async def stop_jobs(self, door: Optional[str] = None) -> int:
         """A1111's interrupt on every replica, of ``door``'s running requests only (None: every
         door's), as the local service's."""
-        self.interrupts += 1
-        self.interrupted_at = time.monotonic()
+        self.jobs.interrupts += 1
+        self.jobs.interrupted_at = time.monotonic()
         return sum(answer["interrupted"] for answer in await self.replicas("interrupt", door=door))
 
 
@@ -432,8 +418,10 @@ def start(cfg: RunConfig) -> None:
     serve.run(application(cfg), name=APP_NAME, route_prefix="/")
 
 
-def serve_forever(cfg: RunConfig, say=print) -> None:
-    """`edit-rt serve --ray`: deploy, then wait for SIGTERM or SIGINT and take it down."""
+def serve_forever(cfg: RunConfig, say=print, allow_no_token: bool = False) -> None:
+    """`edit-rt serve --ray`: deploy, then wait for SIGTERM or SIGINT and take it down. A port
+    beyond loopback without credentials is refused unless ``allow_no_token`` (web/exposure.py)."""
+    refuse_an_open_port(cfg.serve, cfg.source or "the config", allow_no_token, say)
     start(cfg)
     # said once Ray Serve's proxy holds the port (the CLI prints no address before that)
     say(listening_line(cfg, f"; Ray Serve, {cfg.serve.ray.replicas} replicas"))

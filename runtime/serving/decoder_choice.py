@@ -1,7 +1,7 @@
 """A request's decoder (``decoder: vae | taesd``, pipeline/decoders.py): the doors read it from
 their own field (OpenAI: ``decoder``, in JSON and in the multipart forms; A1111:
 ``override_settings.sd_vae``), check it against the export here, and set :data:`DECODER` for the
-request's task; the service's requests take it from there (``Service._new_request``), as they
+request's task; the service's requests take it from there (``StepLoops.new_request``), as they
 take the door they came in by (job_control.DOOR). None: the server's own (its config's
 ``decoder``). Previews pick theirs regardless.
 
@@ -15,37 +15,31 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Optional
 
+from ..config.run_config import RunConfig
 from ..engine.manifest import Manifest
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestError
 from ..pipeline.decoders import checked_decoder, encoder_for
-from .http_errors import ApiError
 
 DECODER: ContextVar[Optional[str]] = ContextVar("edit_rt_decoder", default=None)
 
 
-def served_manifest(service) -> Manifest:
-    """The export ``service`` serves: its pipeline's, or a Ray Serve ingress's own (which loads
-    no engines, only the manifest: scale/ray_serve.py)."""
-    return service.pipe.manifest if service.pipe is not None else service.manifest
-
-
-def choose_decoder(service, asked: Optional[str], param: str = "decoder") -> None:
-    """Set this request's decoder to ``asked`` (None: the server's), or 400 naming ``param``
-    where the export cannot run it (taesd on a model without a tiny decoder)."""
+def choose_decoder(manifest: Manifest, asked: Optional[str], param: str = "decoder") -> None:
+    """Set this request's decoder to ``asked`` (None: the server's), or refuse ``param`` where the
+    export ``manifest`` cannot run it (taesd on a model without a tiny decoder)."""
     if asked is None:
         return
     try:
-        DECODER.set(checked_decoder(served_manifest(service), asked, param))
+        DECODER.set(checked_decoder(manifest, asked, param))
     except ConfigError as err:
-        raise ApiError(400, str(err), param=param, code="unsupported_value") from None
+        raise RequestError(str(err), param, "unsupported_value") from None
 
 
-def request_decoder(service) -> str:
-    """This request's decoder: the one its door chose, else the server's."""
-    return DECODER.get() or service.cfg.decoder
+def request_decoder(cfg: RunConfig) -> str:
+    """This request's decoder: the one its door chose, else the server's (``cfg.decoder``)."""
+    return DECODER.get() or cfg.decoder
 
 
-def upload_encoder(service) -> str:
+def upload_encoder(cfg: RunConfig, manifest: Manifest) -> str:
     """What encodes this request's upload: the tiny encoder where its decoder is the tiny one
     and the export has that encoder, else the VAE's (decoders.encoder_for)."""
-    return encoder_for(served_manifest(service), request_decoder(service))
+    return encoder_for(manifest, request_decoder(cfg))

@@ -20,8 +20,14 @@ def _ours(request, door: Optional[str]) -> bool:
 
 
 class JobControl:
-    """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its ``batchers``,
-    ``interrupts`` and ``interrupted_at``)."""
+    """Reads and stops the step loops of ``batchers`` ((width, height) -> Batcher, the service's
+    own dict: sizes added later are seen); counts its interrupts (a cancelled request tells an
+    interrupt from a client that left by them)."""
+
+    def __init__(self, batchers: dict):
+        self.batchers = batchers
+        self.interrupts = 0  # interrupt() calls so far
+        self.interrupted_at = 0.0  # time.monotonic() of the last interrupt()
 
     async def progress(self, door: Optional[str] = None) -> dict[str, int]:
         """Rows in the step loops and rows queued (AUTOMATIC1111's /progress textinfo): of

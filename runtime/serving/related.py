@@ -6,7 +6,7 @@ The same machinery that makes an edit cheap makes a near-repeat cheap: "a green 
 k and running only T - k steps, batched with every other row. NIRVANA keeps noise states and
 runs each request alone; here a base's whole state is kept and the tail shares the step loop.
 
-- :meth:`RelatedGenerations.related_plan`: whether a request is served related (``related:
+- :meth:`RelatedGenerations.plan`: whether a request is served related (``related:
   true`` asks, ``false`` refuses, none follows ``serve.related.enabled``, except that a request
   with its own seed is exact unless it asks), the nearest stored base of its group
   (storage/related_index.py: the prompt's mean-token text embedding, cosine) and the entry step
@@ -28,14 +28,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
+from ..config.run_config import RunConfig
+from ..metrics import Metrics
 from ..model.edit import Base
 from ..model.state import BaseState
 from ..storage.related_index import RelatedIndex, group
+from .bases import Bases
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +78,23 @@ def entry_step(similarity: float, thresholds, steps: int, window_start: int) -> 
 
 
 class RelatedGenerations:
-    """Mixed into :class:`~edit_rt.runtime.serving.service.Service` (its cfg, pipe, store,
-    metrics, store_pool and ``related_index``)."""
+    """The related index and the rule of when a generation is served related: made by the
+    service with its config, metrics and store (``bases``); the index and the text encoder's
+    call (``embed``) are attached when the engines load (``attach``)."""
 
-    related_index: Optional[RelatedIndex]
+    def __init__(self, cfg: RunConfig, metrics: Metrics, bases: Bases):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.bases = bases
+        self.index: Optional[RelatedIndex] = None
+        # prompt -> its embedding as the index compares them, a future of the engine thread
+        self.embed: Optional[Callable[[Base], Future]] = None
+        self.prune_at = 64  # a RAM-only index is pruned to the store's bases past this many entries
 
-    def related_wanted(self, related: Optional[bool], seed_given: bool) -> bool:
+    def attach(self, index: RelatedIndex, embed: Callable[[Base], Future]) -> None:
+        self.index, self.embed = index, embed
+
+    def wanted(self, related: Optional[bool], seed_given: bool) -> bool:
         if related is not None:
             return related
         return self.cfg.serve.related.enabled and not seed_given
@@ -90,47 +105,49 @@ class RelatedGenerations:
 
     async def prompt_vector(self, base: Base) -> np.ndarray:
         """``base``'s prompt embedding, on the engine thread (one text-encoder call)."""
-        future = self.pipe.engine.call(self.pipe.prompt_embeddings, [base.prompt], base.clip_skip, self.cfg.serve.related.embedding)
-        return (await asyncio.wrap_future(future))[0]
+        return (await asyncio.wrap_future(self.embed(base)))[0]
 
-    async def related_plan(self, base: Base, vector: np.ndarray) -> Optional[RelatedPlan]:
+    async def lookup(self, base: Base, related: Optional[bool], seed_given: bool
+                     ) -> tuple[Optional[np.ndarray], Optional[RelatedPlan]]:  # fmt: skip
+        """The prompt's embedding where related generations are in play (to look up, and to
+        index the result), and the related base the request is served from (None: a miss, or
+        not asked)."""
+        wanted = self.wanted(related, seed_given)
+        if not (wanted or self.indexing()):
+            return None, None
+        vector = await self.prompt_vector(base)
+        return vector, (await self.plan(base, vector) if wanted else None)
+
+    async def plan(self, base: Base, vector: np.ndarray) -> Optional[RelatedPlan]:
         """The stored base ``base`` is served from, pinned; None: a miss (counted)."""
-        loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(self.store_pool, self.related_index.nearest, base, vector, self.store.__contains__)
+        loop, store = asyncio.get_running_loop(), self.bases.store
+        found = await loop.run_in_executor(self.bases.pool, self.index.nearest, base, vector, store.__contains__)
         thresholds = self.cfg.serve.related.thresholds
         k = None if found is None else entry_step(found[1], thresholds, base.steps, found[2])
         if k is None:
             self.metrics.inc("edit_rt_related_misses_total")
             return None
         bid, similarity, _ = found
-        pin = loop.run_in_executor(self.store_pool, self.store.pin, bid)
+        pin = loop.run_in_executor(self.bases.pool, store.pin, bid)
         try:
             state = await asyncio.shield(pin)
         except asyncio.CancelledError:  # the client left while the pool pinned: the pin goes when it lands
-            pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.store.unpin(bid))
+            pin.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or store.unpin(bid))
             raise
         except Exception as err:  # evicted or damaged meanwhile: generated from scratch
             log.info("related base %s not served (%s)", bid, err)
-            self.related_index.remove(bid)
+            self.index.remove(bid)
             self.metrics.inc("edit_rt_related_misses_total")
             return None
-        if not self.servable(state.base, base):
+        if not servable(state.base, base):
             # the entry named a base of another key (planted, or damaged), or an upload's: a miss
             log.warning("related entry %s not served: its stored base is not of the request's group", bid)
-            self.store.unpin(bid)
-            self.related_index.remove(bid)
+            store.unpin(bid)
+            self.index.remove(bid)
             self.metrics.inc("edit_rt_related_misses_total")
             return None
         self.metrics.inc("edit_rt_related_hits_total")
         return RelatedPlan(bid, state, k, min(1.0, max(-1.0, similarity)))
-
-    @staticmethod
-    def servable(stored: Base, request: Base) -> bool:
-        """Whether the stored base ``stored`` may serve ``request`` related: the same group (step
-        count, size, sampler, guidance, adapters, ... checked on the base itself, not on what the
-        index entry says) and not an upload (a base inverted from a client's image is never
-        served to another prompt)."""
-        return stored.image is None and group(stored) == group(request)
 
     def shares_bases(self) -> bool:
         """Whether a reply may name the stored base a related generation came from (serve.related.share_bases)."""
@@ -150,27 +167,36 @@ class RelatedGenerations:
             base = {**base, "related": "@" + str(base["related"]).rsplit("@", 1)[-1]}
         return base
 
-    def related_base(self, base: Base, plan: RelatedPlan) -> Base:
-        """The base a related result is stored as: the request's prompt on the related base's
-        noise (its seed), marked with where it came from (so its key is not the exact one's)."""
-        return dataclasses.replace(base, seed=plan.state.base.seed, related=f"{plan.bid}@{plan.step}")
-
-    def related_done(self, plan: Optional[RelatedPlan], ok: bool) -> None:
+    def done(self, plan: Optional[RelatedPlan], ok: bool) -> None:
         """The row of ``plan`` finished (``ok``: it ran to the end): its base unpinned, the
         steps it saved counted."""
         if plan is None:
             return
-        self.store.unpin(plan.bid)
+        self.bases.store.unpin(plan.bid)
         if ok:
             self.metrics.inc("edit_rt_related_steps_saved_total", plan.step)
-            self.store.credit(plan.bid, plan.step)  # what store.eviction "lcbfu" keeps
+            self.bases.store.credit(plan.bid, plan.step)  # what store.eviction "lcbfu" keeps
 
-    def index_base(self, bid: str, state: BaseState, vector: Optional[np.ndarray]) -> None:
-        if vector is None or self.related_index is None or state.base.image is not None:
-            return  # an upload's base is never indexed (docs/related.md, "Trust")
-        self.related_index.add(bid, state.base, vector, state.window_start)
-        if self.related_index.folder is None:  # RAM only: the index bounded by the store's bases
-            limit = getattr(self, "_related_prune_at", 64)
-            if len(self.related_index) > limit:
-                self.related_index.prune(self.store.__contains__)
-                self._related_prune_at = max(64, 2 * len(self.related_index))
+    def add(self, bid: str, state: BaseState, vector: Optional[np.ndarray]) -> None:
+        """A new base into the index (never an upload's: docs/related.md, "Trust")."""
+        if vector is None or self.index is None or state.base.image is not None:
+            return
+        self.index.add(bid, state.base, vector, state.window_start)
+        if self.index.folder is None:  # RAM only: the index bounded by the store's bases
+            if len(self.index) > self.prune_at:
+                self.index.prune(self.bases.store.__contains__)
+                self.prune_at = max(64, 2 * len(self.index))
+
+
+def servable(stored: Base, request: Base) -> bool:
+    """Whether the stored base ``stored`` may serve ``request`` related: the same group (step
+    count, size, sampler, guidance, adapters, ... checked on the base itself, not on what the
+    index entry says) and not an upload (a base inverted from a client's image is never served
+    to another prompt)."""
+    return stored.image is None and group(stored) == group(request)
+
+
+def related_base(base: Base, plan: RelatedPlan) -> Base:
+    """The base a related result is stored as: the request's prompt on the related base's noise
+    (its seed), marked with where it came from (so its key is not the exact one's)."""
+    return dataclasses.replace(base, seed=plan.state.base.seed, related=f"{plan.bid}@{plan.step}")

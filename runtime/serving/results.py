@@ -9,8 +9,8 @@ from ..model.edit import Base
 
 # What an operation streams: (kind, data). An edit request's kinds in order: "edit_rt.queue" once,
 # then per row "edit_rt.progress" (and, when asked for, "edit_rt.preview": index, step, of, png)
-# and one "image_edit.completed" (data: index, png, info) or "error" (data: index, error:
-# ApiError), then "edit_rt.done"; a generation's: its previews, then its result. The SSE stream
+# and one "image_edit.completed" (data: index, png, info) or "error" (data: index, error: the
+# row's exception), then "edit_rt.done"; a generation's: its previews, then its result. The SSE stream
 # sends them as they come; the JSON answer collects them.
 Event = tuple[str, dict]
 
@@ -37,7 +37,7 @@ class Edited:
     strength: float
     # The edit's directions as they ran, {prompt, strength} each (none: a plain edit)
     directions: tuple[dict, ...] = ()
-    # The sampler it ran, its base's (service.sampler_label: "euler_a (Euler a)")
+    # The sampler it ran, its base's (fields.sampler_label: "euler_a (Euler a)")
     sampler: Optional[str] = None
     uncond: str = "compute"  # tail.uncond as the row ran it
 

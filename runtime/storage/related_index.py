@@ -3,7 +3,7 @@
 A related generation (runtime/serving/related.py) needs the stored base nearest to a new prompt
 among the bases it could re-enter: the same model (the store's), size, steps, guidance,
 negative prompt, sampler, clip_skip, adapters and size conditioning (its :func:`group`). The
-index keeps one unit vector per base (``PromptEncoding.prompt_embeddings``) and answers by
+index keeps one unit vector per base (``PromptEncoder.prompt_embeddings``) and answers by
 brute-force cosine in numpy: a matrix product over a group's vectors, ~10 us per thousand
 bases of SD's 768-wide embeddings, so no ANN library earns its place below ~10^5 bases
 (docs/related.md).

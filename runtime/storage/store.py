@@ -39,7 +39,7 @@ from ..model.state import KV, BaseState
 from .store_codec import decode, encode, to_bytes
 from .store_disk import DiskTier
 
-__all__ = ["BaseStore", "base_id"]
+__all__ = ["BaseStore", "base_id", "is_base_id"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ def base_id(fingerprint: str, base: Base) -> str:
         del fields["deepcache"]
     key = json.dumps({"fingerprint": fingerprint, **fields}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def is_base_id(bid: str) -> bool:
+    """Whether ``bid`` has the form of a base id (24 hex digits, as :func:`base_id` makes them)."""
+    return len(bid) == 24 and all(c in "0123456789abcdef" for c in bid)
 
 
 def _token_axis(i: int) -> int:

@@ -76,8 +76,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import SamplerError
 from ..model.samplers import a1111_label, a1111_sampler
 from ..model.schema import Guidance, Steps, bounds_of
-from ..serving.http_errors import ApiError
-from ..serving.sampler_fields import sampler_error
+from .http_errors import ApiError
+from ..serving.fields import sampler_refusal
 
 A1111 = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 SEED = {"ge": -1, "le": 2**63 - 1}
@@ -269,7 +269,7 @@ def requested_sampler(body: Common, default: str) -> tuple[Optional[str], str]:
             return a1111_sampler(a1111_label(default)[0], body.scheduler, "scheduler"), "scheduler"
         return a1111_sampler(name or None, body.scheduler, field), field
     except SamplerError as err:
-        raise sampler_error(err) from None
+        raise sampler_refusal(err) from None
 
 
 IGNORED_INDEX = "sampler_name's: A1111 reads sampler_index only without sampler_name"

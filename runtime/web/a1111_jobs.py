@@ -34,11 +34,12 @@ from typing import Any
 from fastapi import APIRouter, Body
 
 from ..model.samplers import a1111_samplers, a1111_schedulers
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 from ..serving.job_control import A1111
 from ..serving.service import Service
-from .a1111_fields import Settings, checked_option
+from .a1111_fields import checked_option
 from .api import b64, errors
+from .dependencies import A1111SettingsDep, ServiceDep
 
 
 def model_names(service: Service) -> tuple[str, ...]:
@@ -56,77 +57,83 @@ def vae_names(service: Service, tiny: bool = False) -> tuple[str, ...]:
     return ("Automatic", "None", f"{service.model_name}/vae") + ((TINY_VAE_NAME,) if tiny else ())
 
 
-def job_routes(service: Service, settings: Settings) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    @router.get("/progress", responses=errors(400, 401), summary="The step loops' progress (A1111's)")
-    async def progress(skip_current_image: bool = False):
-        now = await service.job_status(A1111)  # this door's jobs only, never another door's
-        rows = await service.progress(A1111)  # its rows too: with Ray Serve, the replicas'
-        jobs = now["running"] + now["queued"]
-        fraction = now["done"] / now["total"] if now["total"] else 0.0
-        elapsed = time.monotonic() - now["started"] if now["started"] is not None else 0.0
-        eta = elapsed / fraction - elapsed if fraction > 0 else 0.0
-        step, of = now["current"] or (0, 0)
-        preview = getattr(service, "last_preview", None)
-        stopped = jobs > 0 and now["started"] is not None and service.interrupted_at >= now["started"]
-        return {"progress": round(fraction, 6), "eta_relative": round(eta, 3),
-                "current_image": b64(preview) if preview and jobs and not skip_current_image else None,
-                "textinfo": f"{now['running']} requests running, {now['queued']} queued ({rows['active']} rows "
-                            f"in slots, {rows['queued']} rows queued)" if jobs else None,
-                "current_task": None,
-                "state": {"skipped": stopped and settings.last_stop == "skip",
-                          "interrupted": stopped and settings.last_stop == "interrupt", "stopping_generation": False,
-                          "job": "edit-rt" if jobs else "", "job_count": jobs, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
-                          "job_no": 0, "sampling_step": step, "sampling_steps": of}}  # fmt: skip
 
-    @router.post("/interrupt", responses=errors(401), summary="Stop the requests running now")
-    async def interrupt():
-        settings.last_stop = "interrupt"
-        return {"interrupted": await service.stop_jobs(A1111)}
+@router.get("/progress", responses=errors(400, 401), summary="The step loops' progress (A1111's)")
+async def progress(service: ServiceDep, settings: A1111SettingsDep, skip_current_image: bool = False):
+    now = await service.job_status(A1111)  # this door's jobs only, never another door's
+    rows = await service.progress(A1111)  # its rows too: with Ray Serve, the replicas'
+    jobs = now["running"] + now["queued"]
+    fraction = now["done"] / now["total"] if now["total"] else 0.0
+    elapsed = time.monotonic() - now["started"] if now["started"] is not None else 0.0
+    eta = elapsed / fraction - elapsed if fraction > 0 else 0.0
+    step, of = now["current"] or (0, 0)
+    preview = service.previews.last
+    stopped = jobs > 0 and now["started"] is not None and service.jobs.interrupted_at >= now["started"]
+    return {"progress": round(fraction, 6), "eta_relative": round(eta, 3),
+            "current_image": b64(preview) if preview and jobs and not skip_current_image else None,
+            "textinfo": f"{now['running']} requests running, {now['queued']} queued ({rows['active']} rows "
+                        f"in slots, {rows['queued']} rows queued)" if jobs else None,
+            "current_task": None,
+            "state": {"skipped": stopped and settings.last_stop == "skip",
+                      "interrupted": stopped and settings.last_stop == "interrupt", "stopping_generation": False,
+                      "job": "edit-rt" if jobs else "", "job_count": jobs, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+                      "job_no": 0, "sampling_step": step, "sampling_steps": of}}  # fmt: skip
 
-    @router.post("/skip", responses=errors(401), summary="As interrupt (a request's images run as one batch)")
-    async def skip():
-        settings.last_stop = "skip"
-        return {"skipped": await service.stop_jobs(A1111)}
 
-    @router.get("/samplers", responses=errors(401), summary="The samplers that run")
-    async def samplers():
-        return a1111_samplers()
+@router.post("/interrupt", responses=errors(401), summary="Stop the requests running now")
+async def interrupt(service: ServiceDep, settings: A1111SettingsDep):
+    settings.last_stop = "interrupt"
+    return {"interrupted": await service.stop_jobs(A1111)}
 
-    @router.get("/schedulers", responses=errors(401), summary="The schedulers that run")
-    async def schedulers():
-        return a1111_schedulers()
 
-    @router.get("/options", responses=errors(401), summary="Settings")
-    async def get_options():
-        base = service.cfg.base
-        stop = settings.clip_stop if settings.clip_stop is not None else base.clip_skip + 1
-        return {"sd_model_checkpoint": service.model_name, "sd_checkpoint_hash": service.fingerprint, "sd_vae": "Automatic",
-                "samples_format": "png", "CLIP_stop_at_last_layers": stop, "eta_ddim": 0.0,
-                "edit_rt_default_steps": base.steps, "edit_rt_size": f"{base.width}x{base.height}"}  # fmt: skip
+@router.post("/skip", responses=errors(401), summary="As interrupt (a request's images run as one batch)")
+async def skip(service: ServiceDep, settings: A1111SettingsDep):
+    settings.last_stop = "skip"
+    return {"skipped": await service.stop_jobs(A1111)}
 
-    @router.post("/options", responses=errors(400, 401), summary="Set what this server can set")
-    async def set_options(body: dict[str, Any] = Body(...)):
-        names, vaes = model_names(service), vae_names(service)
-        checked = {key: checked_option(key, value, names, vaes, key) for key, value in body.items()}  # all or nothing
-        if "CLIP_stop_at_last_layers" in checked:
-            stop = checked["CLIP_stop_at_last_layers"]
-            if stop - 1 >= service.family["clip_skips"]:
-                raise ApiError(400, f"CLIP_stop_at_last_layers: at most {service.family['clip_skips']} for this model's "
-                               "text encoder", param="CLIP_stop_at_last_layers", code="out_of_range")  # fmt: skip
-            settings.clip_stop = stop
-        return None
 
-    @router.get("/sd-vae", responses=errors(401), summary="The served model's own VAE")
-    async def sd_vae():
-        return [{"model_name": vae_names(service)[-1], "filename": str(service.cfg.model_dir / "vae")}]
+@router.get("/samplers", responses=errors(401), summary="The samplers that run")
+async def samplers():
+    return a1111_samplers()
 
-    @router.get("/memory", responses=errors(401), summary="This process's memory")
-    async def memory():
-        return memory_report(service.backend)
 
-    return router
+@router.get("/schedulers", responses=errors(401), summary="The schedulers that run")
+async def schedulers():
+    return a1111_schedulers()
+
+
+@router.get("/options", responses=errors(401), summary="Settings")
+async def get_options(service: ServiceDep, settings: A1111SettingsDep):
+    base = service.cfg.base
+    stop = settings.clip_stop if settings.clip_stop is not None else base.clip_skip + 1
+    return {"sd_model_checkpoint": service.model_name, "sd_checkpoint_hash": service.fingerprint, "sd_vae": "Automatic",
+            "samples_format": "png", "CLIP_stop_at_last_layers": stop, "eta_ddim": 0.0,
+            "edit_rt_default_steps": base.steps, "edit_rt_size": f"{base.width}x{base.height}"}  # fmt: skip
+
+
+@router.post("/options", responses=errors(400, 401), summary="Set what this server can set")
+async def set_options(service: ServiceDep, settings: A1111SettingsDep, body: dict[str, Any] = Body(...)):
+    names, vaes = model_names(service), vae_names(service)
+    checked = {key: checked_option(key, value, names, vaes, key) for key, value in body.items()}  # all or nothing
+    if "CLIP_stop_at_last_layers" in checked:
+        stop = checked["CLIP_stop_at_last_layers"]
+        if stop - 1 >= service.fields.family["clip_skips"]:
+            raise ApiError(400, f"CLIP_stop_at_last_layers: at most {service.fields.family['clip_skips']} for this model's "
+                           "text encoder", param="CLIP_stop_at_last_layers", code="out_of_range")  # fmt: skip
+        settings.clip_stop = stop
+    return None
+
+
+@router.get("/sd-vae", responses=errors(401), summary="The served model's own VAE")
+async def sd_vae(service: ServiceDep):
+    return [{"model_name": vae_names(service)[-1], "filename": str(service.cfg.model_dir / "vae")}]
+
+
+@router.get("/memory", responses=errors(401), summary="This process's memory")
+async def memory(service: ServiceDep):
+    return memory_report(service.backend)
 
 
 def memory_report(backend: str) -> dict[str, Any]:

@@ -14,32 +14,27 @@ and A1111's ``GET /sdapi/v1/loras`` and ``POST /sdapi/v1/refresh-loras``.
 - ``GET /loras``: A1111's entries (``name``, ``alias``, ``path``: the LoRA file, ``metadata``:
   that file's safetensors metadata, JSON values decoded as A1111 decodes them) for the adapters
   loaded; ``edit_rt`` adds the converted file, its rank and the graphs it changes.
-- ``POST /refresh-loras``: the config file's ``adapters:`` read again and each converted file
-  (``edit-rt adapters CONFIG`` writes them) loaded on the engine thread, so a LoRA added to the
-  config and converted after the server started is served without a restart; one no longer
-  configured is forgotten (rows running on it finish). All or nothing: a file missing, stale or
-  unreadable is a 400 naming it, and the adapters stay as they were. Answers null, as A1111's.
+- ``POST /refresh-loras``: the config file's ``adapters:`` read again and loaded by the service
+  (serving/adapter_reload.py); a file missing, stale or unreadable is a 400 naming it, and the
+  adapters stay as they were. Answers null, as A1111's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import APIRouter
 
-from ..config.load import load_config
-from ..engine.manifest import sha256_file
-from ..errors import ArtifactError, EditRtError, PromptSyntaxError
-from ..model.adapters import lora_source, normalize
+from ..errors import EditRtError, PromptSyntaxError
+from ..model.adapters import normalize
 from ..model.lora_tags import PromptLoras, Scale, lora_tags
-from ..pipeline.assemble import adapter_files
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 from ..serving.service import Service
 from .api import errors
+from .dependencies import ServiceDep
 
 
 def prompt_loras(prompt: str, param: str = "prompt") -> PromptLoras:
@@ -107,19 +102,18 @@ def adapters_info(loras: PromptLoras) -> dict[str, list[float]]:
 # --- the listing and the refresh -----------------------------------------------------------------------
 
 
-def lora_routes(service: Service) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    @router.get("/loras", responses=errors(401), summary="The LoRA adapters loaded (A1111's shape)")
-    async def loras():
-        return await asyncio.to_thread(listing, service)
 
-    @router.post("/refresh-loras", responses=errors(400, 401), summary="Read the config's adapters: again")
-    async def refresh_loras():
-        await refresh(service)
-        return None
+@router.get("/loras", responses=errors(401), summary="The LoRA adapters loaded (A1111's shape)")
+async def loras(service: ServiceDep):
+    return await asyncio.to_thread(listing, service)
 
-    return router
+
+@router.post("/refresh-loras", responses=errors(400, 401), summary="Read the config's adapters: again")
+async def refresh_loras(service: ServiceDep):
+    await refresh(service)
+    return None
 
 
 def listing(service: Service) -> list[dict[str, Any]]:
@@ -174,58 +168,9 @@ def lora_metadata(path: Path) -> dict[str, Any]:
 
 
 async def refresh(service: Service) -> None:
-    """The config's ``adapters:`` read again and loaded (module docstring); 400 naming what
-    cannot be, nothing changed then."""
-    cfg, pipe = service.cfg, service.pipe
-    if pipe is None:
-        raise ApiError(400, "refresh-loras: on Ray Serve each replica loads the config's adapters when it starts; "
-                       "redeploy to load new ones", code="unsupported")  # fmt: skip
+    """The config's ``adapters:`` read again and loaded (serving/adapter_reload.py); 400 naming
+    what cannot be, nothing changed then."""
     try:
-        fresh = await asyncio.to_thread(load_config, cfg.source) if cfg.source is not None else cfg
-        now = dataclasses.replace(cfg, adapters=fresh.adapters)
-        files = adapter_files(now)
-        if files and pipe.adapter_bank is None:
-            raise EditRtError(f"adapters: {', '.join(files)} configured, but this server's export has no adapter "
-                              "slots; set export.adapter_slots (e.g. 4), re-run `make export` and restart")  # fmt: skip
-        await asyncio.to_thread(_sources_unchanged, now, files)
-        await asyncio.wrap_future(pipe.engine.call(_reload, pipe, files))
+        await service.reload_adapters()
     except EditRtError as err:
-        raise ApiError(400, f"refresh-loras: {err}", code="adapter_unavailable") from None
-    service.cfg = now
-
-
-def _sources_unchanged(cfg, files: dict[str, Path]) -> None:
-    """Each converted file made from its LoRA as it is now (as assemble.pipeline_of checks at start)."""
-    from safetensors import safe_open
-
-    for name, path in files.items():
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                converted_from = (f.metadata() or {}).get("source_sha256")
-        except Exception:  # a damaged file: load_adapter names it
-            continue
-        if converted_from != sha256_file(lora_source(cfg.adapters[name])):
-            raise ArtifactError(f"adapters.{name}: {cfg.adapters[name]} changed since it was converted; run "
-                                f"`edit-rt adapters {cfg.source or 'CONFIG'}`")  # fmt: skip
-
-
-def _reload(pipe, files: dict[str, Path]) -> None:
-    """On the engine thread (rows are placed there: none sees half a refresh): every file
-    loaded, or none. An adapter whose file is the one already loaded keeps its object (and so
-    its resident slot)."""
-    bank = pipe.adapter_bank
-    if bank is None:
-        return
-    before = dict(bank.adapters)
-    try:
-        for name, path in files.items():
-            old = before.get(name)
-            new = pipe.load_adapter(name, path)
-            if old is not None and (old.path, old.source_sha256, old.rank) == (new.path, new.source_sha256, new.rank):
-                bank.adapters[name] = old
-        for name in set(bank.adapters) - set(files):
-            del bank.adapters[name]
-    except Exception:
-        bank.adapters.clear()
-        bank.adapters.update(before)
-        raise
+        raise ApiError(400, f"refresh-loras: {err}", code=err.code) from None

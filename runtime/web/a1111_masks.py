@@ -18,7 +18,7 @@ the 8-bit rounding differs), so no per-pixel work is done at an upload's own siz
 
 The result, [H, W] float32 in [0, 1], is the edit's ``pixel_mask``: where it is 0 (past the blur
 band) the reply's pixels are the init image's own. Blocking work: the server decodes it in its
-image pool, within the upload limits and ``serve.image_timeout_s`` (serving/inversion.py).
+image pool, within the upload limits and ``serve.image_timeout_s`` (serving/image_work.py).
 """
 
 from __future__ import annotations

@@ -104,20 +104,6 @@ def not_served_body(u: Unserved) -> dict[str, str]:
     return {"error": "HTTPException", "detail": detail, "body": "", "errors": f"501: {detail}"}
 
 
-def unserved_routes() -> APIRouter:
-    """The table's routes (included under A1111's router: its prefix, door and guards)."""
-    router = APIRouter()
-    for u in UNSERVED:
-        served = u.answer is not NOT_SERVED
-        responses = errors(401) if served else {**errors(401), 501: {"model": A1111Error, "description": "not served by edit-rt"}}
-        if not served:
-            summary = "Not served by edit-rt"
-        else:
-            summary = "What exists here: none" if isinstance(u.answer, (list, dict)) else "Nothing to do here"
-        router.add_api_route(u.path, answering(u), methods=[u.method], responses=responses, summary=summary, description=u.reason)
-    return router
-
-
 def answering(u: Unserved):
     """The route of ``u``: its answer, or its 501."""
 
@@ -127,3 +113,21 @@ def answering(u: Unserved):
         return u.answer
 
     return route
+
+
+def router_of(table: tuple[Unserved, ...]) -> APIRouter:
+    """A route for each of ``table``'s entries, its summary and responses as it answers."""
+    out = APIRouter()
+    for u in table:
+        served = u.answer is not NOT_SERVED
+        responses = errors(401) if served else {**errors(401), 501: {"model": A1111Error, "description": "not served by edit-rt"}}
+        if not served:
+            summary = "Not served by edit-rt"
+        else:
+            summary = "What exists here: none" if isinstance(u.answer, (list, dict)) else "Nothing to do here"
+        out.add_api_route(u.path, answering(u), methods=[u.method], responses=responses, summary=summary, description=u.reason)
+    return out
+
+
+# the table's routes (included under A1111's router: its prefix, door and guards)
+router = router_of(UNSERVED)

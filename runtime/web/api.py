@@ -21,7 +21,7 @@ from ..model.edit import Edit
 from ..model.samplers import SAMPLER_NAMES
 from ..model.schema import Adapters, ClipSkip, Guidance, Int, SizeCond, Steps, between
 from ..pipeline.uploads import decode_base64
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 BASE64 = {"format": "byte", "contentEncoding": "base64"}  # how OpenAPI says "an image as base64 text"

@@ -14,9 +14,10 @@ anything they would ask all the same.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
@@ -45,33 +46,40 @@ def assets_dir() -> Path:
     return Path(fastapi_offline.__file__).parent / "static"
 
 
-def docs_routes(title: str, openapi_url: str = "/openapi.json") -> APIRouter:
-    """The two pages and their assets, none in the OpenAPI document."""
-    router = APIRouter(include_in_schema=False)
-    folder = assets_dir()
-    redoc_js = (folder / "redoc.standalone.js").read_bytes().replace(REDOC_LOGO, b'src:""')
+# the two pages and their assets, none in the OpenAPI document
+router = APIRouter(include_in_schema=False)
 
-    @router.get("/docs", response_class=HTMLResponse)
-    async def swagger_ui():
-        return _own_only(get_swagger_ui_html(openapi_url=openapi_url, title=f"{title} - Swagger UI",
-                                   swagger_js_url=f"{PREFIX}/swagger-ui-bundle.js", swagger_css_url=f"{PREFIX}/swagger-ui.css",
-                                   swagger_favicon_url=f"{PREFIX}/favicon.png",
-                                   swagger_ui_parameters={"validatorUrl": None}))  # fmt: skip
 
-    @router.get("/redoc", response_class=HTMLResponse)
-    async def redoc():
-        return _own_only(get_redoc_html(openapi_url=openapi_url, title=f"{title} - ReDoc", redoc_js_url=f"{PREFIX}/redoc.standalone.js",
-                              redoc_favicon_url=f"{PREFIX}/favicon.png", with_google_fonts=False))  # fmt: skip
+@functools.cache
+def redoc_script() -> bytes:
+    """ReDoc's script without its footer logo's address (read once: 1 MB)."""
+    return (assets_dir() / "redoc.standalone.js").read_bytes().replace(REDOC_LOGO, b'src:""')
 
-    @router.get(PREFIX + "/{name}")
-    async def asset(name: str):
-        if name not in ASSETS:
-            raise HTTPException(404, f"not one of the docs' assets ({', '.join(ASSETS)})")
-        if name == "redoc.standalone.js":
-            return Response(redoc_js, media_type=ASSETS[name], headers=CACHED)
-        return FileResponse(folder / name, media_type=ASSETS[name], headers=CACHED)
 
-    return router
+@router.get("/docs", response_class=HTMLResponse)
+async def swagger_ui(request: Request):
+    app = request.app
+    return _own_only(get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                               swagger_js_url=f"{PREFIX}/swagger-ui-bundle.js", swagger_css_url=f"{PREFIX}/swagger-ui.css",
+                               swagger_favicon_url=f"{PREFIX}/favicon.png",
+                               swagger_ui_parameters={"validatorUrl": None}))  # fmt: skip
+
+
+@router.get("/redoc", response_class=HTMLResponse)
+async def redoc(request: Request):
+    app = request.app
+    return _own_only(get_redoc_html(openapi_url=app.openapi_url, title=f"{app.title} - ReDoc",
+                                    redoc_js_url=f"{PREFIX}/redoc.standalone.js", redoc_favicon_url=f"{PREFIX}/favicon.png",
+                                    with_google_fonts=False))  # fmt: skip
+
+
+@router.get(PREFIX + "/{name}")
+async def asset(name: str):
+    if name not in ASSETS:
+        raise HTTPException(404, f"not one of the docs' assets ({', '.join(ASSETS)})")
+    if name == "redoc.standalone.js":
+        return Response(redoc_script(), media_type=ASSETS[name], headers=CACHED)
+    return FileResponse(assets_dir() / name, media_type=ASSETS[name], headers=CACHED)
 
 
 def _own_only(page: HTMLResponse) -> HTMLResponse:

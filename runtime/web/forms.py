@@ -24,9 +24,9 @@ from starlette.requests import Request as HttpRequest
 
 from ..model.edit import Edit
 from ..model.schema import Guidance, Int, PreserveMode, Seed, Steps, Strength, between
-from ..serving.decoder_choice import choose_decoder
-from ..serving.http_errors import ApiError, echo, validation_error
-from ..serving.sampler_fields import sampler_label
+from ..errors import echo
+from .http_errors import ApiError, validation_error
+from ..serving.fields import sampler_label
 from ..serving.service import Service
 from .api import DECODER, OpenAiOptions, b64
 from .openai_fields import Delivery, delivery_of
@@ -149,7 +149,7 @@ def seeds_of(n: int, seed: Optional[int], always: bool = False) -> list[Optional
 async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     """OpenAI's ``images.edit`` form (see the module's docstring)."""
     files, fields = await read_form(http, EditForm, EDIT_FILES)
-    choose_decoder(service, fields.decoder)  # before the upload is inverted: it is encoded by the same pair
+    service.choose_decoder(fields.decoder)  # before the upload is inverted: it is encoded by the same pair
     images, masks = files.get("image", []), files.get("mask", [])
     if not images:
         raise ApiError(400, "image: required (a file field named image, as OpenAI's images.edit sends it)",
@@ -175,7 +175,7 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
                       guidance=fields.cfg_scale, preserve=fields.preserve) for s in seeds]  # fmt: skip
     except ValidationError as err:
         raise validation_error(err.errors(), Edit) from None
-    service.check_edit_count(fields.n * len(images))
+    service.fields.check_edit_count(fields.n * len(images))
     raw = [await f.read() for f in images]
     # an edit-rt PNG re-enters its own stored base, any other image is inverted (openai_uploads.py)
     found = await found_bases(service, raw, ["image" if len(raw) == 1 else f"image[{k}]" for k in range(len(raw))],
@@ -193,7 +193,7 @@ async def edit_upload(service: Service, http: HttpRequest, encode: Encode):
     backdrop = {"backdrops": [found[0].upload.pixels] * len(specs)} if found[0].reused else {}
     masked = lambda k: {} if k or pixel_mask is None else {"pixel_masks": [pixel_mask] * len(specs), "mask_param": "mask",  # noqa: E731
                                                            **backdrop}  # fmt: skip
-    ran = {"model": service.model_name, "sampler": sampler_label(first["sampler"] or service.default_sampler), "steps": steps,
+    ran = {"model": service.model_name, "sampler": sampler_label(first["sampler"] or service.fields.default_sampler), "steps": steps,
            "seeds": seeds * len(bids), "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
     extra = lambda index: {"seed": seeds[index % len(seeds)]}  # noqa: E731
     if delivery.stream:
@@ -231,7 +231,7 @@ async def edit_stream(service: Service, bids: list[str], specs: list[Edit], mask
 async def mask_of(service: Service, data: bytes, image: bytes) -> np.ndarray:
     """OpenAI's mask as the edit's pixel mask, decoded in the image pool (openai_mask.py)."""
     cfg = service.cfg
-    return await service.in_image_pool("mask", mask_from_bytes, data, image, (cfg.base.width, cfg.base.height),
+    return await service.images.run("mask", mask_from_bytes, data, image, (cfg.base.width, cfg.base.height),
                                        cfg.serve.max_image_bytes, cfg.serve.max_image_pixels)  # fmt: skip
 
 
@@ -241,7 +241,7 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
     each an edit with the base's own prompt over ``tail_steps`` (the config's default tail by
     default)."""
     files, fields = await read_form(http, VariationForm, VARIATION_FILES)
-    choose_decoder(service, fields.decoder)
+    service.choose_decoder(fields.decoder)
     images = files.get("image", [])
     if len(images) != 1:
         raise ApiError(400, "image: one file field named image (create_variation takes one image)", param="image",
@@ -259,7 +259,7 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
                       tail_steps=fields.tail_steps, seed=s, guidance=fields.cfg_scale) for s in seeds]  # fmt: skip
     except ValidationError as err:
         raise validation_error(err.errors(), Edit) from None
-    service.check_edit_count(fields.n)
+    service.fields.check_edit_count(fields.n)
     (found,) = await found_bases(service, [await images[0].read()], ["image"], fields.sampler)
     delivery.accepted.update(await inverted(service, [found], fields.source_prompt, fields.negative_prompt, fields.steps,
                                             fields.cfg_scale))  # fmt: skip
@@ -267,7 +267,7 @@ async def variation_upload(service: Service, http: HttpRequest, encode: Encode):
         specs = [replace(spec, prompt=VARIATION_PROMPT, strength=0.0) for spec in specs]
         steps, size = found.base["steps"], f"{found.base['width']}x{found.base['height']}"
     done = await service.edit_base(found.id, specs, http)
-    ran = {"model": service.model_name, "sampler": sampler_label(found.base["sampler"] or service.default_sampler),
+    ran = {"model": service.model_name, "sampler": sampler_label(found.base["sampler"] or service.fields.default_sampler),
            "steps": steps, "seeds": seeds, "output_compression": delivery.output_compression, "accepted": delivery.accepted}  # fmt: skip
     return {"created": int(time.time()), "base_id": found.id, "base_ids": [found.id], "base_reused": [found.reused],
             **delivery.reply_fields(size), "info": ran,

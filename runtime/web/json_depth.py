@@ -16,7 +16,7 @@ import numpy as np
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 from .request_checks import SAFE_METHODS, media_type
 
 # The deepest body a route takes is ~5 levels (A1111's alwayson_scripts: {name: {args: [{...}]}},

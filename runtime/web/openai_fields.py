@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from PIL import Image
 
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 
 # OpenAI's own image model names: a client that sends one means "the served model".
 OPENAI_MODELS = frozenset({"dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "gpt-image-2",

@@ -38,11 +38,11 @@ async def found_bases(service: Service, images: list[bytes], params: list[str], 
         if named is None:
             ran, why = IMAGE_SAMPLER, "an uploaded image is inverted with DDIM"
         else:
-            ran = named["base"].get("sampler") or service.default_sampler
+            ran = named["base"].get("sampler") or service.fields.default_sampler
             why = f"this image's base ({named['id']}) ran {ran}: an edit re-enters its chain"
         if sampler is not None:
-            service.same_sampler(sampler, ran, why)
-        upload = await service.upload(data, param)
+            service.fields.same_sampler(sampler, ran, why)
+        upload = await service.images.upload(data, param)
         out.append(UploadBase(upload) if named is None else UploadBase(upload, named["id"], named["base"], True))
     return out
 

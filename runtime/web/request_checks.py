@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
-from ..serving.http_errors import ApiError
+from .http_errors import ApiError
 from .a1111_unserved import BODYLESS as UNSERVED_POSTS
 from .route_table import Routed
 

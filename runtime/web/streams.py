@@ -28,7 +28,8 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request as HttpRequest
 
-from ..serving.http_errors import ApiError
+from ..errors import EditRtError
+from .http_errors import ApiError, api_error
 from ..serving.results import Event
 from .api import b64
 from .openai_fields import Delivery
@@ -143,7 +144,7 @@ class Renderer:
     async def render(self, kind: str, data: dict) -> Optional[str]:
         """One event as SSE text, or None for an event this stream does not send."""
         if kind == "error":
-            return sse("error", {"index": data["index"], **data["error"].body()})
+            return sse("error", {"index": data["index"], **api_error(data["error"]).body()})
         if kind == "edit_rt.preview":
             index = data["index"]
             count = self.partials.get(index, 0)
@@ -177,7 +178,7 @@ class Renderer:
                 text = await self.render(kind, data)
                 if text is not None:
                     yield text
-        except ApiError as err:  # after the 200: the rest of the request fails as one event
-            yield sse("error", err.body())
+        except (ApiError, EditRtError) as err:  # after the 200: the rest of the request fails as one event
+            yield sse("error", api_error(err).body())
         finally:
             await events.aclose()  # a client that left: its rows go at the next step
