@@ -182,5 +182,9 @@ class Serve:
     # connection, and a body must not stall for body_timeout_s.
     header_timeout_s: Seconds = 10.0
     body_timeout_s: Seconds = 30.0
+    # ComfyUI's API (web/api_comfyui.py: /prompt, /queue, /history, /view, /ws, ...) beside the
+    # other doors. Off by default: its paths are ComfyUI's bare ones (/prompt, /view), which
+    # nothing else here claims, and a server that does not speak ComfyUI should answer 404 there.
+    comfyui: Bool = False
     ray: RayServe = field(default_factory=RayServe)
     related: Related = field(default_factory=Related)

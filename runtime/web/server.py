@@ -35,7 +35,7 @@ from ..errors import EditRtError
 from ..metrics import CONTENT_TYPE
 from .http_errors import ApiError, api_error, validation_error
 from ..serving.service import Service
-from . import api_a1111, api_openai, docs
+from . import api_a1111, api_comfyui, api_openai, docs
 from .a1111_fields import Settings
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .exposure import refuse_an_open_port
@@ -156,6 +156,9 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     docs.redoc_script()  # read now, off any request; fastapi-offline missing: one line here, not a 500 on /docs
     for door in (router, docs.router, api_openai.router, api_a1111.router):
         app.include_router(door)
+    if cfg.serve.comfyui:  # ComfyUI's bare paths (/prompt, /view) only when asked for
+        app.state.comfyui = api_comfyui.Door(cfg, app.state.service)
+        app.include_router(api_comfyui.router)
     app.openapi = lambda: openapi_schema(app)
     app.state.routes = RouteTable(app.routes)  # every route is in by now, FastAPI's own /openapi.json too
     return app

@@ -1,0 +1,260 @@
+"""The ComfyUI door (issue 53): API-format workflows queued at ComfyUI's paths run on the engines
+and equal the same request through the OpenAI door (the same base id, the same pixels); a
+workflow that cannot run is 400 in ComfyUI's ``node_errors`` shape with nothing run; ComfyUI's
+own websocket client pattern (websocket-client + urllib, script_examples/websockets_api_example.py)
+works against a real server. The references are the OpenAI door, ComfyUI's documented shapes,
+Pillow reading the PNGs and the service's own row counters."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import urllib.parse
+import urllib.request
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from .server_process import ServerProcess
+
+STEPS = 4
+SERVE = {"model": None, "build_dir": None, "store": {"ram_mb": 32},
+         "base": {"prompt": "x", "steps": STEPS, "guidance": 7.5, "width": 32, "height": 32}}  # fmt: skip
+
+
+def txt2img(seed: int = 3, sampler: str = "euler", scheduler: str = "normal", text: str = "a red circle") -> dict:
+    """ComfyUI's default workflow (its frontend's, in API format) at the served size."""
+    return {
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "MODEL"}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 32, "height": 32, "batch_size": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["4", 1]}},
+        "3": {"class_type": "KSampler", "inputs": {"seed": seed, "steps": STEPS, "cfg": 7.5, "sampler_name": sampler,
+                                                   "scheduler": scheduler, "denoise": 1.0, "model": ["4", 0],
+                                                   "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
+        "9": {"class_type": "SaveImage", "inputs": {"filename_prefix": "ComfyUI", "images": ["8", 0]}},
+    }  # fmt: skip
+
+
+def img2img(image: str, denoise: float, seed: int, text: str) -> dict:
+    flow = txt2img(seed, "ddim", "ddim_uniform", text)
+    flow["10"] = {"class_type": "LoadImage", "inputs": {"image": image}}
+    flow["11"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["10", 0], "vae": ["4", 2]}}
+    flow["3"]["inputs"].update(latent_image=["11", 0], denoise=denoise)
+    del flow["5"]
+    return flow
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, onnx_dir):
+    from edit_rt.runtime.config.load import config_from_dict
+    from edit_rt.runtime.serving.service import Service
+    from edit_rt.runtime.web.server import create_app
+
+    cfg = config_from_dict({**SERVE, "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent),
+                            "serve": {"comfyui": True}})  # fmt: skip
+    service = Service(cfg)
+    service.load()
+    assert service.ready.is_set(), service.load_error
+    yield service, create_app(cfg, service)
+    service.shutdown()
+
+
+def _flow(service, flow: dict) -> dict:
+    flow = json.loads(json.dumps(flow))
+    flow["4"]["inputs"]["ckpt_name"] = service.model_name
+    return flow
+
+
+async def _queued(c: httpx.AsyncClient, flow: dict, extra: dict | None = None) -> dict:
+    """``flow`` queued and waited for, as ComfyUI's clients poll: its history entry."""
+    r = await c.post("/prompt", json={"prompt": flow, "client_id": "t", **(extra or {})})
+    assert r.status_code == 200, r.text
+    pid = r.json()["prompt_id"]
+    assert set(r.json()) == {"prompt_id", "number", "node_errors"}
+    for _ in range(1200):
+        entry = (await c.get(f"/history/{pid}")).json()
+        if entry:
+            return entry[pid]
+        await asyncio.sleep(0.05)
+    raise AssertionError("the prompt never finished")
+
+
+def _run(app, work):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8188",
+                                     timeout=120) as c:  # fmt: skip
+            return await work(c)
+
+    return asyncio.run(go())
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def _base_id(png: bytes) -> str:
+    text = Image.open(io.BytesIO(png)).text["parameters"]
+    return text.split("Base id: ", 1)[1].split(",", 1)[0].strip()
+
+
+def _generated(service) -> float:
+    return service.metrics.registry.get_sample_value("edit_rt_bases_generated_total") or 0.0
+
+
+def test_txt2img_and_img2img_workflows_equal_the_openai_door(served):
+    service, app = served
+
+    async def work(c):
+        entry = await _queued(c, _flow(service, txt2img(seed=3)), {"extra_data": {"extra_pnginfo": {"workflow": {"w": 1}}}})
+        assert entry["status"]["status_str"] == "success"
+        [image] = entry["outputs"]["9"]["images"]
+        assert image["type"] == "output" and image["filename"].startswith("ComfyUI_")
+        comfy = (await c.get("/view", params=image)).content
+        openai = (await c.post("/v1/images/generations", json={"prompt": "a red circle", "negative_prompt": "blurry",
+                                                               "seed": 3, "steps": STEPS, "cfg_scale": 7.5,
+                                                               "sampler": "euler", "size": "32x32"})).json()  # fmt: skip
+        reference = base64.b64decode(openai["data"][0]["b64_json"])
+        # img2img: the txt2img PNG uploaded (it names its base) and edited at denoise 0.5 -- by DDIM,
+        # so a base of its own: a ddim one generated through the OpenAI door first
+        ddim = (await c.post("/v1/images/generations", json={"prompt": "a red circle", "negative_prompt": "blurry",
+                                                             "seed": 4, "steps": STEPS, "cfg_scale": 7.5,
+                                                             "sampler": "ddim", "size": "32x32"})).json()  # fmt: skip
+        ddim_png = base64.b64decode(ddim["data"][0]["b64_json"])
+        up = await c.post("/upload/image", files={"image": ("mine.png", ddim_png, "image/png")})
+        assert up.status_code == 200 and up.json() == {"name": "mine.png", "subfolder": "", "type": "input"}
+        edit_entry = await _queued(c, _flow(service, img2img("mine.png", 0.5, 9, "a blue square")))
+        assert edit_entry["status"]["status_str"] == "success", edit_entry["status"]
+        edited = (await c.get("/view", params=edit_entry["outputs"]["9"]["images"][0])).content
+        edit_ref = (await c.post("/v1/images/edits", json={"base_id": ddim["id"], "edits": [
+            {"prompt": "a blue square", "strength": 1.0, "tail_fraction": 0.5, "seed": 9, "cfg_scale": 7.5}]})).json()
+        return comfy, reference, openai["id"], edited, base64.b64decode(edit_ref["data"][0]["b64_json"]), ddim["id"]
+
+    comfy, reference, bid, edited, edit_ref, ddim_id = _run(app, work)
+    assert _base_id(comfy) == bid
+    assert np.array_equal(_pixels(comfy), _pixels(reference))  # 0 grey levels
+    text = Image.open(io.BytesIO(comfy)).text  # ComfyUI's SaveImage chunks, as JSON
+    assert json.loads(text["prompt"])["3"]["class_type"] == "KSampler" and json.loads(text["workflow"]) == {"w": 1}
+    assert _base_id(edited) == ddim_id == _base_id(edit_ref)
+    assert np.array_equal(_pixels(edited), _pixels(edit_ref))
+
+
+def _cycle(flow):
+    flow["8"]["inputs"]["samples"] = ["3", 0]
+    flow["3"]["inputs"]["latent_image"] = ["12", 0]
+    flow["12"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["8", 0], "vae": ["4", 2]}}
+    return flow
+
+
+BAD = {
+    # what is broken -> (the node named, the input named or None, ComfyUI's error type)
+    "cycle": (_cycle, "12", None, "dependency_cycle"),
+    "missing input": (lambda f: f["3"]["inputs"].pop("steps") and f, "3", "steps", "required_input_missing"),
+    "unknown node": (lambda f: {**f, "20": {"class_type": "NotANode", "inputs": {}}}, "20", None, "invalid_prompt"),
+    "link to nothing": (lambda f: f["3"]["inputs"].update(positive=["99", 0]) or f, "3", "positive", "bad_linked_input"),
+    "out of range": (lambda f: f["3"]["inputs"].update(steps=100000) or f, "3", "steps", "value_bigger_than_max"),
+    "sampler pair": (lambda f: f["3"]["inputs"].update(scheduler="exponential") or f, "3", "sampler_name",
+                     "unsupported_sampler"),
+    "other checkpoint": (lambda f: f["4"]["inputs"].update(ckpt_name="sd_xl_base.safetensors") or f, "4", "ckpt_name",
+                         "value_not_in_list"),
+    "LatentUpscale": (lambda f: {**f, "13": {"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0]}},
+                                 "8": {**f["8"], "inputs": {**f["8"]["inputs"], "samples": ["13", 0]}}},
+                      "13", None, "unsupported_node"),
+}  # fmt: skip
+
+
+def test_a_workflow_that_cannot_run_is_400_with_node_errors_and_runs_nothing(served):
+    service, app = served
+
+    async def work(c):
+        before, answers = _generated(service), {}
+        for name, (broken, *_rest) in BAD.items():
+            answers[name] = await c.post("/prompt", json={"prompt": broken(_flow(service, txt2img()))})
+        huge = {str(i): {"class_type": "CLIPTextEncode", "inputs": {"text": "x", "clip": ["0", 1]}} for i in range(10_000)}
+        answers["10,000 nodes"] = await c.post("/prompt", json={"prompt": huge})
+        queue = (await c.get("/queue")).json()
+        return before, answers, queue
+
+    before, answers, queue = _run(app, work)
+    for name, (_, node, field, kind) in BAD.items():
+        r = answers[name]
+        assert r.status_code == 400, (name, r.text)
+        body = r.json()
+        assert set(body) == {"error", "node_errors"}, name
+        errors = body["node_errors"][node]["errors"]
+        assert kind in [e["type"] for e in errors], (name, errors)
+        if field is not None:
+            assert field in [e["extra_info"].get("input_name") for e in errors], (name, errors)
+    assert "pairs that run" in answers["sampler pair"].text and "euler+normal" in answers["sampler pair"].text
+    assert answers["10,000 nodes"].status_code == 400 and "10000 nodes" in answers["10,000 nodes"].json()["error"]["message"]
+    assert _generated(service) == before and queue == {"queue_running": [], "queue_pending": []}
+
+
+def test_history_view_and_object_info_answer_as_comfyui(served):
+    service, app = served
+
+    async def work(c):
+        return [await c.get(p) for p in ("/history/no-such-id", "/view?filename=../../etc/passwd&type=output",
+                                         "/view?filename=passwd&subfolder=../../etc", "/object_info",
+                                         "/api/object_info/KSampler", "/api/prompt", "/models/checkpoints",
+                                         "/system_stats", "/embeddings")]  # fmt: skip
+
+    unknown, escape, escape2, info, ksampler, prompt, ckpts, stats, emb = _run(app, work)
+    assert unknown.json() == {} and unknown.headers["x-edit-rt-prompt"] == "unknown"
+    assert escape.status_code == escape2.status_code == 404
+    nodes = info.json()
+    assert {"KSampler", "KSamplerAdvanced", "CLIPTextEncode", "SaveImage", "LoraLoader"} <= set(nodes)
+    assert nodes["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"] == [[service.model_name]]
+    assert ksampler.json()["KSampler"]["output"] == ["LATENT"]
+    assert prompt.json() == {"exec_info": {"queue_remaining": 0}}
+    assert ckpts.json() == [service.model_name] and "devices" in stats.json() and emb.json() == []
+
+
+def test_comfyuis_websocket_client_example_against_a_real_server(tmp_path, model_dir, onnx_dir):
+    """script_examples/websockets_api_example.py's pattern: queue, watch the websocket until
+    ``executing`` with node null for this prompt, read /history, fetch each image from /view."""
+    import websocket  # websocket-client
+
+    server = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"comfyui": True, "token": "sesame"},
+                           base=SERVE["base"])  # fmt: skip
+    try:
+        address, auth = f"127.0.0.1:{server.port}", {"Authorization": "Bearer sesame"}
+        with pytest.raises(websocket.WebSocketBadStatusException):  # the token rule holds on the websocket too
+            websocket.create_connection(f"ws://{address}/ws?clientId=x", timeout=10)
+        client_id = str(uuid.uuid4())
+        ws = websocket.create_connection(f"ws://{address}/ws?clientId={client_id}", header=auth, timeout=60)
+        name = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/models/checkpoints",
+                                                                        headers=auth)).read())[0]  # fmt: skip
+        flow = txt2img(seed=5)
+        flow["4"]["inputs"]["ckpt_name"] = name
+        data = json.dumps({"prompt": flow, "client_id": client_id}).encode()  # urllib's default Content-Type, as the example
+        pid = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/prompt", data=data,
+                                                                       headers=auth)).read())["prompt_id"]  # fmt: skip
+        seen = []
+        while True:
+            out = ws.recv()
+            if isinstance(out, str):
+                message = json.loads(out)
+                seen.append(message["type"])
+                if message["type"] == "executing" and message["data"]["node"] is None and message["data"]["prompt_id"] == pid:
+                    break
+        ws.close()
+        history = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/history/{pid}",
+                                                                           headers=auth)).read())[pid]  # fmt: skip
+        images = []
+        for node_output in history["outputs"].values():
+            for image in node_output["images"]:
+                query = urllib.parse.urlencode({"filename": image["filename"], "subfolder": image["subfolder"],
+                                                "type": image["type"]})  # fmt: skip
+                images.append(urllib.request.urlopen(urllib.request.Request(f"http://{address}/view?{query}",
+                                                                            headers=auth)).read())  # fmt: skip
+    finally:
+        assert server.stop()
+    assert seen[0] == "status" and {"execution_start", "executing", "executed", "execution_success"} <= set(seen)
+    assert len(images) == 1 and Image.open(io.BytesIO(images[0])).size == (32, 32)
