@@ -258,3 +258,73 @@ def test_comfyuis_websocket_client_example_against_a_real_server(tmp_path, model
         assert server.stop()
     assert seen[0] == "status" and {"execution_start", "executing", "executed", "execution_success"} <= set(seen)
     assert len(images) == 1 and Image.open(io.BytesIO(images[0])).size == (32, 32)
+
+
+def branching(prompts: list[str], split: int = 2, seed: int = 5) -> dict:
+    """ComfyUI's "generate once, branch into variants": a KSamplerAdvanced that stops at step
+    ``split`` with its leftover noise, feeding one KSamplerAdvanced per prompt that starts there
+    (add_noise disable), each decoded and saved."""
+    flow = txt2img(seed, "euler", "normal")
+    del flow["3"], flow["8"], flow["9"]
+    flow["20"] = {"class_type": "KSamplerAdvanced", "inputs": {
+        "add_noise": "enable", "noise_seed": seed, "steps": STEPS, "cfg": 7.5, "sampler_name": "euler",
+        "scheduler": "normal", "start_at_step": 0, "end_at_step": split, "return_with_leftover_noise": "enable",
+        "model": ["4", 0], "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["5", 0]}}  # fmt: skip
+    for k, text in enumerate(prompts):
+        n = 30 + 10 * k
+        flow[str(n)] = {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["4", 1]}}
+        flow[str(n + 1)] = {"class_type": "KSamplerAdvanced", "inputs": {
+            "add_noise": "disable", "noise_seed": seed, "steps": STEPS, "cfg": 7.5, "sampler_name": "euler",
+            "scheduler": "normal", "start_at_step": split, "end_at_step": 10000, "return_with_leftover_noise": "disable",
+            "model": ["4", 0], "positive": [str(n), 0], "negative": ["7", 0], "latent_image": ["20", 0]}}  # fmt: skip
+        flow[str(n + 2)] = {"class_type": "VAEDecode", "inputs": {"samples": [str(n + 1), 0], "vae": ["4", 2]}}
+        flow[str(n + 3)] = {"class_type": "SaveImage", "inputs": {"filename_prefix": f"branch{k}", "images": [str(n + 2), 0]}}
+    return flow
+
+
+def test_branches_of_one_partial_chain_run_as_one_base_and_one_batched_tail(served):
+    """Issue 53: 1 shared chain + 4 branches: one base generated, one edit request of 4 rows; each branch
+    equals the same edit alone through the OpenAI door (strength 1 from the split step: for
+    Euler, ComfyUI's branch sampler starting at s from the leftover latent is that re-entry)."""
+    service, app = served
+    prompts = ["a blue square", "a green circle", "a red triangle", "a yellow square"]
+
+    def counter(name: str) -> float:  # summed over its labels
+        return sum(s.value for m in service.metrics.registry.collect() for s in m.samples if s.name == name)
+
+    async def work(c):
+        names = ("edit_rt_bases_generated_total", "edit_rt_edits_served_total", "edit_rt_edit_requests_total")
+        before = {n: counter(n) for n in names}
+        entry = await _queued(c, _flow(service, branching(prompts)))
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        after = {n: counter(n) - before[n] for n in before}
+        pngs = [(await c.get("/view", params=entry["outputs"][str(33 + 10 * k)]["images"][0])).content
+                for k in range(len(prompts))]  # fmt: skip
+        alone = []
+        for text in prompts:
+            r = await c.post("/v1/images/edits", json={"base_id": _base_id(pngs[0]), "edits": [
+                {"prompt": text, "strength": 1.0, "start_step": 2, "cfg_scale": 7.5}]})  # fmt: skip
+            assert r.status_code == 200, r.text
+            alone.append(base64.b64decode(r.json()["data"][0]["b64_json"]))
+        # re-queued with one branch's prompt changed: the chain's base and 3 branches are reused
+        # (ComfyUI's execution_cached), one row runs, and the unchanged branches are the same images
+        changed = prompts[:3] + ["a purple circle"]
+        before = {n: counter(n) for n in names}
+        again = await _queued(c, _flow(service, branching(changed)))
+        rerun = {n: counter(n) - before[n] for n in names}
+        cached = next(m[1]["nodes"] for m in again["status"]["messages"] if m[0] == "execution_cached")
+        again_pngs = [(await c.get("/view", params=again["outputs"][str(33 + 10 * k)]["images"][0])).content
+                      for k in range(len(prompts))]  # fmt: skip
+        return after, pngs, alone, rerun, cached, again_pngs
+
+    after, pngs, alone, rerun, cached, again_pngs = _run(app, work)
+    # one base, and its 4 branches as one edit request of 4 rows (one batched tail)
+    assert after == {"edit_rt_bases_generated_total": 1, "edit_rt_edits_served_total": 4, "edit_rt_edit_requests_total": 1}
+    assert len({_base_id(p) for p in pngs}) == 1
+    for branch, reference in zip(pngs, alone):
+        assert np.array_equal(_pixels(branch), _pixels(reference))  # 0 grey levels
+    assert len({_pixels(p).tobytes() for p in pngs}) == 4  # four prompts, four images
+    assert rerun == {"edit_rt_bases_generated_total": 0, "edit_rt_edits_served_total": 1, "edit_rt_edit_requests_total": 1}
+    assert sorted(cached) == ["20", "31", "41", "51"]
+    assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(again_pngs[:3], pngs[:3]))
+    assert not np.array_equal(_pixels(again_pngs[3]), _pixels(pngs[3]))

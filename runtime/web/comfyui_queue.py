@@ -22,7 +22,7 @@ from ..errors import CancelledError, EditRtError
 from ..serving.job_control import DOOR
 from ..serving.service import Service
 from .comfyui_files import Files
-from .comfyui_run import Plan, comfy_png, run_plan
+from .comfyui_run import Plan, RowCache, comfy_png, reused, run_plan
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class PromptQueue:
         self.counter = 0
         self.wake: Optional[asyncio.Event] = None
         self.worker: Optional[asyncio.Task] = None
+        self.rows = RowCache()  # branch rows already made: a re-queue runs only what changed
 
     # --- the queue --------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class PromptQueue:
             self.send(kind, data, client)
 
         note("execution_start", {"prompt_id": pid})
-        note("execution_cached", {"nodes": [], "prompt_id": pid})
+        note("execution_cached", {"nodes": await reused(self.service, item.plan, self.rows), "prompt_id": pid})
         current = {"node": None}
 
         async def say(node: str, _: dict) -> None:
@@ -174,7 +175,7 @@ class PromptQueue:
         outputs: dict = {}
         status = "success"
         try:
-            pngs = await run_plan(self.service, item.plan, say)
+            pngs = await run_plan(self.service, item.plan, say, self.rows)
             for out in item.plan.outputs:
                 await say(out.node, {})
                 images = []

@@ -28,6 +28,7 @@ import asyncio
 import io
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Optional
 
@@ -39,6 +40,7 @@ from ..errors import EditRtError
 from ..model.edit import Base, Edit
 from ..model.samplers import IMAGE_SAMPLER
 from ..serving.service import Service
+from ..storage.store import base_id
 from .comfyui_files import Files
 from .comfyui_nodes import REFUSED, edit_rt_sampler, pairs_text
 from .comfyui_workflow import Workflow, error, input_error, refused_prompt
@@ -96,6 +98,7 @@ class Generation:
 
     node: str
     bases: list[Base]
+    partial: bool = False  # a chain stopped early for branches: its base is kept, its image not shown
     ids: list[str] = field(default_factory=list)
     pngs: list[bytes] = field(default_factory=list)
 
@@ -116,6 +119,7 @@ class EditRun:
     pngs: list[bytes] = field(default_factory=list)
     into: Optional["EditRun"] = None  # a branch folded into another run of its base (its rows from offset)
     offset: int = 0
+    members: list["EditRun"] = field(default_factory=list)  # the branches folded into this one
 
     def png(self, i: int) -> bytes:
         return self.into.png(self.offset + i) if self.into is not None else self.pngs[i]
@@ -193,6 +197,7 @@ def _grouped(edits: list[EditRun]) -> list[EditRun]:
             continue
         run.into, run.offset = first, len(first.specs)
         first.specs.extend(run.specs)
+        first.members.append(run)
     return out
 
 
@@ -347,7 +352,7 @@ async def _sampler(service: Service, node_id: str, kind: str, inputs: dict, gens
                                                     sampler=sampler, sampler_param="sampler_name"))  # fmt: skip
             except EditRtError as err:
                 raise refuse(node_id, _input_of(err), str(err)) from None
-        run = Generation(node_id, bases)
+        run = Generation(node_id, bases, partial=end < steps)
         gens.append(run)
         if end < steps:
             return Latent("partial", latent.size, latent.batch, run=run, step=end, sampler=sampler, steps=steps)
@@ -422,29 +427,87 @@ def _branch(node_id: str, inputs: dict, latent: Latent, sampler: str, pos: Cond,
     return Latent("sampled", run=run)
 
 
+# --- reuse across queued prompts -------------------------------------------------------------
+
+
+class RowCache:
+    """Branch rows this door already ran, by (base id, the row's edit): a re-queued workflow with
+    one branch changed runs that branch's row only, as ComfyUI's cache skips nodes whose inputs
+    did not change. A row's image is a function of its base (content-addressed id) and its edit
+    (a branch has no noise of its own), so a hit is the image the row would make. The newest
+    ``limit`` rows are kept."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.pngs: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+
+    def get(self, bid: str, spec: Edit) -> Optional[bytes]:
+        png = self.pngs.get((bid, repr(spec)))
+        if png is not None:
+            self.pngs.move_to_end((bid, repr(spec)))
+        return png
+
+    def put(self, bid: str, spec: Edit, png: bytes) -> None:
+        self.pngs[(bid, repr(spec))] = png
+        self.pngs.move_to_end((bid, repr(spec)))
+        while len(self.pngs) > self.limit:
+            self.pngs.popitem(last=False)
+
+
+async def reused(service: Service, plan: Plan, rows: RowCache) -> list[str]:
+    """Mark what ``plan`` need not run again (returns those nodes, for ``execution_cached``): a
+    partial chain whose base the store holds (its id is its content's), and each branch whose
+    row ``rows`` holds for that base."""
+    cached = []
+    for run in plan.generations:
+        if run.partial:
+            ids = [base_id(service.fingerprint, b) for b in run.bases]
+            if all([await service.has_base(bid) for bid in ids]):
+                run.ids = ids
+                cached.append(run.node)
+    for run in plan.edits:
+        if run.of is not None and run.of.ids:
+            run.pngs = [rows.get(run.of.ids[0], spec) for spec in run.specs]
+            cached += [m.node for m in (run, *run.members) if run.pngs[m.offset] is not None]
+    return cached
+
+
 # --- running ------------------------------------------------------------------------------------
 
 
 Say = Callable[[str, dict], Awaitable[None]]
 
 
-async def run_plan(service: Service, plan: Plan, say: Say) -> dict[str, list[bytes]]:
+async def run_plan(service: Service, plan: Plan, say: Say, rows: Optional[RowCache] = None) -> dict[str, list[bytes]]:
     """Run ``plan``: its generations side by side (their rows batch), then each edit run as one
-    request (one batched tail); ``say(node, event)`` tells which node runs. Returns {output node:
-    its PNGs as edit-rt wrote them}."""
-    for run in plan.generations:
+    request (one batched tail); ``say(node, event)`` tells which node runs. What :func:`reused`
+    marked is not run again; branch rows run are kept in ``rows``. Returns {output node: its PNGs
+    as edit-rt wrote them}."""
+    todo = [run for run in plan.generations if not run.ids]
+    for run in todo:
         await say(run.node, {})
-    made = await asyncio.gather(*(service.generate(b) for run in plan.generations for b in run.bases))
+    made = await asyncio.gather(*(service.generate(b) for run in todo for b in run.bases))
     k = 0
-    for run in plan.generations:
+    for run in todo:
         run.ids = [g.id for g in made[k:k + len(run.bases)]]
         run.pngs = [g.png for g in made[k:k + len(run.bases)]]
         k += len(run.bases)
     for run in plan.edits:
-        await say(run.node, {})
-        if run.of is not None:
+        if run.of is not None:  # branches: only the rows not already made, as one batched tail
             bid = run.of.ids[0]
-        elif run.image.named is not None:
+            pngs = run.pngs or [None] * len(run.specs)
+            missing = [i for i, png in enumerate(pngs) if png is None]
+            if missing:
+                await say(run.node, {})
+                made_rows = await service.edit_base(bid, [run.specs[i] for i in missing])
+                for i, edited in zip(missing, made_rows):
+                    pngs[i] = edited.png
+                    if rows is not None:
+                        rows.put(bid, run.specs[i], edited.png)
+            run.pngs = pngs
+            continue
+        await say(run.node, {})
+        if run.image.named is not None:
             bid = run.image.named["id"]
         else:
             upload = await service.images.upload(run.image.data, f"LoadImage {run.image.node}: image")
