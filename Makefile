@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam injected-bugs test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench   edit throughput vs diffusers on the bench model (out/bench/bench.json, bench.png), then bench-samplers"
 	@echo "make bench-engines  the CPU engines side by side: ort-cpu, openvino fp32 and bf16 (out/bench/engines.json)"
 	@echo "make bench-samplers  the samplers at equal image quality on the shapes model (out/bench-samplers/)"
+	@echo "make bench-comfyui  the ComfyUI door: N branches as one tail vs one by one, and a re-queue (out/bench-comfyui/)"
 	@echo "make related near-repeat prompts served related vs exact on the shapes model (out/related/)"
 	@echo "make serve   edit-rt serve $(CONFIG) (http://127.0.0.1:8188/)"
 	@echo "make loadtest edits/s and p50/p95/p99 at 1, 8, 32 clients (out/loadtest/loadtest.json)"
@@ -171,6 +172,12 @@ bench-engines: setup $(BENCH_MODEL)/model_index.json
 	$(BIN)/python -m edit_rt.export.bench.cpu_engines $(BENCH_CONFIG) --out out/bench
 
 # the samplers at equal image quality on the shapes model (docs/samplers.md), ~6 min on 2 cores
+# The ComfyUI door's branching workflow against the same branches one by one (scripts/bench_comfyui.py)
+bench-comfyui: setup export/models/shapes-sd/model_index.json
+	$(BIN)/edit-rt export configs/shapes.yaml
+	$(BIN)/edit-rt engines configs/shapes.yaml
+	$(BIN)/python scripts/bench_comfyui.py configs/shapes.yaml --out out/bench-comfyui
+
 bench-samplers: setup export/models/shapes-sd/model_index.json
 	$(BIN)/edit-rt export configs/shapes.yaml
 	$(BIN)/edit-rt engines configs/shapes.yaml
