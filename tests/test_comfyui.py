@@ -216,13 +216,63 @@ def test_history_view_and_object_info_answer_as_comfyui(served):
     assert ckpts.json() == [service.model_name] and "devices" in stats.json() and emb.json() == []
 
 
-def test_comfyuis_websocket_client_example_against_a_real_server(tmp_path, model_dir, onnx_dir):
-    """script_examples/websockets_api_example.py's pattern: queue, watch the websocket until
-    ``executing`` with node null for this prompt, read /history, fetch each image from /view."""
-    import websocket  # websocket-client
+def _png(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
 
-    server = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"comfyui": True, "token": "sesame"},
-                           base=SERVE["base"])  # fmt: skip
+
+def test_upload_mask_puts_the_masks_alpha_into_its_original_as_comfyui_does(served):
+    """ComfyUI's mask editor: POST /upload/mask (the mask, original_ref) writes the original with
+    the mask's alpha, its text kept (an edit-rt PNG still names its base); LoadImage then reads
+    the MASK from it and a masked img2img runs. Checked with Pillow against the two uploads."""
+    service, app = served
+    alpha = np.full((32, 32), 255, np.uint8)
+    alpha[:, :16] = 0  # transparent: may change
+    mask = np.zeros((32, 32, 4), np.uint8)
+    mask[..., 3] = alpha
+
+    async def work(c):
+        made = (await c.post("/v1/images/generations", json={"prompt": "a red circle", "negative_prompt": "blurry",
+                                                             "seed": 4, "steps": STEPS, "cfg_scale": 7.5,
+                                                             "sampler": "ddim", "size": "32x32"})).json()  # fmt: skip
+        original = base64.b64decode(made["data"][0]["b64_json"])
+        await c.post("/upload/image", files={"image": ("orig.png", original, "image/png")})
+        ref = json.dumps({"filename": "orig.png", "subfolder": "", "type": "input"})
+        up = await c.post("/upload/mask", files={"image": ("masked.png", _png(mask), "image/png")},
+                          data={"original_ref": ref})  # fmt: skip
+        stored = (await c.get("/view", params={"filename": "masked.png", "type": "input"})).content
+        wrong_size = await c.post("/upload/mask", files={"image": ("m.png", _png(mask[:16]), "image/png")},
+                                  data={"original_ref": ref})  # fmt: skip
+        unknown = await c.post("/upload/mask", files={"image": ("m.png", _png(mask), "image/png")},
+                               data={"original_ref": json.dumps({"filename": "nope.png"})})  # fmt: skip
+        flow = _flow(service, img2img("masked.png", 0.5, 9, "a blue square"))
+        flow["12"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["11", 0], "mask": ["10", 1]}}
+        flow["3"]["inputs"]["latent_image"] = ["12", 0]
+        entry = await _queued(c, flow)
+        return original, up, stored, wrong_size, unknown, entry
+
+    original, up, stored, wrong_size, unknown, entry = _run(app, work)
+    assert up.status_code == 200 and up.json() == {"name": "masked.png", "subfolder": "", "type": "input"}
+    written, source = Image.open(io.BytesIO(stored)), Image.open(io.BytesIO(original))
+    assert written.mode == "RGBA" and np.array_equal(np.asarray(written)[..., 3], alpha)
+    assert np.array_equal(np.asarray(written)[..., :3], np.asarray(source.convert("RGB")))
+    assert written.text["parameters"] == source.text["parameters"]
+    assert wrong_size.status_code == 400 and "16" in wrong_size.json()["error"]["message"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "original_ref"
+    assert entry["status"]["status_str"] == "success", entry["status"]
+
+
+def test_comfyuis_websocket_client_example_and_a_maintained_client_against_a_real_server(tmp_path, model_dir, onnx_dir):
+    """script_examples/websockets_api_example.py's pattern: queue, watch the websocket until
+    ``executing`` with node null for this prompt, read /history, fetch each image from /view.
+    Then comfy-api-simplified (a maintained client from the package index), with HTTP Basic
+    credentials as it sends them (on its requests and in its websocket URL)."""
+    import websocket  # websocket-client
+    from comfy_api_simplified import ComfyApiWrapper, ComfyWorkflowWrapper
+
+    server = ServerProcess(tmp_path, model_dir, onnx_dir, serve={"comfyui": True, "token": "sesame",
+                                                                 "api_auth": "ada:lovelace"}, base=SERVE["base"])  # fmt: skip
     try:
         address, auth = f"127.0.0.1:{server.port}", {"Authorization": "Bearer sesame"}
         with pytest.raises(websocket.WebSocketBadStatusException):  # the token rule holds on the websocket too
@@ -254,10 +304,22 @@ def test_comfyuis_websocket_client_example_against_a_real_server(tmp_path, model
                                                 "type": image["type"]})  # fmt: skip
                 images.append(urllib.request.urlopen(urllib.request.Request(f"http://{address}/view?{query}",
                                                                             headers=auth)).read())  # fmt: skip
+        api = ComfyApiWrapper(f"http://{address}", user="ada", password="lovelace")
+        assert api.get_system_stats()["system"] and "KSampler" in api.get_object_info()
+        flow = txt2img(seed=5)
+        flow["4"]["inputs"]["ckpt_name"] = name
+        for node in flow.values():  # ComfyUI's "Export (API)" titles every node
+            node["_meta"] = {"title": node["class_type"]}
+        flow["9"]["_meta"] = {"title": "Save Image"}
+        wrapper = ComfyWorkflowWrapper(flow)
+        wrapper.set_node_param("Save Image", "filename_prefix", "maintained")
+        maintained = api.queue_and_wait_images(wrapper, "Save Image")
     finally:
         assert server.stop()
     assert seen[0] == "status" and {"execution_start", "executing", "executed", "execution_success"} <= set(seen)
     assert len(images) == 1 and Image.open(io.BytesIO(images[0])).size == (32, 32)
+    [(filename, png)] = maintained.items()  # the same workflow and seed: the same pixels
+    assert filename.startswith("maintained") and np.array_equal(_pixels(png), _pixels(images[0]))
 
 
 def branching(prompts: list[str], split: int = 2, seed: int = 5) -> dict:

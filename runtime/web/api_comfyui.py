@@ -6,7 +6,7 @@ API-format workflows here.
 (comfyui_run.py) before anything runs: a workflow that cannot run is 400 with ComfyUI's
 ``error`` and ``node_errors``. A queued one runs on the door's queue (comfyui_queue.py), its
 progress on ``/ws``, its images in ``/history`` and at ``/view``. ``/queue``, ``/history``,
-``/interrupt`` (this door's prompts only), ``/upload/image``, ``/object_info`` (the node table:
+``/interrupt`` (this door's prompts only), ``/upload/image``, ``/upload/mask``, ``/object_info`` (the node table:
 comfyui_nodes.py), ``/system_stats``, ``/embeddings`` and ``/models`` answer as ComfyUI's do.
 
 The gate (gate.py) checks Host, origin and body size for every route here; credentials and
@@ -35,7 +35,7 @@ from ..config.run_config import RunConfig
 from ..errors import EditRtError
 from ..serving.job_control import DOOR
 from ..serving.service import Service
-from .comfyui_files import TYPES, Files, safe_name
+from .comfyui_files import TYPES, Files, masked_png, safe_name
 from .comfyui_nodes import Served, lora_file, node_table
 from .comfyui_queue import COMFYUI, PromptQueue, new_prompt_id
 from .comfyui_run import planned
@@ -203,6 +203,33 @@ async def upload_image(request: HttpRequest):
     await service.images.upload(data, "image")  # decodes within the image bounds, or refuses naming the field
     subfolder = safe_name(str(form.get("subfolder") or "")) if form.get("subfolder") else ""
     added = door.files.add(kind, subfolder, image.filename or "image.png", data)
+    return {"name": added["filename"], "subfolder": added["subfolder"], "type": kind}
+
+
+@http.post("/upload/mask", summary="Upload a mask for an uploaded image (its alpha, as ComfyUI's mask editor sends it)")
+async def upload_mask(request: HttpRequest):
+    door, service = door_of(request), service_of(request)
+    form = await request.form(max_files=1, max_fields=8)
+    image = form.get("image")
+    if image is None or isinstance(image, str):
+        raise ApiError(400, "image: send the mask as a multipart file field named image", param="image", code="missing")
+    try:
+        ref = json.loads(str(form.get("original_ref") or ""))
+        original = door.files.path(str(ref.get("type") or "input"), str(ref.get("subfolder") or ""), str(ref["filename"]))
+    except (ValueError, KeyError, AttributeError):
+        raise ApiError(400, "original_ref: send JSON {filename, subfolder, type} of an image uploaded here",
+                       param="original_ref", code="invalid_value") from None  # fmt: skip
+    if original is None:
+        raise ApiError(404, f"original_ref: no {ref.get('type') or 'input'} image {str(ref['filename'])[:100]!r} here; "
+                       "upload it with /upload/image first", "not_found_error", param="original_ref", code="not_found")  # fmt: skip
+    kind = str(form.get("type") or "input")
+    if kind not in TYPES:
+        raise ApiError(400, f"type: {kind[:20]!r}; send input, temp or output", param="type", code="unsupported_value")
+    data = await image.read(service.cfg.serve.max_image_bytes + 1)
+    await service.images.text(data, "image")  # within the image bounds (a mask is transparent: not an upload's rule)
+    written = await service.images.run("image", masked_png, original.read_bytes(), data)
+    subfolder = safe_name(str(form.get("subfolder") or "")) if form.get("subfolder") else ""
+    added = door.files.add(kind, subfolder, image.filename or "mask.png", written)
     return {"name": added["filename"], "subfolder": added["subfolder"], "type": kind}
 
 

@@ -8,6 +8,7 @@ nothing. The registry is bounded: past ``limit`` files the oldest is forgotten a
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import shutil
@@ -16,6 +17,9 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
+
+from PIL import Image, ImageOps
+from PIL.PngImagePlugin import PngInfo
 
 from ..errors import RequestError
 
@@ -89,3 +93,24 @@ class Files:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def masked_png(original: bytes, mask: bytes) -> bytes:
+    """``/upload/mask``, as ComfyUI's server does it: the mask's alpha channel put into the
+    original image (EXIF orientation applied), saved as PNG with the original's text chunks (an
+    edit-rt PNG keeps naming its base). LoadImage then reads the MASK as 1 - alpha."""
+    opened = Image.open(io.BytesIO(original))
+    text = dict(getattr(opened, "text", {}))  # read before the transpose, whose copy drops it
+    image = ImageOps.exif_transpose(opened)
+    alpha = Image.open(io.BytesIO(mask)).convert("RGBA").getchannel("A")
+    if alpha.size != image.size:
+        raise RequestError(f"image: the mask is {alpha.size[0]}x{alpha.size[1]}, its original_ref "
+                           f"{image.size[0]}x{image.size[1]}; draw the mask at the image's size", "image")  # fmt: skip
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
+    image = image.convert("RGBA")
+    image.putalpha(alpha)
+    out = io.BytesIO()
+    image.save(out, format="PNG", pnginfo=info, compress_level=4)
+    return out.getvalue()
