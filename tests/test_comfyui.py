@@ -216,6 +216,54 @@ def test_history_view_and_object_info_answer_as_comfyui(served):
     assert ckpts.json() == [service.model_name] and "devices" in stats.json() and emb.json() == []
 
 
+def test_edit_rt_nodes_edit_a_stored_base_by_id_at_any_strength_as_one_tail(served):
+    """edit-rt's own nodes: EditRtStoredBase (a base by id) and EditRtEdit (strength, negative
+    too; tail_steps; preserve): two edits of one base run as one request of 2 rows, each equal to
+    the same edit through the OpenAI door; an unknown id is a node error naming base_id."""
+    service, app = served
+    edits = [("a blue square", 0.5, "none"), ("a green circle", -1.0, "auto")]
+
+    def requests() -> float:
+        return sum(s.value for m in service.metrics.registry.collect() for s in m.samples
+                   if s.name == "edit_rt_edit_requests_total")  # fmt: skip
+
+    async def work(c):
+        made = (await c.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 6, "steps": STEPS,
+                                                             "cfg_scale": 7.5, "size": "32x32"})).json()  # fmt: skip
+        flow = {"4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": service.model_name}},
+                "1": {"class_type": "EditRtStoredBase", "inputs": {"base_id": made["id"]}}}  # fmt: skip
+        for k, (text, strength, preserve) in enumerate(edits):
+            n = 10 * (k + 1)
+            flow[str(n)] = {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["4", 1]}}
+            flow[str(n + 1)] = {"class_type": "EditRtEdit", "inputs": {
+                "samples": ["1", 0], "positive": [str(n), 0], "strength": strength, "tail_steps": 2, "cfg": 7.5,
+                "preserve": preserve}}  # fmt: skip
+            flow[str(n + 2)] = {"class_type": "VAEDecode", "inputs": {"samples": [str(n + 1), 0], "vae": ["4", 2]}}
+            flow[str(n + 3)] = {"class_type": "SaveImage", "inputs": {"filename_prefix": f"e{k}", "images": [str(n + 2), 0]}}
+        before = requests()
+        entry = await _queued(c, flow)
+        ran = requests() - before
+        pngs = [(await c.get("/view", params=entry["outputs"][str(10 * (k + 1) + 3)]["images"][0])).content
+                for k in range(len(edits))]  # fmt: skip
+        alone = []
+        for text, strength, preserve in edits:
+            r = await c.post("/v1/images/edits", json={"base_id": made["id"], "edits": [
+                {"prompt": text, "strength": strength, "tail_steps": 2, "cfg_scale": 7.5, "preserve": preserve}]})  # fmt: skip
+            assert r.status_code == 200, r.text
+            alone.append(base64.b64decode(r.json()["data"][0]["b64_json"]))
+        flow["1"]["inputs"]["base_id"] = "b" * 64
+        unknown = await c.post("/prompt", json={"prompt": flow})
+        info = (await c.get("/object_info/EditRtEdit")).json()
+        return entry, ran, pngs, alone, unknown, info
+
+    entry, ran, pngs, alone, unknown, info = _run(app, work)
+    assert entry["status"]["status_str"] == "success" and ran == 1
+    for png, reference in zip(pngs, alone):
+        assert np.array_equal(_pixels(png), _pixels(reference))  # 0 grey levels
+    assert unknown.status_code == 400 and unknown.json()["node_errors"]["1"]["errors"][0]["extra_info"]["input_name"] == "base_id"
+    assert info["EditRtEdit"]["input"]["required"]["strength"][1]["min"] < 0 and info["EditRtEdit"]["description"]
+
+
 def _png(array: np.ndarray) -> bytes:
     out = io.BytesIO()
     Image.fromarray(array).save(out, format="PNG")

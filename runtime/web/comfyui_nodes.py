@@ -145,6 +145,19 @@ def node_table(served: Served) -> dict[str, NodeSpec]:
                               output_node=True, category="image",
                               description="PNGs with the workflow and prompt in their text, as ComfyUI writes them"),
         "PreviewImage": NodeSpec({"images": ("IMAGE",)}, output_node=True, category="image"),
+        # edit-rt's own nodes: what ComfyUI's core lacks
+        "EditRtStoredBase": NodeSpec({"base_id": ("STRING", {"default": ""})}, ("LATENT",), category="edit-rt",
+                                     description="A base in edit-rt's store by id (an edit-rt PNG's 'Base id'), as a "
+                                                 "latent its edits re-enter: no upload, no inversion"),
+        "EditRtEdit": NodeSpec({"samples": ("LATENT",), "positive": ("CONDITIONING",),
+                                "strength": ("FLOAT", {"default": 1.0, "min": -3.0, "max": 3.0, "step": 0.05}),
+                                "tail_steps": ("INT", {"default": 8, "min": 1, "max": served.max_steps}),
+                                "cfg": cfg, "preserve": (["none", "auto"],)},
+                               ("LATENT",), category="edit-rt",
+                               description="An edit of a stored base (EditRtStoredBase, or VAEEncode of an edit-rt "
+                                           "PNG): K/V = K_base + strength (K_edit - K_base), negative too; the last "
+                                           "tail_steps of its chain; preserve auto: only where the changed words "
+                                           "attend may the image change. Edits of one base run as one batched tail"),
     }
     for name, why in REFUSED.items():
         table[name] = NodeSpec({"samples": ("LATENT",)}, ("LATENT",), category="latent", description=f"refused: {why}")

@@ -39,6 +39,7 @@ from PIL.PngImagePlugin import PngInfo
 from ..errors import EditRtError
 from ..model.edit import Base, Edit
 from ..model.samplers import IMAGE_SAMPLER
+from ..serving.bases import checked_id
 from ..serving.service import Service
 from ..storage.store import base_id
 from .comfyui_files import Files
@@ -120,6 +121,7 @@ class EditRun:
     into: Optional["EditRun"] = None  # a branch folded into another run of its base (its rows from offset)
     offset: int = 0
     members: list["EditRun"] = field(default_factory=list)  # the branches folded into this one
+    grouped: bool = False  # edit-rt's edit node: its rows join the other such edits of its base
 
     def png(self, i: int) -> bytes:
         return self.into.png(self.offset + i) if self.into is not None else self.pngs[i]
@@ -183,16 +185,19 @@ async def planned(service: Service, workflow: Workflow, files: Files) -> Plan:
 
 
 def _grouped(edits: list[EditRun]) -> list[EditRun]:
-    """Branches of one partial chain as one edit run: their rows are one batched tail."""
+    """Branches of one partial chain, and edit-rt's edits of one stored base, each as one edit
+    run: their rows are one batched tail."""
     out: list[EditRun] = []
     by_base: dict[int, EditRun] = {}
     for run in edits:
-        if run.of is None or run.mask is not None:
+        # a branch's chain, or a stored base edit-rt's edit node names
+        key = id(run.of) if run.of is not None else run.image.named["id"] if run.grouped else None
+        if key is None or run.mask is not None:
             out.append(run)
             continue
-        first = by_base.get(id(run.of))
+        first = by_base.get(key)
         if first is None:
-            by_base[id(run.of)] = run
+            by_base[key] = run
             out.append(run)
             continue
         run.into, run.offset = first, len(first.specs)
@@ -257,6 +262,15 @@ async def _node(service: Service, files: Files, node_id: str, kind: str, inputs:
         return (replace(latent, mask=await _mask(service, mask[1], node_id)),)
     if kind in ("KSampler", "KSamplerAdvanced"):
         return (await _sampler(service, node_id, kind, inputs, gens, edits),)
+    if kind == "EditRtStoredBase":
+        bid = inputs["base_id"].strip()
+        try:
+            info = await service.base_info(checked_id(bid))
+        except EditRtError as err:
+            raise refuse(node_id, "base_id", str(err).removeprefix("base_id: ")) from None
+        return (Latent("image", image=ImageSource(bid, b"", {"id": bid, "base": info["base"]}, node_id)),)
+    if kind == "EditRtEdit":
+        return (_edit_rt_edit(node_id, inputs, edits),)
     if kind == "VAEDecode":
         latent = inputs["samples"]
         if latent.kind not in ("sampled",):
@@ -398,6 +412,30 @@ def _image_edit(service: Service, node_id: str, inputs: dict, latent: Latent, sa
     steps = max(1, int(inputs["steps"] / denoise)) if denoise > 0 else inputs["steps"]
     run = EditRun(node_id, [spec], image=source, mask=latent.mask, negative=neg.text, steps=steps, guidance=None,
                   clip_skip=pos.clip.clip_skip)  # fmt: skip
+    edits.append(run)
+    return Latent("sampled", run=run)
+
+
+def _edit_rt_edit(node_id: str, inputs: dict, edits: list) -> Latent:
+    """edit-rt's edit node: a row of its stored base's edit (one batched tail with the others of that base)."""
+    latent, pos = inputs["samples"], inputs["positive"]
+    if latent.kind != "image" or latent.image.named is None:
+        raise refuse(node_id, "samples", "a stored base: EditRtStoredBase, or VAEEncode of a PNG edit-rt wrote whose "
+                     "base is still stored (an image without one: KSampler over VAEEncode inverts it)")  # fmt: skip
+    found = latent.image.named["base"]
+    if pos.clip.clip_skip != found["clip_skip"]:
+        raise refuse(node_id, "positive", f"clip skip {pos.clip.clip_skip}, but the base was made with "
+                     f"{found['clip_skip']}; set CLIPSetLastLayer to {-1 - found['clip_skip']}")  # fmt: skip
+    if not pos.text.strip():
+        raise refuse(node_id, "positive", "an empty prompt: an edit needs its prompt")
+    try:
+        spec = Edit(prompt=pos.text, strength=inputs["strength"], tail_steps=inputs["tail_steps"], guidance=inputs["cfg"],
+                    preserve=inputs["preserve"], adapters=dict(pos.clip.adapters) or None)  # fmt: skip
+    except ValueError as err:
+        raise refuse(node_id, "strength", str(err).splitlines()[0]) from None
+    if inputs["tail_steps"] > found["steps"]:
+        raise refuse(node_id, "tail_steps", f"{inputs['tail_steps']}, past the base's {found['steps']} steps")
+    run = EditRun(node_id, [spec], image=latent.image, mask=latent.mask, grouped=True)
     edits.append(run)
     return Latent("sampled", run=run)
 
