@@ -164,7 +164,12 @@ class PromptQueue:
             self.send(kind, data, client)
 
         note("execution_start", {"prompt_id": pid})
-        note("execution_cached", {"nodes": await reused(self.service, item.plan, self.rows), "prompt_id": pid})
+        try:
+            cached = await reused(self.service, item.plan, self.rows)
+        except EditRtError:  # the store could not say what it holds: run everything
+            log.warning("comfyui: prompt %s: reuse not checked", pid, exc_info=True)
+            cached = []
+        note("execution_cached", {"nodes": cached, "prompt_id": pid})
         current = {"node": None}
 
         async def say(node: str, _: dict) -> None:
