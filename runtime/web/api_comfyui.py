@@ -189,30 +189,37 @@ async def view(request: HttpRequest, filename: str, subfolder: str = "", type: s
     return FileResponse(path, media_type="image/png", filename=filename, content_disposition_type="inline")
 
 
-@http.post("/upload/image", summary="Upload an image for LoadImage (multipart, as ComfyUI)")
-async def upload_image(request: HttpRequest):
-    door, service = door_of(request), service_of(request)
+async def _upload_form(request: HttpRequest, what: str):
+    """An upload's multipart form as ComfyUI sends it: (form, its ``image`` file, that file's bytes
+    (at most one past serve.max_image_bytes), the ``type`` it goes to)."""
     form = await request.form(max_files=1, max_fields=8)
     image = form.get("image")
     if image is None or isinstance(image, str):
-        raise ApiError(400, "image: send the image as a multipart file field named image", param="image", code="missing")
+        raise ApiError(400, f"image: send the {what} as a multipart file field named image", param="image", code="missing")
     kind = str(form.get("type") or "input")
     if kind not in TYPES:
         raise ApiError(400, f"type: {kind[:20]!r}; send input, temp or output", param="type", code="unsupported_value")
-    data = await image.read(service.cfg.serve.max_image_bytes + 1)
-    await service.images.upload(data, "image")  # decodes within the image bounds, or refuses naming the field
+    return form, image, await image.read(service_of(request).cfg.serve.max_image_bytes + 1), kind
+
+
+def _kept(door: Door, form, image, kind: str, data: bytes, default: str) -> dict:
+    """An uploaded file kept under its name and subfolder: ComfyUI's upload answer."""
     subfolder = safe_name(str(form.get("subfolder") or "")) if form.get("subfolder") else ""
-    added = door.files.add(kind, subfolder, image.filename or "image.png", data)
+    added = door.files.add(kind, subfolder, image.filename or default, data)
     return {"name": added["filename"], "subfolder": added["subfolder"], "type": kind}
+
+
+@http.post("/upload/image", summary="Upload an image for LoadImage (multipart, as ComfyUI)")
+async def upload_image(request: HttpRequest):
+    form, image, data, kind = await _upload_form(request, "image")
+    await service_of(request).images.upload(data, "image")  # decodes within the image bounds, or refuses naming the field
+    return _kept(door_of(request), form, image, kind, data, "image.png")
 
 
 @http.post("/upload/mask", summary="Upload a mask for an uploaded image (its alpha, as ComfyUI's mask editor sends it)")
 async def upload_mask(request: HttpRequest):
     door, service = door_of(request), service_of(request)
-    form = await request.form(max_files=1, max_fields=8)
-    image = form.get("image")
-    if image is None or isinstance(image, str):
-        raise ApiError(400, "image: send the mask as a multipart file field named image", param="image", code="missing")
+    form, image, data, kind = await _upload_form(request, "mask")
     try:
         ref = json.loads(str(form.get("original_ref") or ""))
         original = door.files.path(str(ref.get("type") or "input"), str(ref.get("subfolder") or ""), str(ref["filename"]))
@@ -222,15 +229,9 @@ async def upload_mask(request: HttpRequest):
     if original is None:
         raise ApiError(404, f"original_ref: no {ref.get('type') or 'input'} image {str(ref['filename'])[:100]!r} here; "
                        "upload it with /upload/image first", "not_found_error", param="original_ref", code="not_found")  # fmt: skip
-    kind = str(form.get("type") or "input")
-    if kind not in TYPES:
-        raise ApiError(400, f"type: {kind[:20]!r}; send input, temp or output", param="type", code="unsupported_value")
-    data = await image.read(service.cfg.serve.max_image_bytes + 1)
     await service.images.text(data, "image")  # within the image bounds (a mask is transparent: not an upload's rule)
     written = await service.images.run("image", masked_png, original.read_bytes(), data)
-    subfolder = safe_name(str(form.get("subfolder") or "")) if form.get("subfolder") else ""
-    added = door.files.add(kind, subfolder, image.filename or "mask.png", written)
-    return {"name": added["filename"], "subfolder": added["subfolder"], "type": kind}
+    return _kept(door, form, image, kind, written, "mask.png")
 
 
 @http.post("/interrupt", summary="Stop the running prompt (this door's rows only)")

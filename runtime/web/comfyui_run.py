@@ -399,11 +399,7 @@ def _image_edit(service: Service, node_id: str, inputs: dict, latent: Latent, sa
         if neg.text != (found.get("negative_prompt") or ""):
             raise refuse(node_id, "negative", f"this image's base ({named['id']}) was made with negative prompt "
                          f"{found.get('negative_prompt') or ''!r}; an edit keeps its base's")  # fmt: skip
-        if pos.clip.clip_skip != found["clip_skip"]:
-            raise refuse(node_id, "positive", f"clip skip {pos.clip.clip_skip}, but this image's base ({named['id']}) "
-                         f"was made with {found['clip_skip']}; set CLIPSetLastLayer to {-1 - found['clip_skip']}")  # fmt: skip
-    if not pos.text.strip():
-        raise refuse(node_id, "positive", "an empty prompt: an edit needs its prompt")
+    _check_edit_prompt(node_id, pos, named)
     try:
         spec = Edit(prompt=pos.text, strength=1.0, tail_fraction=denoise, guidance=inputs["cfg"], seed=seed,
                     adapters=dict(adapters) or None)  # fmt: skip
@@ -416,6 +412,16 @@ def _image_edit(service: Service, node_id: str, inputs: dict, latent: Latent, sa
     return Latent("sampled", run=run)
 
 
+def _check_edit_prompt(node_id: str, pos: Cond, named: Optional[dict]) -> None:
+    """An edit's prompt: not empty, and encoded with the clip skip of the stored base it edits (``named``)."""
+    if named is not None and pos.clip.clip_skip != named["base"]["clip_skip"]:
+        skip = named["base"]["clip_skip"]
+        raise refuse(node_id, "positive", f"clip skip {pos.clip.clip_skip}, but this image's base ({named['id']}) "
+                     f"was made with {skip}; set CLIPSetLastLayer to {-1 - skip}")  # fmt: skip
+    if not pos.text.strip():
+        raise refuse(node_id, "positive", "an empty prompt: an edit needs its prompt")
+
+
 def _edit_rt_edit(node_id: str, inputs: dict, edits: list) -> Latent:
     """edit-rt's edit node: a row of its stored base's edit (one batched tail with the others of that base)."""
     latent, pos = inputs["samples"], inputs["positive"]
@@ -423,11 +429,7 @@ def _edit_rt_edit(node_id: str, inputs: dict, edits: list) -> Latent:
         raise refuse(node_id, "samples", "a stored base: EditRtStoredBase, or VAEEncode of a PNG edit-rt wrote whose "
                      "base is still stored (an image without one: KSampler over VAEEncode inverts it)")  # fmt: skip
     found = latent.image.named["base"]
-    if pos.clip.clip_skip != found["clip_skip"]:
-        raise refuse(node_id, "positive", f"clip skip {pos.clip.clip_skip}, but the base was made with "
-                     f"{found['clip_skip']}; set CLIPSetLastLayer to {-1 - found['clip_skip']}")  # fmt: skip
-    if not pos.text.strip():
-        raise refuse(node_id, "positive", "an empty prompt: an edit needs its prompt")
+    _check_edit_prompt(node_id, pos, latent.image.named)
     try:
         spec = Edit(prompt=pos.text, strength=inputs["strength"], tail_steps=inputs["tail_steps"], guidance=inputs["cfg"],
                     preserve=inputs["preserve"], adapters=dict(pos.clip.adapters) or None)  # fmt: skip
