@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import struct
 import urllib.parse
 import urllib.request
 import uuid
@@ -311,11 +312,63 @@ def test_upload_mask_puts_the_masks_alpha_into_its_original_as_comfyui_does(serv
     assert entry["status"]["status_str"] == "success", entry["status"]
 
 
+def _frames_until_done(ws, pid: str) -> tuple[list[str], list[bytes], dict]:
+    """A websocket's messages until ``executing`` with node null for ``pid``: the JSON ones'
+    types, the binary frames (each arrived while the prompt ran) and each node's last
+    ``progress`` (value, max)."""
+    seen, frames, progress = [], [], {}
+    while True:
+        out = ws.recv()
+        if isinstance(out, bytes):
+            frames.append(out)
+            continue
+        message = json.loads(out)
+        seen.append(message["type"])
+        if message["type"] == "progress" and message["data"]["prompt_id"] == pid:
+            progress[message["data"]["node"]] = (message["data"]["value"], message["data"]["max"])
+        if message["type"] == "executing" and message["data"]["node"] is None and message["data"]["prompt_id"] == pid:
+            return seen, frames, progress
+
+
+def _silent_frames(ws) -> list[bytes]:
+    """The binary frames a websocket holds now (read until it is quiet for 0.2 s)."""
+    import websocket
+
+    ws.settimeout(0.2)
+    frames = []
+    try:
+        while True:
+            out = ws.recv()
+            if isinstance(out, bytes):
+                frames.append(out)
+    except websocket.WebSocketTimeoutException:
+        return frames
+
+
+def _preview(frame: bytes) -> tuple[int, dict, Image.Image]:
+    """A binary frame read as ComfyUI's server.py writes it (the reference: its send_image and
+    send_image_with_metadata): a big-endian event type; PREVIEW_IMAGE (1) then a format (1
+    JPEG, 2 PNG) and the image; PREVIEW_IMAGE_WITH_METADATA (4) then a length, that much JSON
+    and the image."""
+    kind = struct.unpack(">I", frame[:4])[0]
+    if kind == 1:
+        image_type = struct.unpack(">I", frame[4:8])[0]
+        image = Image.open(io.BytesIO(frame[8:]))
+        assert image.format == {1: "JPEG", 2: "PNG"}[image_type]
+        return kind, {}, image
+    assert kind == 4, kind
+    length = struct.unpack(">I", frame[4:8])[0]
+    return kind, json.loads(frame[8:8 + length]), Image.open(io.BytesIO(frame[8 + length:]))
+
+
 def test_comfyuis_websocket_client_example_and_a_maintained_client_against_a_real_server(tmp_path, model_dir, onnx_dir):
     """script_examples/websockets_api_example.py's pattern: queue, watch the websocket until
     ``executing`` with node null for this prompt, read /history, fetch each image from /view.
-    Then comfy-api-simplified (a maintained client from the package index), with HTTP Basic
-    credentials as it sends them (on its requests and in its websocket URL)."""
+    Binary preview frames arrive on the prompt's client's websocket while it runs, as ComfyUI
+    sends them (PREVIEW_IMAGE with a JPEG; with metadata naming the node to a client that
+    announced ``supports_preview_metadata``), and never on another client's or on one that gave
+    no clientId. Then comfy-api-simplified (a maintained client from the package index), with
+    HTTP Basic credentials as it sends them (on its requests and in its websocket URL)."""
     import websocket  # websocket-client
     from comfy_api_simplified import ComfyApiWrapper, ComfyWorkflowWrapper
 
@@ -327,22 +380,32 @@ def test_comfyuis_websocket_client_example_and_a_maintained_client_against_a_rea
             websocket.create_connection(f"ws://{address}/ws?clientId=x", timeout=10)
         client_id = str(uuid.uuid4())
         ws = websocket.create_connection(f"ws://{address}/ws?clientId={client_id}", header=auth, timeout=60)
+        other = websocket.create_connection(f"ws://{address}/ws?clientId=someone-else", header=auth, timeout=60)
+        anonymous = websocket.create_connection(f"ws://{address}/ws", header=auth, timeout=60)
         name = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/models/checkpoints",
                                                                         headers=auth)).read())[0]  # fmt: skip
-        flow = txt2img(seed=5)
-        flow["4"]["inputs"]["ckpt_name"] = name
-        data = json.dumps({"prompt": flow, "client_id": client_id}).encode()  # urllib's default Content-Type, as the example
-        pid = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/prompt", data=data,
-                                                                       headers=auth)).read())["prompt_id"]  # fmt: skip
-        seen = []
-        while True:
-            out = ws.recv()
-            if isinstance(out, str):
-                message = json.loads(out)
-                seen.append(message["type"])
-                if message["type"] == "executing" and message["data"]["node"] is None and message["data"]["prompt_id"] == pid:
-                    break
+
+        def queue(flow: dict, client: str) -> str:
+            flow["4"]["inputs"]["ckpt_name"] = name
+            data = json.dumps({"prompt": flow, "client_id": client}).encode()  # urllib's default Content-Type, as the example
+            return json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/prompt", data=data,
+                                                                            headers=auth)).read())["prompt_id"]  # fmt: skip
+
+        pid = queue(txt2img(seed=5), client_id)
+        seen, frames, progress = _frames_until_done(ws, pid)
         ws.close()
+        # a client announcing preview metadata (ComfyUI's frontend does, on connect): a branching
+        # workflow's previews, each naming its node (the chain's, each branch's)
+        meta = websocket.create_connection(f"ws://{address}/ws?clientId=meta", header=auth, timeout=60)
+        meta.recv()  # status
+        meta.send(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}))
+        answered = json.loads(meta.recv())
+        meta_pid = queue(branching(["a blue square", "a green circle"], seed=7), "meta")
+        _, meta_frames, meta_progress = _frames_until_done(meta, meta_pid)
+        meta.close()
+        others = _silent_frames(other) + _silent_frames(anonymous)  # everything they were sent is there by now
+        other.close()
+        anonymous.close()
         history = json.loads(urllib.request.urlopen(urllib.request.Request(f"http://{address}/history/{pid}",
                                                                            headers=auth)).read())[pid]  # fmt: skip
         images = []
@@ -365,9 +428,20 @@ def test_comfyuis_websocket_client_example_and_a_maintained_client_against_a_rea
     finally:
         assert server.stop()
     assert seen[0] == "status" and {"execution_start", "executing", "executed", "execution_success"} <= set(seen)
+    # each sampler's steps as they advance, its last step always told (as ComfyUI's callback)
+    assert progress == {"3": (STEPS, STEPS)}
+    assert set(meta_progress) == {"20", "31", "41"} and all(v == m > 0 for v, m in meta_progress.values())
+    assert meta_progress["31"][1] == meta_progress["41"][1] < STEPS  # the branches' tails
     assert len(images) == 1 and Image.open(io.BytesIO(images[0])).size == (32, 32)
     [(filename, png)] = maintained.items()  # the same workflow and seed: the same pixels
     assert filename.startswith("maintained") and np.array_equal(_pixels(png), _pixels(images[0]))
+    # previews: ComfyUI's default frames (no feature flags sent), JPEGs of the image's size
+    assert frames and all(_preview(f)[0] == 1 and _preview(f)[2].size == (32, 32) for f in frames)
+    assert others == []  # another client's, and a client that gave no clientId, get none of them
+    assert answered["type"] == "feature_flags" and answered["data"]["supports_preview_metadata"] is True
+    read = [_preview(f) for f in meta_frames]
+    assert read and all(kind == 4 and image.size == (32, 32) and m["prompt_id"] == meta_pid for kind, m, image in read)
+    assert {m["node_id"] for _, m, _ in read} == {"20", "31", "41"}  # the chain's node and each branch's
 
 
 def branching(prompts: list[str], split: int = 2, seed: int = 5) -> dict:
@@ -438,3 +512,214 @@ def test_branches_of_one_partial_chain_run_as_one_base_and_one_batched_tail(serv
     assert sorted(cached) == ["20", "31", "41", "51"]
     assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(again_pngs[:3], pngs[:3]))
     assert not np.array_equal(_pixels(again_pngs[3]), _pixels(pngs[3]))
+
+
+def _counter(service, name: str) -> float:
+    """A metric summed over its labels (a histogram's ``_count``: its observations)."""
+    return sum(s.value for m in service.metrics.registry.collect() for s in m.samples if s.name == name)
+
+
+def _sweep_flow(service, samples: dict, n, tail_steps: int = 2) -> dict:
+    """``samples`` (nodes making the latent "1") swept by edit-rt's sweep node "12", saved as one batch."""
+    flow = {"4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": service.model_name}}, **samples,
+            "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a blue square", "clip": ["4", 1]}},
+            "12": {"class_type": "EditRtSweep", "inputs": {
+                "samples": ["1", 0], "positive": ["10", 0], "slider": "strength", "from": -1.0, "to": 1.5, "n": n,
+                "tail_steps": tail_steps, "cfg": 7.5, "preserve": "none"}},
+            "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["4", 2]}},
+            "14": {"class_type": "SaveImage", "inputs": {"filename_prefix": "sweep", "images": ["13", 0]}}}  # fmt: skip
+    return flow
+
+
+def test_a_sweep_node_is_one_request_of_n_rows_equal_to_the_openai_doors_sweep(served):
+    """edit-rt's EditRtSweep: n positions of the edit's strength as one batch of n images, run as
+    one request of n rows; each equals the same sweep through the OpenAI door (0 grey levels),
+    of a stored base and of a KSamplerAdvanced chain stopped at step 2. A bad n (0, past the
+    bound, not a number) is a node error naming n, with nothing run."""
+    service, app = served
+    sweep = {"from": -1.0, "to": 1.5, "n": 3}
+    chain = {k: v for k, v in branching([], seed=21).items() if k in ("5", "6", "7", "20")}
+    chain["1"] = chain.pop("20")
+
+    async def work(c):
+        made = (await c.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 8, "steps": STEPS,
+                                                             "cfg_scale": 7.5, "size": "32x32"})).json()  # fmt: skip
+        stored = {"1": {"class_type": "EditRtStoredBase", "inputs": {"base_id": made["id"]}}}
+        names = ("edit_rt_edit_requests_total", "edit_rt_edits_served_total")
+        before = {n: _counter(service, n) for n in names}
+        entry = await _queued(c, _sweep_flow(service, stored, 3))
+        ran = {n: _counter(service, n) - before[n] for n in names}
+        pngs = [(await c.get("/view", params=i)).content for i in entry["outputs"]["14"]["images"]]
+        openai = (await c.post("/v1/images/edits", json={"base_id": made["id"], "edits": [
+            {"prompt": "a blue square", "tail_steps": 2, "cfg_scale": 7.5, "preserve": "none", "sweep": sweep}]})).json()
+        on_chain = await _queued(c, _sweep_flow(service, chain, 3))
+        chain_pngs = [(await c.get("/view", params=i)).content for i in on_chain["outputs"]["14"]["images"]]
+        chain_ref = (await c.post("/v1/images/edits", json={"base_id": _base_id(chain_pngs[0]), "edits": [
+            {"prompt": "a blue square", "tail_steps": 2, "cfg_scale": 7.5, "preserve": "none", "sweep": sweep}]})).json()
+        before_bad = _counter(service, "edit_rt_edit_requests_total")
+        bad = {n: await c.post("/prompt", json={"prompt": _sweep_flow(service, stored, n)}) for n in (0, 65, "five")}
+        too_long = await c.post("/prompt", json={"prompt": _sweep_flow(service, chain, 3, tail_steps=3)})
+        two = _sweep_flow(service, stored, 40)  # 40 + 40 rows: each n in range, the workflow's sum not
+        two["22"] = {**two["12"], "inputs": {**two["12"]["inputs"]}}
+        two["23"] = {"class_type": "VAEDecode", "inputs": {"samples": ["22", 0], "vae": ["4", 2]}}
+        two["24"] = {"class_type": "SaveImage", "inputs": {"filename_prefix": "sweep", "images": ["23", 0]}}
+        bad["80 in all"] = await c.post("/prompt", json={"prompt": two})
+        info = (await c.get("/object_info/EditRtSweep")).json()["EditRtSweep"]
+        return (ran, pngs, openai, chain_pngs, chain_ref, bad, too_long, info,
+                _counter(service, "edit_rt_edit_requests_total") - before_bad)
+
+    ran, pngs, openai, chain_pngs, chain_ref, bad, too_long, info, ran_bad = _run(app, work)
+    assert ran == {"edit_rt_edit_requests_total": 1, "edit_rt_edits_served_total": 3}  # one request of n rows
+    for got, ref in ((pngs, openai), (chain_pngs, chain_ref)):
+        reference = [base64.b64decode(d["b64_json"]) for d in ref["data"]]
+        assert len(got) == len(reference) == 3
+        for png, expected in zip(got, reference):
+            assert np.array_equal(_pixels(png), _pixels(expected))  # 0 grey levels
+        assert len({_pixels(p).tobytes() for p in got}) == 3  # three positions, three images
+    for n, r in bad.items():
+        assert r.status_code == 400, (n, r.text)
+        assert [e["extra_info"]["input_name"] for e in r.json()["node_errors"]["12"]["errors"]] == ["n"], (n, r.text)
+    assert set(bad["80 in all"].json()["node_errors"]) == {"12", "22"} and "80 rows" in bad["80 in all"].text
+    assert too_long.status_code == 400 and "tail_steps" in too_long.text and ran_bad == 0
+    assert info["description"] and info["input"]["required"]["n"][1]["max"] == 64
+    assert all(spec[1]["tooltip"] for spec in info["input"]["required"].values())
+
+
+def test_queued_workflows_share_step_calls_and_each_equals_running_it_alone(served):
+    """Several queued prompts run at once (comfyui_queue.MAX_RUNNING): the rows of two branching
+    workflows share UNet calls (counted by the step loop's own rows-per-call histogram: fewer
+    calls than the same two run one after another), each prompt's images equal its run alone (0
+    grey levels), /history lists them in queue order; an interrupt naming one running prompt
+    stops it alone."""
+    service, app = served
+    queue = app.state.comfyui.queue
+    flows = [branching(["a blue square", "a green circle"], seed=31), branching(["a red triangle", "a yellow circle"], seed=32)]
+    numbers = {}
+
+    async def post(c, flow: dict) -> str:
+        r = await c.post("/prompt", json={"prompt": _flow(service, flow)})
+        assert r.status_code == 200, r.text
+        numbers[r.json()["prompt_id"]] = r.json()["number"]
+        return r.json()["prompt_id"]
+
+    async def done(c, pid: str) -> dict:
+        for _ in range(1200):
+            if (entry := (await c.get(f"/history/{pid}")).json()):
+                return entry[pid]
+            await asyncio.sleep(0.02)
+        raise AssertionError("the prompt never finished")
+
+    async def images(c, entry: dict) -> list[bytes]:
+        return [(await c.get("/view", params=entry["outputs"][n]["images"][0])).content for n in ("33", "43")]
+
+    async def forget(c, entries: list[dict]) -> None:  # so that the next round runs everything again
+        for entry in entries:
+            for png in await images(c, entry):
+                bid = _base_id(png)
+                if await service.has_base(bid):
+                    await service.delete_base(bid)
+        queue.rows.pngs.clear()
+
+    async def work(c):
+        calls = _counter(service, "edit_rt_batch_rows_count")
+        pids = await asyncio.gather(*(post(c, f) for f in flows))
+        together = [await done(c, pid) for pid in pids]
+        shared = _counter(service, "edit_rt_batch_rows_count") - calls
+        order = [pid for pid in (await c.get("/history")).json() if pid in pids]
+        await forget(c, together)
+        calls = _counter(service, "edit_rt_batch_rows_count")
+        alone = [await done(c, await post(c, f)) for f in flows]
+        serial = _counter(service, "edit_rt_batch_rows_count") - calls
+        together_pngs = [await images(c, e) for e in together]
+        alone_pngs = [await images(c, e) for e in alone]
+        # an interrupt naming one running prompt: it stops, the other one runs to its end
+        long_one = txt2img(seed=41)
+        long_one["3"]["inputs"]["steps"] = 100
+        slow, other = await post(c, long_one), await post(c, branching(["a blue circle"], seed=42))
+        while queue.where(slow) == "pending":
+            await asyncio.sleep(0.005)
+        await c.post("/interrupt", json={"prompt_id": slow})
+        return (pids, together, shared, order, alone, serial, together_pngs, alone_pngs, await done(c, slow),
+                await done(c, other))
+
+    pids, together, shared, order, alone, serial, together_pngs, alone_pngs, slow, other = _run(app, work)
+    assert all(e["status"]["status_str"] == "success" for e in together + alone)
+    assert order == sorted(pids, key=numbers.get)  # /history in queue order, whichever finished first
+    for a, b in zip(together_pngs, alone_pngs):
+        for x, y in zip(a, b):
+            assert np.array_equal(_pixels(x), _pixels(y))  # 0 grey levels
+    # alone: each 4 chain steps + 2 tail steps; together the rows of both share calls
+    assert serial == 2 * (STEPS + 2) and shared < serial, (shared, serial)
+    assert slow["status"]["status_str"] == "error" and "execution_interrupted" in [m[0] for m in slow["status"]["messages"]]
+    assert other["status"]["status_str"] == "success"
+
+
+# Stable Diffusion 1.5's scheduler_config.json (runwayml/stable-diffusion-v1-5, as published)
+SD15_SCHEDULER = {"_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                  "beta_start": 0.00085, "num_train_timesteps": 1000, "set_alpha_to_one": False,
+                  "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None, "clip_sample": False}  # fmt: skip
+
+
+class ComfyModelSampling:
+    """ComfyUI's ModelSamplingDiscrete (comfy/model_sampling.py) for a scaled_linear chain, re-derived
+    from its source in numpy: the training sigmas in float32, ``sigma(t)`` interpolating log-sigma
+    between integer timesteps, ``timestep(sigma)`` the nearest training timestep in log-sigma (what
+    ComfyUI feeds the UNet)."""
+
+    def __init__(self, beta_start: float = 0.00085, beta_end: float = 0.012, n: int = 1000):
+        betas = np.linspace(beta_start**0.5, beta_end**0.5, n, dtype=np.float64) ** 2
+        alphas_cumprod = np.cumprod(1.0 - betas)
+        sigmas = ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5
+        self.sigmas, self.log_sigmas = sigmas.astype(np.float32), np.log(sigmas).astype(np.float32)
+
+    def sigma(self, t: float) -> float:
+        t = min(max(float(t), 0.0), len(self.sigmas) - 1)
+        low, high, w = int(np.floor(t)), int(np.ceil(t)), t - np.floor(t)
+        return float(np.exp((1 - w) * self.log_sigmas[low] + w * self.log_sigmas[high]))
+
+    def timestep(self, sigma: float) -> int:
+        return int(np.abs(np.float32(np.log(sigma)) - self.log_sigmas).argmin())
+
+    # comfy/samplers.py's schedulers, each ending at sigma 0
+    def normal(self, steps: int) -> np.ndarray:
+        start, end = self.timestep(self.sigmas[-1]), self.timestep(self.sigmas[0])
+        return np.array([self.sigma(t) for t in np.linspace(start, end, steps, dtype=np.float32)] + [0.0])
+
+    def karras(self, steps: int, rho: float = 7.0) -> np.ndarray:  # k-diffusion's get_sigmas_karras
+        lo, hi = float(self.sigmas[0]) ** (1 / rho), float(self.sigmas[-1]) ** (1 / rho)
+        return np.append((hi + np.linspace(0, 1, steps) * (lo - hi)) ** rho, 0.0)
+
+    def ddim_uniform(self, steps: int) -> np.ndarray:
+        every = max(len(self.sigmas) // steps, 1)
+        return np.array([0.0] + [float(self.sigmas[x]) for x in range(1, len(self.sigmas), every)])[::-1]
+
+
+def test_the_sampler_pairs_the_door_runs_have_comfyuis_sigmas():
+    """Each (sampler_name, scheduler) pair the door runs, on Stable Diffusion 1.5's scheduler
+    config: the sigmas of edit-rt's sampler equal those of ComfyUI's scheduler (re-derived from
+    ComfyUI's source: the reference) within 1e-4, step by step; the DPM++ and UniPC Karras pairs feed the
+    UNet ComfyUI's own integer timesteps, Euler's (diffusers' linspace points) are within half a
+    timestep of them. DDIM's timesteps are ddim_uniform's where steps divides 1000 (elsewhere
+    ComfyUI runs one step more), its last step ending at the chain's first alpha (set_alpha_to_one
+    false) where ComfyUI ends at sigma 0."""
+    from edit_rt.runtime.model.samplers import schedule_for
+    from edit_rt.runtime.web.comfyui_nodes import PAIRS
+
+    comfy = ComfyModelSampling()
+    assert set(PAIRS) == {("euler", "normal"), ("euler", "karras"), ("euler_ancestral", "normal"),
+                          ("dpmpp_2m", "karras"), ("uni_pc_bh2", "karras"), ("ddim", "ddim_uniform")}  # fmt: skip
+    for (sampler_name, scheduler), name in PAIRS.items():
+        for steps in (4, 20, 25, 50):
+            ours = schedule_for(name, SD15_SCHEDULER, steps)
+            reference = getattr(comfy, scheduler)(steps)
+            if name == "ddim":
+                sigmas = np.sqrt((1 - ours.alpha_t) / ours.alpha_t)
+                np.testing.assert_allclose(sigmas, reference[:-1], rtol=2e-5, err_msg=f"{name} {steps}")
+                assert np.isclose(ours.alpha_prev[-1], 1 / (1 + comfy.sigmas[0] ** 2), rtol=1e-6)  # not sigma 0
+                continue
+            # 1e-4: float32, and diffusers' Euler interpolates sigma between training timesteps
+            # linearly where ComfyUI interpolates log-sigma (7.5e-5 at one of 50 steps)
+            np.testing.assert_allclose(ours.sigmas, reference, rtol=1e-4, atol=1e-7, err_msg=f"{name} {steps}")
+            fed = [comfy.timestep(s) for s in reference[:-1]]
+            gap = np.abs(np.asarray(ours.timesteps, dtype=np.float64) - fed).max()
+            assert gap == 0 if scheduler == "karras" and name != "euler_karras" else gap <= 0.5, (name, steps, gap)

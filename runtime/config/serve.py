@@ -4,9 +4,11 @@ related generations (load.py reads it with the rest of run_config.py's sections;
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import AfterValidator, ConfigDict, with_config
+from pydantic import AfterValidator, ConfigDict, ValidationInfo, field_validator, with_config
 
 from ..model.schema import Bool, Float, Int, Str, between
 
@@ -186,5 +188,24 @@ class Serve:
     # other doors. Off by default: its paths are ComfyUI's bare ones (/prompt, /view), which
     # nothing else here claims, and a server that does not speak ComfyUI should answer 404 there.
     comfyui: Bool = False
+    # ComfyUI's own frontend (comfyui-frontend-package, the `comfyui` extra) at / (web/comfyui_frontend.py),
+    # the editing page then at /editor only. Off by default: it is 120 MB of someone else's
+    # page, and it needs comfyui: true, whose routes it calls.
+    comfyui_frontend: Bool = False
+    # Where the frontend keeps each user's settings and workflows (users.json, a folder per
+    # user); relative to the config's folder. None: <output_dir>/comfyui/user, beside the
+    # outputs as ComfyUI keeps its user/ folder.
+    comfyui_user_dir: Optional[Path] = None
     ray: RayServe = field(default_factory=RayServe)
     related: Related = field(default_factory=Related)
+
+    @field_validator("comfyui_frontend")
+    @classmethod
+    def _frontend_needs_its_door_and_package(cls, on: bool, info: ValidationInfo) -> bool:
+        if on and not info.data.get("comfyui"):
+            raise ValueError("true needs ComfyUI's API, whose routes the frontend calls; set serve.comfyui: true too, "
+                             "or set comfyui_frontend false")  # fmt: skip
+        if on and find_spec("comfyui_frontend_package") is None:
+            raise ValueError("true needs ComfyUI's frontend, which is not installed; pip install 'edit-rt[comfyui]' "
+                             "(comfyui-frontend-package), or set comfyui_frontend false")  # fmt: skip
+        return on

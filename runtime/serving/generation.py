@@ -79,19 +79,22 @@ class Generations:
 
     async def events(self, base: Base, previews: int = 0, related: Optional[bool] = None,
                      seed_given: bool = False) -> AsyncIterator[Event]:  # fmt: skip
-        """``generate`` as events: ``previews`` x "edit_rt.preview" (index, step, of, png: the
-        decoded x_0 the step predicts) spread over the steps, then ("generated", Generated).
-        Wrap it in :func:`watch` for a client that may leave."""
+        """``generate`` as events: "edit_rt.progress" (index, step, of) as its steps advance,
+        ``previews`` x "edit_rt.preview" (index, step, of, png: the decoded x_0 the step
+        predicts) spread over the steps, then ("generated", Generated). Wrap it in
+        :func:`watch` for a client that may leave."""
         vector, plan = await self.related.lookup(base, related, seed_given)
         bid, request, job = self._generation(base, plan)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        request.on_progress = lambda i, step, of: loop.call_soon_threadsafe(
+            events.put_nowait, ("edit_rt.progress", {"index": i, "step": step, "of": of}))  # fmt: skip
         self.previews.ask(request, [job], events, previews)
         job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(events.put_nowait, ("done", job)))
         try:
             self.loops.submit(request, [job])
-            while (item := await events.get())[0] == "preview":
-                yield "edit_rt.preview", await self.previews.event(item[1])
+            while (item := await events.get())[0] != "done":
+                yield item if item[0] == "edit_rt.progress" else ("edit_rt.preview", await self.previews.event(item[1]))
             result = job.future.result()  # a row's error as raised in the engine thread
             self.related.done(plan, True)
             done, plan = plan, None

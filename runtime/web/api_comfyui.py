@@ -5,9 +5,10 @@ API-format workflows here.
 ``POST /prompt`` checks the whole workflow (comfyui_workflow.py) and plans it on the service
 (comfyui_run.py) before anything runs: a workflow that cannot run is 400 with ComfyUI's
 ``error`` and ``node_errors``. A queued one runs on the door's queue (comfyui_queue.py), its
-progress on ``/ws``, its images in ``/history`` and at ``/view``. ``/queue``, ``/history``,
-``/interrupt`` (this door's prompts only), ``/upload/image``, ``/upload/mask``, ``/object_info`` (the node table:
-comfyui_nodes.py), ``/system_stats``, ``/embeddings`` and ``/models`` answer as ComfyUI's do.
+progress and previews on ``/ws``, its images in ``/history`` and at ``/view``. ``/queue``,
+``/history``, ``/interrupt`` (this door's prompts only; one by its ``prompt_id``),
+``/upload/image``, ``/upload/mask``, ``/object_info`` (the node table: comfyui_nodes.py),
+``/system_stats``, ``/embeddings`` and ``/models`` answer as ComfyUI's do.
 
 The gate (gate.py) checks Host, origin and body size for every route here; credentials and
 readiness are checked by this door's dependency, on HTTP and on the websocket alike (a websocket
@@ -37,6 +38,7 @@ from ..serving.job_control import DOOR
 from ..serving.service import Service
 from .comfyui_files import TYPES, Files, masked_png, safe_name
 from .comfyui_nodes import Served, lora_file, node_table
+from .comfyui_previews import SUPPORTS_PREVIEW_METADATA, PreviewFrame
 from .comfyui_queue import COMFYUI, PromptQueue, new_prompt_id
 from .comfyui_run import planned
 from .comfyui_workflow import MAX_NODES, WorkflowRefused, checked_workflow, error
@@ -63,7 +65,7 @@ class Door:
         bank = service.pipe.adapter_bank if service.pipe is not None else None
         adapters = tuple(bank.adapters) if bank is not None else ()
         return node_table(Served(service.model_name, adapters, tuple(service.cfg.served_sizes()), service.cfg.serve.max_steps,
-                                 tuple(self.files.names("input"))))  # fmt: skip
+                                 tuple(self.files.names("input")), service.cfg.serve.max_edits_per_request))  # fmt: skip
 
     def refusal(self, connection: HTTPConnection, service: Service) -> Optional[ApiError]:
         """Credentials, then readiness (what the gate asks of the other doors' paths)."""
@@ -118,7 +120,7 @@ async def post_prompt(request: HttpRequest):
         return JSONResponse({"error": error("no_prompt", "No prompt provided", "No prompt provided"), "node_errors": {}},
                             status_code=400)  # fmt: skip
     try:
-        workflow = checked_workflow(prompt, door.table(service), MAX_NODES)
+        workflow = checked_workflow(prompt, door.table(service), MAX_NODES, service.cfg.serve.max_edits_per_request)
         plan = await planned(service, workflow, door.files)
     except WorkflowRefused as refused:
         return JSONResponse(refused.body(), status_code=400)
@@ -141,7 +143,7 @@ async def get_prompt(request: HttpRequest):
 @http.get("/queue", summary="The running and pending prompts")
 async def get_queue(request: HttpRequest):
     queue = door_of(request).queue
-    return {"queue_running": [queue.running.listed()] if queue.running is not None else [],
+    return {"queue_running": [item.listed() for item in queue.running.values()],
             "queue_pending": [item.listed() for item in queue.pending]}  # fmt: skip
 
 
@@ -234,10 +236,19 @@ async def upload_mask(request: HttpRequest):
     return _kept(door, form, image, kind, written, "mask.png")
 
 
-@http.post("/interrupt", summary="Stop the running prompt (this door's rows only)")
+@http.post("/interrupt", summary="Stop the running prompts, or the one {prompt_id} names (this door's rows only)")
 async def interrupt(request: HttpRequest):
-    await service_of(request).stop_jobs(COMFYUI)
+    body = await json_body(request)
+    prompt_id = body.get("prompt_id")
+    await door_of(request).queue.interrupt(str(prompt_id) if prompt_id else None)
     return Response(status_code=200)
+
+
+def server_features(service: Service) -> dict:
+    """ComfyUI's server feature flags (its comfy_api/feature_flags.py), what edit-rt's door has:
+    the websocket's answer to a client's ``feature_flags`` (``/features`` answers them over HTTP
+    where the frontend is served: comfyui_frontend.py)."""
+    return {SUPPORTS_PREVIEW_METADATA: True, "max_upload_size": service.cfg.serve.max_image_bytes}
 
 
 @http.get("/object_info", summary="The nodes this door runs, ComfyUI's INPUT_TYPES")
@@ -294,24 +305,50 @@ async def ws(socket: WebSocket):
     client_id = socket.query_params.get("clientId") or new_prompt_id().replace("-", "")
     await socket.accept()
     queue = door.queue
-    messages = queue.listen(client_id)
+    listener = queue.listen(client_id)
+    reader = getter = None
     try:
         await socket.send_json({"type": "status", "data": {**queue.status(), "sid": client_id}})
-        reader = asyncio.ensure_future(socket.receive())  # a client's close (it sends nothing else)
+        reader = asyncio.ensure_future(socket.receive())
+        first = True
         while True:
-            getter = asyncio.ensure_future(messages.get())
+            getter = asyncio.ensure_future(listener.messages.get())
             done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
                 getter.cancel()
-                if reader.result().get("type") == "websocket.disconnect":
+                received = reader.result()
+                if received.get("type") == "websocket.disconnect":
                     return
+                if first and _feature_flags(received, listener):  # ComfyUI reads only a first message
+                    await socket.send_json({"type": "feature_flags", "data": server_features(service)})
+                first = False
                 reader = asyncio.ensure_future(socket.receive())
                 continue
-            await socket.send_json(getter.result())
+            message = getter.result()
+            if isinstance(message, PreviewFrame):
+                await socket.send_bytes(message.encoded(listener.metadata))
+            else:
+                await socket.send_json(message)
     except (WebSocketDisconnect, RuntimeError):
         return
     finally:
-        queue.leave(client_id, messages)
+        for waiting in (reader, getter):
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
+        queue.leave(client_id, listener)
+
+
+def _feature_flags(received: dict, listener) -> bool:
+    """A client's first message, when it is ComfyUI's ``feature_flags``: its flags kept on its
+    listener (True: answer with the server's)."""
+    try:
+        message = json.loads(received.get("text") or "")
+    except ValueError:
+        return False
+    if not isinstance(message, dict) or message.get("type") != "feature_flags" or not isinstance(message.get("data"), dict):
+        return False
+    listener.flags = {str(k)[:64]: v for k, v in list(message["data"].items())[:32] if isinstance(v, (bool, int, str))}
+    return True
 
 
 def _foreign(socket: WebSocket, loopback: bool) -> Optional[ApiError]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..model.sweep import MAX_POINTS
+
 # ComfyUI's KSampler lists (comfy/samplers.py KSAMPLER_NAMES + ["ddim", "uni_pc", "uni_pc_bh2"],
 # SCHEDULER_NAMES): every name its frontend offers is taken as a value, so a pair that does not
 # run is refused as a pair, naming the pairs that do, not as a name edit-rt never heard of.
@@ -23,18 +25,21 @@ COMFY_SAMPLERS = ["euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_c
 COMFY_SCHEDULERS = ["normal", "karras", "exponential", "sgm_uniform", "simple", "ddim_uniform", "beta"]
 
 # (ComfyUI sampler_name, scheduler) -> edit-rt's sampler (model/samplers.py): the same update rule
-# on the same kind of sigma schedule. ComfyUI's "ddim" is its Euler step (comfy/samplers.py
-# samples ddim with k-diffusion's euler), which is DDIM's eta-0 update written in sigma; its
-# "ddim_uniform" takes every (1000 // steps)-th training timestep from 1, DDIM's "leading"
-# spacing. "uni_pc_bh2" is UniPC's bh2 variant, the one edit-rt runs ("uni_pc" is bh1).
+# on the same sigmas (tests/test_comfyui.py holds them against ComfyUI's schedulers, re-derived
+# from its comfy/samplers.py, for Stable Diffusion 1.5's scheduler config). ComfyUI's "ddim" is
+# its Euler step (comfy/samplers.py samples ddim with k-diffusion's euler), which is DDIM's eta-0
+# update written in sigma; its "ddim_uniform" takes every (1000 // steps)-th training timestep
+# from 1, DDIM's "leading" spacing. "uni_pc_bh2" is UniPC's bh2 variant, the one edit-rt runs
+# ("uni_pc" is bh1). Not here: dpmpp_2m and uni_pc_bh2 with "normal", whose last sigma is the
+# training chain's smallest (t = 0) where diffusers' DPM-Solver and UniPC space steps + 1 points
+# and drop t = 0 (Stable Diffusion 1.5 at 20 steps: its last sigma that of t = 50, 0.226,
+# ComfyUI's that of t = 0, 0.029): another schedule, so refused.
 PAIRS: dict[tuple[str, str], str] = {
     ("euler", "normal"): "euler",
     ("euler", "karras"): "euler_karras",
     ("euler_ancestral", "normal"): "euler_a",
-    ("dpmpp_2m", "normal"): "dpmpp_2m",
     ("dpmpp_2m", "karras"): "dpmpp_2m_karras",
     ("ddim", "ddim_uniform"): "ddim",
-    ("uni_pc_bh2", "normal"): "unipc",
     ("uni_pc_bh2", "karras"): "unipc_karras",
 }
 
@@ -51,13 +56,15 @@ SEED_MAX = 2**63 - 1  # model/schema.py Seed: a stored base's key holds it
 @dataclass(frozen=True)
 class Served:
     """What the lists of the table are filled with: the served model's name, its adapters, the
-    sizes its engines serve, the step bound, and the images uploaded to this door."""
+    sizes its engines serve, the step bound, the images uploaded to this door, and the rows one
+    request may hold (serve.max_edits_per_request: a sweep's n at most)."""
 
     model_name: str
     adapters: tuple[str, ...] = ()
     sizes: tuple[tuple[int, int], ...] = ((512, 512),)
     max_steps: int = 150
     images: tuple[str, ...] = ()
+    max_rows: int = MAX_POINTS
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class NodeSpec:
     category: str = ""
     description: str = ""
     optional: dict = field(default_factory=dict)
+    output_tooltips: tuple[str, ...] = ()
+    # the input whose value is the node's rows (a sweep's n): counted over the workflow before it is planned
+    rows_input: Optional[str] = None
 
     def info(self, name: str) -> dict:
         """The node as ComfyUI's ``/object_info`` describes it."""
@@ -79,7 +89,8 @@ class NodeSpec:
                 "output": list(self.outputs), "output_is_list": [False] * len(self.outputs),
                 "output_name": list(self.output_names or self.outputs), "name": name, "display_name": name,
                 "description": self.description, "python_module": "edit_rt", "category": self.category,
-                "output_node": self.output_node, "deprecated": False, "experimental": False}  # fmt: skip
+                "output_node": self.output_node, "deprecated": False, "experimental": False,
+                **({"output_tooltips": list(self.output_tooltips)} if self.output_tooltips else {})}  # fmt: skip
 
 
 def lora_file(name: str) -> str:
@@ -158,10 +169,43 @@ def node_table(served: Served) -> dict[str, NodeSpec]:
                                            "PNG): K/V = K_base + strength (K_edit - K_base), negative too; the last "
                                            "tail_steps of its chain; preserve auto: only where the changed words "
                                            "attend may the image change. Edits of one base run as one batched tail"),
+        "EditRtSweep": NodeSpec(_sweep_inputs(served, cfg), ("LATENT",), category="edit-rt", rows_input="n",
+                                description="A slider sweep: one edit at n evenly spaced positions of its slider "
+                                            "(the edit's strength, or a LoRA's scale: a concept slider), from "
+                                            "'from' to 'to', both included, as n rows of one batched tail of a "
+                                            "stored base (EditRtStoredBase, VAEEncode of an edit-rt PNG) or of a "
+                                            "KSampler/KSamplerAdvanced chain. Its LATENT is a batch of n: "
+                                            "VAEDecode then SaveImage writes n images",
+                                output_tooltips=("n latents, position k of the sweep at batch index k",)),
     }
     for name, why in REFUSED.items():
         table[name] = NodeSpec({"samples": ("LATENT",)}, ("LATENT",), category="latent", description=f"refused: {why}")
     return table
+
+
+def _sweep_inputs(served: Served, cfg: tuple) -> dict:
+    """EditRtSweep's inputs, each with the tooltip ComfyUI's frontend shows."""
+    position = {"min": -8.0, "max": 8.0, "step": 0.05}
+    return {
+        "samples": ("LATENT", {"tooltip": "The base the rows re-enter: EditRtStoredBase, VAEEncode of an edit-rt "
+                                          "PNG, or a KSampler/KSamplerAdvanced latent (a chain stopped at step s "
+                                          "with its leftover noise: the rows start at s)"}),
+        "positive": ("CONDITIONING", {"tooltip": "The edit prompt (its CLIP's clip skip is the base's; a LoRA "
+                                                 "loaded on it applies to every row)"}),
+        "slider": (["strength", *(lora_file(n) for n in served.adapters)],
+                   {"tooltip": "What moves: the edit's strength (K/V = K_base + s (K_edit - K_base), -4..4), or a "
+                               "LoRA's scale (-8..8) with the edit at strength 1"}),
+        "from": ("FLOAT", {"default": 0.0, **position, "tooltip": "The slider's first position"}),
+        "to": ("FLOAT", {"default": 1.0, **position, "tooltip": "The slider's last position"}),
+        "n": ("INT", {"default": 5, "min": 2, "max": min(MAX_POINTS, served.max_rows),
+                      "tooltip": "Positions, evenly spaced from 'from' to 'to': the rows of one batched tail and "
+                                 "the images of the batch"}),
+        "tail_steps": ("INT", {"default": 8, "min": 1, "max": served.max_steps,
+                               "tooltip": "The last steps of the base's chain each row runs (over a chain stopped "
+                                          "at step s: its steps - s)"}),
+        "cfg": (cfg[0], {**cfg[1], "tooltip": "Classifier-free guidance of the rows"}),
+        "preserve": (["none", "auto"], {"tooltip": "auto: only where the changed words attend may the image change"}),
+    }
 
 
 def pairs_text() -> str:

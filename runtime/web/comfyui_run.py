@@ -17,6 +17,9 @@ What the nodes become:
   strength 1 from step s (ComfyUI starts the branch's solver at s with the leftover latent:
   for a one-step sampler that is the edit's re-entry at s). Every branch of one base is one
   batched tail.
+- ``EditRtSweep`` (edit-rt's): one edit at n positions of a slider (model/sweep.py), n rows of
+  the tail of its base (a stored one, or a chain's: from the step it stopped at), batched with
+  the other edits and branches of that base; its LATENT a batch of n.
 - ``VAEDecode`` of a sampled latent: that base's or edit's image; ``SaveImage`` /
   ``PreviewImage``: its PNG with ComfyUI's ``prompt`` and ``workflow`` text beside edit-rt's
   ``parameters`` (so the PNG reopens in ComfyUI and re-enters its base here).
@@ -30,7 +33,7 @@ import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Protocol
 
 import numpy as np
 from PIL import Image
@@ -39,7 +42,10 @@ from PIL.PngImagePlugin import PngInfo
 from ..errors import EditRtError
 from ..model.edit import Base, Edit
 from ..model.samplers import IMAGE_SAMPLER
+from ..model.sweep import Sweep, expand
 from ..serving.bases import checked_id
+from ..serving.generation import watch
+from ..serving.results import Generated
 from ..serving.service import Service
 from ..storage.store import base_id
 from .comfyui_files import Files
@@ -122,9 +128,18 @@ class EditRun:
     offset: int = 0
     members: list["EditRun"] = field(default_factory=list)  # the branches folded into this one
     grouped: bool = False  # edit-rt's edit node: its rows join the other such edits of its base
+    rows: int = 1  # its own rows (``specs`` grows as other runs of its base fold into it)
+    rows_input: str = "samples"  # the input a tail of too many rows names (a sweep's: n)
 
     def png(self, i: int) -> bytes:
         return self.into.png(self.offset + i) if self.into is not None else self.pngs[i]
+
+    def node_of(self, i: int) -> str:
+        """The node whose row ``i`` of this run's tail is (a folded run's rows are its own)."""
+        for member in reversed(self.members):
+            if i >= member.offset:
+                return member.node
+        return self.node
 
 
 @dataclass(frozen=True)
@@ -176,12 +191,24 @@ async def planned(service: Service, workflow: Workflow, files: Files) -> Plan:
             node = workflow.nodes[node_id]
             inputs = {k: (values[str(v[0])][v[1]] if isinstance(v, list) else v) for k, v in node["inputs"].items()}
             values[node_id] = await _node(service, files, node_id, node["class_type"], inputs, gens, edits, outputs)
+        grouped = _grouped(edits)
+        _check_tails(grouped, service.cfg.serve.max_edits_per_request)
     except NodeError as err:
         node = workflow.nodes[err.node_id]
         raise refused_prompt("Prompt outputs failed validation", f"{err.record['message']}: {err.record['details']}",
                              {err.node_id: {"errors": [err.record], "dependent_outputs": list(workflow.outputs),
                                             "class_type": node["class_type"]}}) from None  # fmt: skip
-    return Plan(gens, _grouped(edits), outputs)
+    return Plan(gens, grouped, outputs)
+
+
+def _check_tails(runs: list[EditRun], limit: int) -> None:
+    """Each batched tail (the edits, branches and sweeps of one base) within one request's rows."""
+    for run in runs:
+        if len(run.specs) > limit:
+            big = max((run, *run.members), key=lambda m: m.rows)
+            raise refuse(big.node, big.rows_input, f"{big.rows} of the {len(run.specs)} rows of one base's tail "
+                         f"(its edits, branches and sweeps run as one request); at most {limit} "
+                         "(serve.max_edits_per_request)")  # fmt: skip
 
 
 def _grouped(edits: list[EditRun]) -> list[EditRun]:
@@ -271,6 +298,8 @@ async def _node(service: Service, files: Files, node_id: str, kind: str, inputs:
         return (Latent("image", image=ImageSource(bid, b"", {"id": bid, "base": info["base"]}, node_id)),)
     if kind == "EditRtEdit":
         return (_edit_rt_edit(node_id, inputs, edits),)
+    if kind == "EditRtSweep":
+        return (_sweep(node_id, inputs, edits),)
     if kind == "VAEDecode":
         latent = inputs["samples"]
         if latent.kind not in ("sampled",):
@@ -284,7 +313,7 @@ async def _node(service: Service, files: Files, node_id: str, kind: str, inputs:
         if not isinstance(images, Decoded):
             raise refuse(node_id, "images", "a VAEDecode of a sampled latent: a loaded image is saved as it is uploaded")
         run = images.latent.run
-        count = len(run.bases) if isinstance(run, Generation) else len(run.specs)
+        count = len(run.bases) if isinstance(run, Generation) else run.rows
         prefix = inputs.get("filename_prefix", "ComfyUI") if kind == "SaveImage" else "ComfyUI_temp"
         outputs.append(Output(node_id, "output" if kind == "SaveImage" else "temp", prefix, [(run, k) for k in range(count)]))
         return ()
@@ -442,6 +471,51 @@ def _edit_rt_edit(node_id: str, inputs: dict, edits: list) -> Latent:
     return Latent("sampled", run=run)
 
 
+def _sweep(node_id: str, inputs: dict, edits: list) -> Latent:
+    """edit-rt's sweep node: its n positions as n rows of its base's tail (expanded as every door
+    expands a sweep: model/sweep.py), one batched tail with the other edits of that base."""
+    latent, pos, tail = inputs["samples"], inputs["positive"], inputs["tail_steps"]
+    slider = inputs["slider"]
+    adapter = None if slider == "strength" else slider.removesuffix(".safetensors")
+    if adapter is None:  # the edit's strength: the schema's range, named by the input past it
+        for name in ("from", "to"):
+            if abs(inputs[name]) > 4.0:
+                raise refuse(node_id, name, f"{inputs[name]:g}: a strength slider runs from -4 to 4")
+    if latent.kind == "image" and latent.image.named is not None:  # a stored base
+        named = latent.image.named
+        steps, skip = named["base"]["steps"], named["base"]["clip_skip"]
+    elif latent.kind in ("partial", "sampled") and isinstance(latent.run, Generation):  # a chain's base
+        if latent.batch != 1:
+            raise refuse(node_id, "samples", "a batch's chain: a sweep re-enters one base; batch_size 1")
+        base = latent.run.bases[0]
+        steps, skip, named = base.steps, base.clip_skip, None
+        if latent.kind == "partial" and tail != steps - latent.step:
+            raise refuse(node_id, "tail_steps", f"{tail}, but the chain it continues stopped at step {latent.step} "
+                         f"of {steps}: its rows run the last {steps - latent.step}")  # fmt: skip
+    else:
+        raise refuse(node_id, "samples", "a stored base (EditRtStoredBase, VAEEncode of an edit-rt PNG) or a "
+                     "KSampler/KSamplerAdvanced latent of an empty latent image")  # fmt: skip
+    if pos.clip.clip_skip != skip:
+        raise refuse(node_id, "positive", f"clip skip {pos.clip.clip_skip}, but its base was made with {skip}; set "
+                     f"CLIPSetLastLayer to {-1 - skip}")  # fmt: skip
+    if not pos.text.strip():
+        raise refuse(node_id, "positive", "an empty prompt: a sweep needs its edit's prompt")
+    if tail > steps:
+        raise refuse(node_id, "tail_steps", f"{tail}, past the base's {steps} steps")
+    try:
+        sweep = Sweep(start=inputs["from"], stop=inputs["to"], n=inputs["n"], adapter=adapter)
+        specs = expand(Edit(prompt=pos.text, tail_steps=tail, guidance=inputs["cfg"], preserve=inputs["preserve"],
+                            adapters=dict(pos.clip.adapters) or None, sweep=sweep))  # fmt: skip
+    except ValueError as err:
+        raise refuse(node_id, "slider", str(err).splitlines()[0]) from None
+    if named is not None:
+        run = EditRun(node_id, specs, image=latent.image, grouped=True, rows=len(specs), rows_input="n")
+    else:
+        run = EditRun(node_id, specs, of=latent.run, rows=len(specs), rows_input="n")
+    edits.append(run)
+    return Latent("sampled", batch=len(specs), run=run)
+
+
 def _branch(node_id: str, inputs: dict, latent: Latent, sampler: str, pos: Cond, neg: Cond, adapters: tuple,
             start: int, end: int, add_noise: bool, edits: list) -> Latent:  # fmt: skip
     """A KSamplerAdvanced over a partial chain: an edit of its base from the step it stopped at."""
@@ -508,7 +582,7 @@ async def reused(service: Service, plan: Plan, rows: RowCache) -> list[str]:
     for run in plan.edits:
         if run.of is not None and run.of.ids:
             run.pngs = [rows.get(run.of.ids[0], spec) for spec in run.specs]
-            cached += [m.node for m in (run, *run.members) if run.pngs[m.offset] is not None]
+            cached += [m.node for m in (run, *run.members) if all(run.pngs[m.offset:m.offset + m.rows])]
     return cached
 
 
@@ -516,17 +590,37 @@ async def reused(service: Service, plan: Plan, rows: RowCache) -> list[str]:
 
 
 Say = Callable[[str, dict], Awaitable[None]]
+class Watch(Protocol):
+    """Who watches a prompt's nodes run (its websocket listeners): each row's steps as they
+    advance, and its previews (the PNG of the x_0 a step predicts)."""
+
+    def progress(self, node: str, step: int, of: int) -> None: ...
+
+    async def preview(self, node: str, png: bytes) -> None: ...
 
 
-async def run_plan(service: Service, plan: Plan, say: Say, rows: Optional[RowCache] = None) -> dict[str, list[bytes]]:
+# Previews a row asks for: one per PREVIEW_EVERY steps of its base's chain, at least one, spread
+# over the row's own steps (serving/previews.py); each is a decode on the engine thread (the tiny
+# decoder's where the export has one), so not every step as ComfyUI's latent2rgb previews are
+PREVIEW_EVERY = 4
+
+
+def previews_for(steps: int) -> int:
+    """How many previews each row of a base of ``steps`` steps asks for."""
+    return max(1, (steps - 1) // PREVIEW_EVERY)
+
+
+async def run_plan(service: Service, plan: Plan, say: Say, rows: Optional[RowCache] = None,
+                   watcher: Optional[Watch] = None) -> dict[str, list[bytes]]:  # fmt: skip
     """Run ``plan``: its generations side by side (their rows batch), then each edit run as one
-    request (one batched tail); ``say(node, event)`` tells which node runs. What :func:`reused`
+    request (one batched tail); ``say(node, event)`` tells which node runs, ``watcher`` (None:
+    no one watches) gets each node's rows' steps and previews. What :func:`reused`
     marked is not run again; branch rows run are kept in ``rows``. Returns {output node: its PNGs
     as edit-rt wrote them}."""
     todo = [run for run in plan.generations if not run.ids]
     for run in todo:
         await say(run.node, {})
-    made = await asyncio.gather(*(service.generate(b) for run in todo for b in run.bases))
+    made = await asyncio.gather(*(_generated(service, b, run.node, watcher) for run in todo for b in run.bases))
     k = 0
     for run in todo:
         run.ids = [g.id for g in made[k:k + len(run.bases)]]
@@ -539,23 +633,58 @@ async def run_plan(service: Service, plan: Plan, say: Say, rows: Optional[RowCac
             missing = [i for i, png in enumerate(pngs) if png is None]
             if missing:
                 await say(run.node, {})
-                made_rows = await service.edit_base(bid, [run.specs[i] for i in missing])
-                for i, edited in zip(missing, made_rows):
-                    pngs[i] = edited.png
+                made_rows = await _edited(service, bid, [run.specs[i] for i in missing], run.of.bases[0].steps, watcher,
+                                          lambda j: run.node_of(missing[j]))  # fmt: skip
+                for i, png in zip(missing, made_rows):
+                    pngs[i] = png
                     if rows is not None:
-                        rows.put(bid, run.specs[i], edited.png)
+                        rows.put(bid, run.specs[i], png)
             run.pngs = pngs
             continue
         await say(run.node, {})
         if run.image.named is not None:
-            bid = run.image.named["id"]
+            bid, steps = run.image.named["id"], run.image.named["base"]["steps"]
         else:
             upload = await service.images.upload(run.image.data, f"LoadImage {run.image.node}: image")
-            bid = (await service.invert(upload, "", run.negative, run.steps, None, run.clip_skip)).id
+            inverted = await service.invert(upload, "", run.negative, run.steps, None, run.clip_skip)
+            bid, steps = inverted.id, inverted.base.steps
         masks = {} if run.mask is None else {"pixel_masks": [run.mask] * len(run.specs), "mask_param": "mask"}
-        run.pngs = [e.png for e in await service.edit_base(bid, run.specs, **masks)]
+        run.pngs = await _edited(service, bid, run.specs, steps, watcher, run.node_of, **masks)
     return {o.node: [run.pngs[i] if isinstance(run, Generation) else run.png(i) for run, i in o.images]
             for o in plan.outputs}
+
+
+async def _generated(service: Service, base: Base, node: str, watcher: Optional[Watch]) -> Generated:
+    """``base`` generated (its steps and previews to ``watcher`` as ``node``'s)."""
+    if watcher is None:
+        return await service.generate(base)
+    async for kind, data in watch(service.generate_events(base, previews_for(base.steps)), None):
+        if kind == "edit_rt.progress":
+            watcher.progress(node, data["step"], data["of"])
+        elif kind == "edit_rt.preview":
+            await watcher.preview(node, data["png"])
+        elif kind == "generated":
+            return data
+    raise RuntimeError("a generation's events ended without its result")  # the events raise first
+
+
+async def _edited(service: Service, bid: str, specs: list[Edit], steps: int, watcher: Optional[Watch],
+                  node_of: Callable[[int], str], **masks) -> list[bytes]:  # fmt: skip
+    """The PNGs of ``specs`` as one request of the stored base ``bid`` of ``steps`` steps (row
+    i's steps and previews to ``watcher`` as ``node_of(i)``'s), or the first row's error."""
+    if watcher is None:
+        return [e.png for e in await service.edit_base(bid, specs, **masks)]
+    pngs: list = [None] * len(specs)
+    async for kind, data in watch(service.edit_events(bid, specs, previews=previews_for(steps), **masks), None):
+        if kind == "error":
+            raise data["error"]
+        if kind == "edit_rt.progress":
+            watcher.progress(node_of(data["index"]), data["step"], data["of"])
+        elif kind == "edit_rt.preview":
+            await watcher.preview(node_of(data["index"]), data["png"])
+        elif kind == "image_edit.completed":
+            pngs[data["index"]] = data["png"]
+    return pngs
 
 
 def comfy_png(png: bytes, prompt: dict, extra_pnginfo: dict) -> bytes:

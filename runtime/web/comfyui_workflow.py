@@ -5,7 +5,8 @@ extra_info}, "node_errors": {node id: {"errors": [...], "dependent_outputs", "cl
 Checked here, against the node table (comfyui_nodes.py): the node count (before any node is
 read), each node's ``class_type`` and ``inputs``, every required input present, each link
 ``[node id, output index]`` to a node that exists and an output of the type the input takes, each
-value's type, range and list, and the graph free of cycles. What the nodes mean together (a
+value's type, range and list, the graph free of cycles, and the rows its sweeps ask for (each
+sweep's ``n`` summed, before any is expanded). What the nodes mean together (a
 sampler pair, a size, a LoRA's strengths) is checked when the workflow is planned
 (comfyui_run.py), also before anything runs.
 """
@@ -64,9 +65,11 @@ def refused_prompt(message: str, details: str = "", node_errors: Optional[dict] 
     return WorkflowRefused(error(kind, message, details), node_errors)
 
 
-def checked_workflow(prompt: Any, table: dict[str, NodeSpec], max_nodes: int = MAX_NODES) -> Workflow:
+def checked_workflow(prompt: Any, table: dict[str, NodeSpec], max_nodes: int = MAX_NODES,
+                     max_rows: Optional[int] = None) -> Workflow:  # fmt: skip
     """``prompt`` (the body's ``prompt``) as a :class:`Workflow`, or :class:`WorkflowRefused`
-    naming every node that cannot run, input by input."""
+    naming every node that cannot run, input by input. ``max_rows``: the most rows the nodes
+    that count them (a sweep's ``n``) may ask for together (None: no bound)."""
     if not isinstance(prompt, dict):
         raise refused_prompt("prompt: an API-format workflow is an object of nodes by id", type(prompt).__name__)
     if len(prompt) > max_nodes:
@@ -102,6 +105,14 @@ def checked_workflow(prompt: Any, table: dict[str, NodeSpec], max_nodes: int = M
     for node_id in cycle:
         fail(node_id, error("dependency_cycle", "Dependency cycle detected",
                             f"node {node_id} is linked, through {' -> '.join(cycle)}, to itself"))  # fmt: skip
+    counted = [(i, table[prompt[i]["class_type"]].rows_input) for i in order]
+    counted = [(i, name, prompt[i]["inputs"][name]) for i, name in counted if name is not None]
+    rows = sum(n for _, _, n in counted)
+    if max_rows is not None and rows > max_rows:
+        for node_id, name, n in counted:
+            fail(node_id, input_error("too_many_rows", f"The workflow's sweeps ask for {rows} rows, at most {max_rows}",
+                                      name, f"{name}: {n} of {rows} rows; this server runs at most {max_rows} "
+                                      "(serve.max_edits_per_request): lower n", received_value=n))  # fmt: skip
     if node_errors:
         for entry in node_errors.values():
             entry["dependent_outputs"] = list(outputs)

@@ -3,7 +3,8 @@
 Route families, one app: edit-rt's own and the OpenAI Images API's (api_openai.py:
 ``/v1/images/generations``, ``/v1/images/edits``, ``/v1/models``), AUTOMATIC1111's
 (api_a1111.py: ``/sdapi/v1/*``), and here ``GET``/``DELETE /v1/bases/{id}``, ``GET /health``,
-``GET /metrics`` (Prometheus), ``GET /`` (the editing page), ``GET /openapi.json`` and its pages
+``GET /metrics`` (Prometheus), ``GET /editor`` (the editing page, at ``GET /`` too unless
+ComfyUI's frontend is served there: comfyui_frontend.py), ``GET /openapi.json`` and its pages
 ``GET /docs``, ``GET /redoc`` (docs.py: offline). Each family is a module-level ``router`` whose
 handlers take the app's service by ``Depends`` (dependencies.py); :func:`create_app` builds the
 app around them: its state, middleware and exception handlers. The routes validate and wait; the
@@ -35,7 +36,7 @@ from ..errors import EditRtError
 from ..metrics import CONTENT_TYPE
 from .http_errors import ApiError, api_error, validation_error
 from ..serving.service import Service
-from . import api_a1111, api_comfyui, api_openai, docs
+from . import api_a1111, api_comfyui, api_openai, comfyui_frontend, docs
 from .a1111_fields import Settings
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .exposure import refuse_an_open_port
@@ -78,7 +79,7 @@ async def metrics(service: ServiceDep):
     return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
 
 
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+@router.get("/editor", response_class=HTMLResponse, include_in_schema=False)
 async def page(service: ServiceDep):
     return page_html(service)
 
@@ -159,6 +160,10 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     if cfg.serve.comfyui:  # ComfyUI's bare paths (/prompt, /view) only when asked for
         app.state.comfyui = api_comfyui.Door(cfg, app.state.service)
         app.include_router(api_comfyui.router)
+    if cfg.serve.comfyui_frontend:  # ComfyUI's page at /; the editing page keeps /editor
+        comfyui_frontend.install(app, cfg)
+    else:
+        app.add_api_route("/", page, response_class=HTMLResponse, include_in_schema=False)
     app.openapi = lambda: openapi_schema(app)
     app.state.routes = RouteTable(app.routes)  # every route is in by now, FastAPI's own /openapi.json too
     return app
@@ -239,6 +244,8 @@ def listening_line(cfg: RunConfig, more: str = "") -> str:
     """What `edit-rt serve` prints once its port is bound: the address to open."""
     s = cfg.serve
     host = f"[{s.host}]" if ":" in s.host else s.host  # an IPv6 address, as a URL writes it
+    if s.comfyui_frontend:  # / is ComfyUI's page then
+        more = f"{more}, ComfyUI's frontend at /, the editing page at /editor"
     return f"edit-rt serve: http://{host}:{s.port}/ (API docs at /docs{more})"
 
 
