@@ -162,6 +162,9 @@ BAD = {
     "out of range": (lambda f: f["3"]["inputs"].update(steps=100000) or f, "3", "steps", "value_bigger_than_max"),
     "sampler pair": (lambda f: f["3"]["inputs"].update(scheduler="exponential") or f, "3", "sampler_name",
                      "unsupported_sampler"),
+    # ComfyUI's ddim_uniform at 30 steps runs 31 (its ddim_scheduler's stride): not edit-rt's DDIM
+    "ddim_uniform at 30 steps": (lambda f: f["3"]["inputs"].update(sampler_name="ddim", scheduler="ddim_uniform", steps=30)
+                                 or f, "3", "steps", "invalid_input"),
     "other checkpoint": (lambda f: f["4"]["inputs"].update(ckpt_name="sd_xl_base.safetensors") or f, "4", "ckpt_name",
                          "value_not_in_list"),
     "LatentUpscale": (lambda f: {**f, "13": {"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0]}},
@@ -193,6 +196,7 @@ def test_a_workflow_that_cannot_run_is_400_with_node_errors_and_runs_nothing(ser
         if field is not None:
             assert field in [e["extra_info"].get("input_name") for e in errors], (name, errors)
     assert "pairs that run" in answers["sampler pair"].text and "euler+normal" in answers["sampler pair"].text
+    assert "is 31 steps in ComfyUI" in answers["ddim_uniform at 30 steps"].text
     assert answers["10,000 nodes"].status_code == 400 and "10000 nodes" in answers["10,000 nodes"].json()["error"]["message"]
     assert _generated(service) == before and queue == {"queue_running": [], "queue_pending": []}
 

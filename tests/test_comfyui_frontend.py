@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -30,9 +30,9 @@ from edit_rt.runtime.web.comfyui_userdata import DEFAULT_USER, UserData
 from edit_rt.runtime.web.http_errors import ApiError
 
 from .server_process import ServerProcess
+from .test_page import offline, screenshot
 from .test_web import CHROMIUM, _launch
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"
 BASE = {"prompt": "x", "steps": 4, "guidance": 7.5, "width": 32, "height": 32}
 
 
@@ -205,14 +205,6 @@ def _userdata_round(c: httpx.Client) -> None:
     assert c.delete("/api/userdata/workflows").status_code == 404  # a folder is no file
 
 
-def screenshot(page, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / name
-    page.screenshot(path=str(path))
-    print(f"screenshot: {path}")
-    return path
-
-
 # Set from the page's own dropdowns, as a user picks them: each value must be one of the
 # widget's options (the server's /object_info lists). ddim + ddim_uniform: a pair that runs.
 PICKS = {"CheckpointLoaderSimple": {"ckpt_name": None}, "KSampler": {"sampler_name": "ddim", "scheduler": "ddim_uniform",
@@ -243,19 +235,12 @@ SAVED_IMAGE = "(() => { const img = (app.graph._nodes.find(n => n.type === 'Save
 def test_the_frontend_loads_offline_lists_edit_rts_nodes_and_runs_the_offered_workflow(server):
     from playwright.sync_api import sync_playwright
 
-    failed, errors, refused, progress = [], [], [], []
+    failed, errors, progress = [], [], []
     with sync_playwright() as p:
         browser = _launch(p)
         context = browser.new_context(viewport={"width": 1400, "height": 900})
 
-        def route(r):  # every host but this server is unreachable
-            if urlsplit(r.request.url).hostname in ("127.0.0.1", "localhost"):
-                r.continue_()
-            else:
-                refused.append(r.request.url)
-                r.abort()
-
-        context.route("**/*", route)
+        refused = offline(context)  # every host but this server is unreachable
         page = context.new_page()
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda e: errors.append(str(e)))

@@ -335,12 +335,23 @@ async def _mask(service: Service, source: ImageSource, node_id: str) -> np.ndarr
         raise refuse(node_id, "mask", str(err)) from None
 
 
+# ComfyUI's ModelSamplingDiscrete: the Stable Diffusion models' 1000 training timesteps
+TRAIN_TIMESTEPS = 1000
+
+
 def _sampler_of(service: Service, node_id: str, inputs: dict) -> str:
     name = edit_rt_sampler(inputs["sampler_name"], inputs["scheduler"])
     if name is None:
         raise NodeError(node_id, input_error("unsupported_sampler", "Sampler and scheduler pair not run here", "sampler_name",
                                              f"sampler_name, scheduler: {inputs['sampler_name']}+{inputs['scheduler']} "
                                              f"is not one of edit-rt's samplers; the pairs that run: {pairs_text()}"))  # fmt: skip
+    steps = inputs.get("steps")
+    if inputs["scheduler"] == "ddim_uniform" and isinstance(steps, int) and steps > 0 and TRAIN_TIMESTEPS % steps > 1:
+        # ComfyUI's ddim_scheduler strides len(sigmas) // steps from sigma 1: one step more than
+        # asked where 1000 mod steps >= 2 (31 at 30), a schedule edit-rt's DDIM does not run
+        raise refuse(node_id, "steps", f"ddim+ddim_uniform at {steps} steps is {len(range(1, TRAIN_TIMESTEPS, TRAIN_TIMESTEPS // steps))} "
+                     "steps in ComfyUI, which edit-rt's DDIM does not run; use steps that divide 1000 or leave it 1 "
+                     "(10, 20, 25, 40, 50, 100, ...), or another pair")  # fmt: skip
     try:
         return service.fields.sampler_of(name, "sampler_name")
     except EditRtError as err:
