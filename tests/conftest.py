@@ -181,3 +181,16 @@ def shapes_onnx_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shapes-build") / "shapes-sd" / "onnx"
     export_onnx(SHAPES_MODEL, out)
     return out
+
+
+# The longest test files, measured (pytest --durations=0, summed per file), run first: under
+# pytest-xdist (`make test`) each file runs whole on one worker, handed out in collection order,
+# so a long file collected last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_ray.py", "test_bench.py", "test_gpu_rules.py", "test_openvino.py", "test_engines.py",
+                 "test_server.py", "test_memory.py", "test_python_api.py", "test_job_scope.py", "test_lora_tags.py",
+                 "test_families.py", "test_shapes_model.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every file's own order kept

@@ -86,7 +86,7 @@ def test_quality_report_shape(tmp_path, model_dir, onnx_dir):
         "model": str(model_dir), "build_dir": str(onnx_dir.parent.parent), "output_dir": str(tmp_path),
         "base": {"prompt": "x", "steps": 4, "width": 32, "height": 32},
     })  # fmt: skip
-    report = run_quality(cfg, bases=2, fractions=(0.25, 0.5), strengths=(1.0, 1.5), default_fraction=0.5, prompts=0,
+    report = run_quality(cfg, bases=1, fractions=(0.25, 0.5), strengths=(1.0, 1.5), default_fraction=0.5, prompts=0,
                          auto_knobs=((0.5, 1, "contrast"),), structures=(0.5,), real_images=1, say=lambda s: None)  # fmt: skip
     assert (tmp_path / "quality.json").is_file() and (tmp_path / "quality.png").is_file()
     settings = {(r["method"], r["tail_fraction"], r["strength"]) for r in report["rows"]}
