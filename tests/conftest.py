@@ -62,6 +62,29 @@ def torch_one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def onnxruntime_one_thread_per_worker():
+    """Under pytest-xdist (`make test`: one worker per core), ONNX Runtime sessions in a worker
+    take one intra-op thread where their config names none: its default pool is one spinning
+    thread per core in every worker, so two workers on two cores would run four. A config that
+    names `threads` keeps them; subprocesses (servers, the CLI) keep ONNX Runtime's default."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import onnxruntime as ort
+
+    default = ort.SessionOptions
+
+    class OneThread(default):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.intra_op_num_threads = 1
+
+    ort.SessionOptions = OneThread
+    yield
+    ort.SessionOptions = default
+
+
 @pytest.fixture(scope="session")
 def diffusers_reference():
     """diffusers' generation per (model, sampler, base, initial latents), each computed once per
