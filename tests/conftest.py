@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -38,13 +39,43 @@ def sample_rows(g: float = TEST_BASE.guidance) -> list:
     ]
 
 
+def built_once(tmp_path_factory, key: str, build: Callable[[Path], object]) -> Path:
+    """A folder that ``build`` fills, built once per test run: under pytest-xdist (`make test`)
+    every worker shares it, the first to ask building it under a file lock while the others wait
+    (pytest-xdist's advice for session fixtures); in one process, a fresh folder of this session.
+    What is built is the same in every worker (seeded models, their exports), and no test writes
+    into it (a test that needs a changed one copies it first)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(key)
+        build(folder)
+        return folder
+    import shutil
+
+    from filelock import FileLock
+
+    folder = tmp_path_factory.getbasetemp().parent / "built-once" / key  # the run's folder, beside the workers'
+    folder.parent.mkdir(exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 def _exported(model: Path, tmp_path_factory, build: str, name: str, **settings) -> Path:
-    """``model`` exported with ``settings`` as ``<a fresh build folder>/<name>/onnx`` (the layout
-    `make export` gives, so a config's build_dir is the folder two levels up)."""
+    """``model`` exported with ``settings`` as ``<a build folder>/<name>/onnx`` (the layout
+    `make export` gives, so a config's build_dir is the folder two levels up). The graphs are
+    exported once per run; the build folder is this worker's own (under pytest-xdist its ``onnx``
+    links to the shared graphs), so what tests write beside them (converted adapters, engines,
+    stored bases) is never another worker's."""
     from edit_rt.export.compile.onnx_export import export_onnx
 
+    graphs = built_once(tmp_path_factory, f"{build}-{name}", lambda folder: export_onnx(model, folder / "onnx", **settings))
     out = tmp_path_factory.mktemp(build) / name / "onnx"
-    export_onnx(model, out, **settings)
+    out.parent.mkdir(parents=True)
+    out.symlink_to(graphs / "onnx", target_is_directory=True)
     return out
 
 
@@ -98,7 +129,7 @@ def diffusers_reference():
 def model_dir(tmp_path_factory) -> Path:
     from edit_rt.export.world.tiny_model import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd", seed=0)
+    return built_once(tmp_path_factory, "model-tiny-sd", lambda folder: write_tiny_model(folder / "tiny-sd", seed=0)) / "tiny-sd"
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +149,7 @@ def sdxl_dir(tmp_path_factory) -> Path:
     """A tiny random SDXL (two text encoders, ``text_time`` conditioning, SDXL's Euler config)."""
     from edit_rt.export.world.tiny_model import write_tiny_sdxl
 
-    return write_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
+    return built_once(tmp_path_factory, "model-tiny-sdxl", lambda folder: write_tiny_sdxl(folder / "tiny-sdxl", seed=0)) / "tiny-sdxl"
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +162,8 @@ def sd2_dir(tmp_path_factory) -> Path:
     """A tiny random SD 2.x: v-prediction, upcast_attention, linear projections, GELU text encoder."""
     from edit_rt.export.world.tiny_model import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=1, preset="tiny-sd2")
+    return built_once(tmp_path_factory, "model-tiny-sd2",
+                      lambda folder: write_tiny_model(folder / "tiny-sd2", seed=1, preset="tiny-sd2")) / "tiny-sd2"
 
 
 @pytest.fixture(scope="session")
@@ -147,10 +179,11 @@ def taesd_dir(model_dir, tmp_path_factory) -> Path:
 
     from edit_rt.export.world.tiny_model import write_tiny_vae
 
-    out = tmp_path_factory.mktemp("models") / "tiny-taesd"
-    shutil.copytree(model_dir, out)
-    write_tiny_vae(out / "vae_tiny", seed=1, factor=2, channels=16)
-    return out
+    def build(folder: Path) -> None:
+        shutil.copytree(model_dir, folder / "tiny-taesd")
+        write_tiny_vae(folder / "tiny-taesd" / "vae_tiny", seed=1, factor=2, channels=16)
+
+    return built_once(tmp_path_factory, "model-tiny-taesd", build) / "tiny-taesd"
 
 
 @pytest.fixture(scope="session")
@@ -201,17 +234,18 @@ def shapes_onnx_dir(tmp_path_factory) -> Path:
     """The committed shapes model, exported once per session (build/<model>/onnx layout)."""
     from edit_rt.export.compile.onnx_export import export_onnx
 
-    out = tmp_path_factory.mktemp("shapes-build") / "shapes-sd" / "onnx"
-    export_onnx(SHAPES_MODEL, out)
-    return out
+    return built_once(tmp_path_factory, "build-shapes-sd",
+                      lambda folder: export_onnx(SHAPES_MODEL, folder / "shapes-sd" / "onnx")) / "shapes-sd" / "onnx"
 
 
-# The longest test files, measured (pytest --durations=0, summed per file), run first: under
-# pytest-xdist (`make test`) each file runs whole on one worker, handed out in collection order,
-# so a long file collected last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_ray.py", "test_bench.py", "test_gpu_rules.py", "test_openvino.py", "test_engines.py",
-                 "test_server.py", "test_memory.py", "test_python_api.py", "test_job_scope.py", "test_lora_tags.py",
-                 "test_families.py", "test_shapes_model.py")  # fmt: skip
+# The longest test files, measured (the seconds each took on its worker under `make test`, its
+# fixtures included), run first: under pytest-xdist each file runs whole on one worker, handed
+# out in collection order (`--no-loadscope-reorder`: xdist's own order is by the number of tests
+# a file has), so a long file collected last would run alone at the end while the other idles.
+LONGEST_FIRST = ("test_gpu_rules.py", "test_ray.py", "test_openvino.py", "test_families.py", "test_bench.py",
+                 "test_engines.py", "test_sliders_world.py", "test_memory.py", "test_python_api.py",
+                 "test_openai_door.py", "test_pins.py", "test_a1111.py", "test_demo_sweeps.py", "test_page_sliders.py",
+                 "test_server.py", "test_job_scope.py", "test_web_security.py", "test_lora_tags.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items) -> None:

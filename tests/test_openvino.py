@@ -192,7 +192,7 @@ GRAPH_ATOL, GRAPH_RTOL = 1e-4, 1e-3  # fp32 fusions and reorderings, as tests/te
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_graph_on_openvino_equals_its_torch_source(request, family):
-    from edit_rt.export.compile.parity import random_feeds, torch_runner
+    from edit_rt.export.compile.parity import load_sources, random_feeds, torch_runner
     from edit_rt.runtime.engine.engines import graphs_of
     from edit_rt.runtime.engine.manifest import load_manifest
 
@@ -201,10 +201,11 @@ def test_each_graph_on_openvino_equals_its_torch_source(request, family):
     rng = np.random.default_rng(0)
     graphs = graphs_of(manifest)
     assert {"text_encoder", "kv_proj", "unet_step", "vae_decoder", "vae_encoder"} <= set(graphs)
+    sources = load_sources(model_dir, manifest)  # each graph's source on its own copy, as `edit-rt parity` runs them
     for graph in graphs:
         # 3 rows, 2 uncond sets: neither the traced batch (2) nor 1, so a frozen axis shows
         feeds = [random_feeds(manifest, graph, 3, 2, rng, hw=16)]
-        with backend_ov.OvGraph(manifest.path(graph), precision="fp32") as ours, torch_runner(graph, manifest, model_dir) as torch_graph:
+        with backend_ov.OvGraph(manifest.path(graph), precision="fp32") as ours, torch_runner(graph, manifest, model_dir, sources) as torch_graph:
             for feed in feeds:
                 expected = torch_graph.infer(feed)
                 for name, got in zip(ours.output_names, ours.infer(feed)):

@@ -8,7 +8,6 @@ is the UNet rows counted at the step graph itself x one row's GFLOP over the mac
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
@@ -67,19 +66,12 @@ GFLOP, LIMIT, REPEATS = 0.25, 40.0, 2  # a row's GFLOP and the machine's GFLOP/s
 
 
 @pytest.fixture(scope="module")
-def moves_config(model_dir, tmp_path_factory):
+def moves_config(taesd_dir, taesd_onnx_dir, tmp_path_factory):
     """The session's tiny model with a random tiny decoder (TAESD's architecture, 16 channels) in
-    its ``vae_tiny/``, exported; a config of it whose first edit is the moved one."""
-    from edit_rt.export.compile.onnx_export import export_onnx
-    from edit_rt.export.world.tiny_model import write_tiny_vae
-
+    its ``vae_tiny/``, exported (conftest.py); a config of it whose first edit is the moved one."""
     root = tmp_path_factory.mktemp("moves")
-    model = root / "models" / "tiny-sd"
-    shutil.copytree(model_dir, model)
-    write_tiny_vae(model / "vae_tiny", seed=1, factor=2, channels=16)
-    export_onnx(model, root / "build" / "tiny-sd" / "onnx")
     base = {k: getattr(TEST_BASE, k) for k in ("prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height")}
-    cfg = {"model": str(model), "build_dir": str(root / "build"), "output_dir": str(root / "out"), "threads": 2,
+    cfg = {"model": str(taesd_dir), "build_dir": str(taesd_onnx_dir.parents[1]), "output_dir": str(root / "out"), "threads": 2,
            "base": base, "edits": [{"prompt": MOVE_EDIT}]}  # fmt: skip
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
     return root / "config.yaml"

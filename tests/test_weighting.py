@@ -24,7 +24,6 @@ import random
 import re
 import shutil
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -34,7 +33,7 @@ from edit_rt.runtime.errors import PromptSyntaxError
 from edit_rt.runtime.model.align import token_diff
 from edit_rt.runtime.model.weighting import (emphasize, encoder_widths, parse_attention, prompt_spans, schedule_at)  # fmt: skip
 
-from .server_process import ServerProcess
+from .in_process_server import InProcessServer
 
 # --- A1111's parse_prompt_attention, transcribed (modules/prompt_parser.py), the reference -----------
 
@@ -422,7 +421,7 @@ def test_sdxl_weights_each_encoder_apart_and_not_the_pooled_embedding(sdxl):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, onnx_dir):
-    proc = ServerProcess(tmp_path_factory.mktemp("weighting"), model_dir, onnx_dir)
+    proc = InProcessServer(tmp_path_factory.mktemp("weighting"), model_dir, onnx_dir)
     yield proc
     assert proc.stop()
 
@@ -430,13 +429,13 @@ def server(tmp_path_factory, model_dir, onnx_dir):
 def test_a1111_route_runs_weighted_prompts_and_refuses_prompt_editing(server):
     body = {"prompt": "a (red:1.3) circle", "negative_prompt": "[blurry]", "steps": 4, "width": 32, "height": 32,
             "seed": 5}  # fmt: skip
-    weighted = httpx.post(server.url + "/sdapi/v1/txt2img", json=body, timeout=60)
+    weighted = server.client.post("/sdapi/v1/txt2img", json=body, timeout=60)
     assert weighted.status_code == 200, weighted.text
     png = base64.b64decode(weighted.json()["images"][0])
     parameters = Image.open(io.BytesIO(png)).text["parameters"]
     assert parameters.startswith("a (red:1.3) circle\nNegative prompt: [blurry]\n")  # as written, as A1111 writes it
-    plain = httpx.post(server.url + "/sdapi/v1/txt2img", json={**body, "prompt": "a red circle"}, timeout=60)
+    plain = server.client.post("/sdapi/v1/txt2img", json={**body, "prompt": "a red circle"}, timeout=60)
     assert plain.json()["images"][0] != weighted.json()["images"][0]
-    edited = httpx.post(server.url + "/sdapi/v1/txt2img", json={**body, "prompt": "a [red:blue:2] circle"}, timeout=60)
+    edited = server.client.post("/sdapi/v1/txt2img", json={**body, "prompt": "a [red:blue:2] circle"}, timeout=60)
     assert edited.status_code == 400
     assert "`[red:blue:2]` is AUTOMATIC1111's prompt editing" in edited.text

@@ -14,6 +14,8 @@ wrapped as the export wrapped it.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import time
 from collections import OrderedDict
@@ -171,13 +173,21 @@ def tiny_torch_module(graph: str, manifest: Manifest) -> torch.nn.Module:
     return VaeDecoderGraph(tiny) if graph == "taesd_decoder" else TinyVaeEncoderGraph(tiny)
 
 
-def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Module:
-    """The PyTorch source of ``graph``, freshly loaded (export wrappers swap processors)."""
+def load_sources(model_dir: Path, manifest: Manifest):
+    """The model's PyTorch components as its export loaded them, once for every graph's source
+    (``torch_module(..., sources=)``): a model of several GB is read from disk once, not per graph."""
+    return family_module(family_of(model_dir)).load_components(model_dir, manifest.data["model"].get("variant"))
+
+
+def torch_module(graph: str, model_dir: Path, manifest: Manifest, sources=None) -> torch.nn.Module:
+    """The PyTorch source of ``graph`` on its own copy of the components (export wrappers swap
+    processors and install adapter slots): a copy of ``sources`` (``load_sources``), or freshly
+    loaded."""
     if graph.startswith("taesd_"):
         return tiny_torch_module(graph, manifest)
     family = family_module(family_of(model_dir))
-    components = family.load_components(model_dir, manifest.data["model"].get("variant"))
     spec = manifest.adapters
+    components = _copy_for(graph, sources, bool(spec["slots"])) if sources is not None else load_sources(model_dir, manifest)
     if not spec["slots"] or graph not in ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow"):
         module = _torch_module(graph, components, family)
     else:
@@ -187,6 +197,22 @@ def torch_module(graph: str, model_dir: Path, manifest: Manifest) -> torch.nn.Mo
         own = [name for name in names if name != "adapter_scale" and "_lora_" not in name]
         module = adapter_slots.wrap(graph, module, len(own), contexts)
     return KeptInputs(module, manifest, graph) if graph == "unet_step_shallow" else module
+
+
+# The parts of the components each graph's source reads: the copy for a graph copies these and
+# shares the rest (adapter slots are installed on the text encoders and the UNet alike).
+_READS = {"text_encoder": ("text_encoders",), "kv_proj": ("unet",), "unet_step": ("unet",),
+          "unet_step_shallow": ("unet",), "vae_encoder": ("vae",), "vae_decoder": ("vae",), "latent_blend": ()}  # fmt: skip
+
+
+def _copy_for(graph: str, sources, adapters: bool):
+    """``sources`` with the parts ``graph``'s source reads copied (wrappers may change them) and
+    the rest shared: a model's weights held at most twice, not once per graph."""
+    reads = set(_READS.get(graph, ("unet", "vae", "text_encoders")))
+    if adapters and graph in ("text_encoder", "kv_proj", "unet_step", "unet_step_shallow"):
+        reads |= {"unet", "text_encoders"}
+    shared = {id(getattr(sources, part)): getattr(sources, part) for part in ("unet", "vae", "text_encoders") if part not in reads}
+    return copy.deepcopy(sources, memo=shared)
 
 
 def _torch_module(graph: str, components, family) -> torch.nn.Module:
@@ -207,12 +233,12 @@ def _torch_module(graph: str, components, family) -> torch.nn.Module:
     return VaeDecoderGraph(vae)
 
 
-def torch_runner(graph: str, manifest: Manifest, model_dir: Path) -> TorchCpuRunner:
+def torch_runner(graph: str, manifest: Manifest, model_dir: Path, sources=None) -> TorchCpuRunner:
     spec = manifest.graphs[graph]
     meta = TensorMetadata()
     for t in spec.inputs:
         meta.add(t.name, np.dtype(t.dtype), [None if isinstance(d, str) else d for d in t.shape])
-    return TorchCpuRunner(torch_module(graph, model_dir, manifest), meta, [o.name for o in spec.outputs])
+    return TorchCpuRunner(torch_module(graph, model_dir, manifest, sources), meta, [o.name for o in spec.outputs])
 
 
 def ort_runner(path: Path, name: str) -> OnnxrtRunner:
@@ -269,7 +295,10 @@ def parity_report(cfg: RunConfig, batch_sizes: tuple[int, ...] | None = None,
     for graph in graphs or exported:
         if graph not in exported:
             raise ArtifactError(f"{graph}: not a graph of {cfg.onnx_dir} (it has {', '.join(exported)})")
-        runners = [torch_runner(graph, manifest, cfg.model_dir), ort_runner(manifest.path(graph), "onnx")]
+    wanted = list(graphs or exported)
+    sources = load_sources(cfg.model_dir, manifest) if any(not g.startswith("taesd_") for g in wanted) else None
+    for graph in wanted:
+        runners = [torch_runner(graph, manifest, cfg.model_dir, sources), ort_runner(manifest.path(graph), "onnx")]
         if "ort-cpu" in engine_sets and graph in engine_sets["ort-cpu"].graphs:
             runners.append(ort_runner(engine_sets["ort-cpu"].path(graph), "ort-cpu-engine"))
         if "trt" in engine_sets and graph in engine_sets["trt"].graphs:
