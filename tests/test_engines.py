@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from edit_rt.runtime.engine.profiles import EditBatchProfile, ort_trt_profile_op
 from edit_rt.runtime.errors import ArtifactError
 from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
 
+from .cli_in_process import edit_rt
 from .conftest import TEST_BASE, sample_rows
 
 PROFILE = EditBatchProfile(min_batch=1, opt_batch=4, max_batch=8, latent_height=16, latent_width=16)
@@ -177,13 +176,12 @@ def test_engines_and_parity_commands(onnx_dir, model_dir, tmp_path):
         "base": {"prompt": "x", "width": 32, "height": 32, "steps": 4},
         "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 4},
     }))  # fmt: skip
-    cli = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
-    result = subprocess.run([*cli, "engines", str(config)], capture_output=True, text=True, timeout=300)
+    result = edit_rt("engines", str(config))  # as the console script runs it, in this process
     assert result.returncode == 0, result.stderr
     if TRT_MISSING:
         assert "TensorRT is unavailable" in result.stderr
     assert (build / model_dir.name / "engines" / "ort-cpu" / "engines.json").is_file()
-    result = subprocess.run([*cli, "parity", str(config)], capture_output=True, text=True, timeout=300)
+    result = edit_rt("parity", str(config))
     assert result.returncode == 0, result.stderr
     report = json.loads((build / model_dir.name / "parity.json").read_text())
     assert {r["backend"] for r in report} >= {"onnx", "ort-cpu-engine"}

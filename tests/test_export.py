@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import yaml
 
 from edit_rt.export.compile.onnx_export import export_onnx
+from edit_rt.export.compile.parity import random_feeds
 from edit_rt.runtime.engine.manifest import load_manifest
 
-from edit_rt.export.compile.parity import random_feeds
+from .cli_in_process import edit_rt
 
 
 def test_large_graph_is_written_with_external_data(tmp_path, model_dir, onnx_dir):
@@ -45,8 +43,6 @@ def test_export_refuses_a_folder_that_is_not_a_model(tmp_path):
     (tmp_path / "model" / "model_index.json").write_text("{}")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"model": "model", "base": {"prompt": "x"}}))
-    result = subprocess.run(
-        [sys.executable, "-m", "edit_rt.runtime.apps.cli", "export", str(config)], capture_output=True, text=True
-    )
+    result = edit_rt("export", str(config))  # as the console script runs it, in this process
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "not a diffusers Stable Diffusion folder" in result.stderr and "unet" in result.stderr

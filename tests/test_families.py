@@ -16,8 +16,6 @@ import base64
 import dataclasses
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -33,6 +31,7 @@ from edit_rt.runtime.model.edit import Base, Mask
 from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline, TailRow
 from edit_rt.runtime.pipeline.images import to_uint8
 
+from .cli_in_process import Ran, edit_rt
 from .conftest import TEST_BASE
 from .server_process import ServerProcess
 from .test_graphs import assert_graph_matches_torch
@@ -307,16 +306,16 @@ def test_engine_precision_keeps_sdxl_vae_fp32(sdxl_onnx_dir, onnx_dir):
 # --- loading: variants and fp16 weights ------------------------------------------------------------
 
 
-def _export_cli(tmp_path: Path, model: Path, **export) -> subprocess.CompletedProcess:
+def _export_cli(tmp_path: Path, model: Path, **export) -> Ran:
+    """`edit-rt export` of ``model`` in this process, as the console script runs it (tests/cli_in_process.py)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / f"{model.name}.yaml"
     config.write_text(yaml.safe_dump({"model": str(model), "build_dir": str(tmp_path / "build"), "export": export,
                                       "base": {"prompt": "x", "width": 32, "height": 32}}))  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "edit_rt.runtime.apps.cli", "export", str(config)], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return edit_rt("export", str(config))
 
 
-def _one_line(result: subprocess.CompletedProcess) -> str:
+def _one_line(result: Ran) -> str:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -29,9 +29,9 @@ from edit_rt.runtime.config.load import config_from_dict, load_config
 from edit_rt.runtime.errors import ConfigError, ModelError
 from edit_rt.runtime.model.single_file import STAMP, checkpoint_family, conversion_current, read_header
 
+from .cli_in_process import Ran, edit_rt
 from .ldm_layout import write_single_file
 
-CLI = [sys.executable, "-m", "edit_rt.runtime.apps.cli"]
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
@@ -159,13 +159,14 @@ def test_a_single_file_config_loads_without_torch(sd_file, tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _cli(tmp_path: Path, command: str, cfg: dict) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, command: str, cfg: dict) -> Ran:
+    """`edit-rt COMMAND config` in this process, as the console script runs it (tests/cli_in_process.py)."""
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.run([*CLI, command, str(path)], capture_output=True, text=True, timeout=600)
+    return edit_rt(command, str(path))
 
 
-def _refused_by_cli(result: subprocess.CompletedProcess, *needles: str) -> None:
+def _refused_by_cli(result: Ran, *needles: str) -> None:
     """Exit code 2 and one ``error:`` line, the last (progress lines may come before it)."""
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -52,9 +52,9 @@ def test_a_cut_world2_run_resumes_to_the_same_model(tmp_path):
 
 
 def test_a_looks_run_cut_into_pieces_resumes_without_its_dataset_to_the_same_model(tmp_path):
-    """Issue 36's training in pieces: a piece ends on its clock with its state saved; the next,
-    its 98 MB dataset not committed (deleted here), draws the same dataset again from its own
-    seed and ends with the weights of one uncut run. The look round trip is on the card before
+    """Issue 36's training in pieces: a piece ends on its clock with its state saved, in either
+    stage; the last, its 98 MB dataset not committed (deleted here), draws the same dataset again
+    from its own seed and ends with the weights of one uncut run. The look round trip is on the card before
     any UNet step (written with the autoencoder's checkpoint)."""
     from safetensors.torch import load_file
 
@@ -62,17 +62,24 @@ def test_a_looks_run_cut_into_pieces_resumes_without_its_dataset_to_the_same_mod
                              block_out_channels=(8, 16), vae_block_out_channels=(8, 8), text_hidden_size=16)  # fmt: skip
     quiet = lambda s: None  # noqa: E731
     uncut = train_shapes(tmp_path / "uncut", spec, say=quiet)
+    # piece 1 ends in the autoencoder stage (after its first step), piece 2 finishes the
+    # autoencoder and ends at the UNet's first step, piece 3 runs the rest
     first = train_shapes(tmp_path / "piece1", spec, say=quiet, checkpoint=tmp_path / "ckpt", piece_minutes=1e-9)
-    assert not first["finished"] and first["unet_steps_run"] < 5
+    assert not first["finished"] and first["stage"] == "autoencoder" and first["vae_steps_run"] == 1
+    assert not (tmp_path / "piece1" / "unet").exists() and (tmp_path / "ckpt" / "vae_partial.pt").is_file()
+    second = train_shapes(tmp_path / "piece2", spec, say=quiet, checkpoint=tmp_path / "ckpt", piece_minutes=1e-9)
+    assert not second["finished"] and second["unet_steps_run"] < 5 and not (tmp_path / "ckpt" / "vae_partial.pt").exists()
+    assert second["loss"]["vae"] == uncut["loss"]["vae"]  # the autoencoder as one uncut run trained it
     assert json.loads((tmp_path / "ckpt" / "look_round_trip.json").read_text())["looks"].keys() == {"saturation", "stroke", "blur"}
     (tmp_path / "ckpt" / "data.pt").unlink()
-    resumed = train_shapes(tmp_path / "piece2", spec, say=quiet, checkpoint=tmp_path / "ckpt")
+    resumed = train_shapes(tmp_path / "piece3", spec, say=quiet, checkpoint=tmp_path / "ckpt")
     assert resumed["finished"] and resumed["unet_steps_run"] == uncut["unet_steps_run"] == 5
     assert resumed["loss"]["unet"] == uncut["loss"]["unet"]
-    a = load_file(tmp_path / "uncut" / "unet" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tmp_path / "piece2" / "unet" / "diffusion_pytorch_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (tmp_path / "piece2" / "look_round_trip.png").is_file()
+    for part in ("vae", "unet"):
+        a = load_file(tmp_path / "uncut" / part / "diffusion_pytorch_model.safetensors")
+        b = load_file(tmp_path / "piece3" / part / "diffusion_pytorch_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    assert (tmp_path / "piece2" / "look_round_trip.png").is_file()  # written with the autoencoder, before any UNet step
     # a checkpoint of another spec is refused, not silently mixed in
     with pytest.raises(ValueError, match="another spec"):
         train_shapes(tmp_path / "other", dataclasses.replace(spec, seed=1), say=quiet, checkpoint=tmp_path / "ckpt")

@@ -10,8 +10,9 @@ of the UNet's weights saved. The result is a diffusers folder like any SD 1.x on
 ``TrainSpec.world64()`` is world 2's model (issue 26): 64x64 scenes of one or two objects, a
 factor-4 autoencoder (three levels: 16x16x4 latents), a UNet with cross-attention at 16x16 and
 8x8 and a 4x4 mid block, a 3-layer text encoder. A run with ``checkpoint`` set saves its state
-there every ``checkpoint_every`` UNet steps (and the encoded dataset once); run again with the
-same folder, it resumes where it stopped, the wall-time budget counting the time already spent.
+there every ``checkpoint_every`` steps of either stage (and the encoded dataset once); run again
+with the same folder, it resumes where it stopped, the wall-time budget counting the time already
+spent. ``piece_minutes`` ends a run (a piece) in either stage, its state saved.
 
 Two choices make prompt following appear within a CPU hour (measured, issue 7): the plain
 epsilon loss weighs a high-noise step, where colour and layout are decided, by its SNR (~0.005
@@ -189,10 +190,10 @@ def train_shapes(
     """Train (or resume from ``checkpoint``) and write the model to ``out``. ``stop_at`` ends the
     UNet stage at that step without saving a checkpoint there: with a checkpoint of a run still
     going, ``stop_at=0`` writes that run's model as of its last checkpoint (its EMA weights).
-    ``piece_minutes`` (with ``checkpoint``) ends this run's UNet stage once this run (its
-    autoencoder stage included) has taken that long, saving the state there: the next run
-    resumes from it (a training in pieces, each committed; ``report["finished"]`` says whether
-    the UNet stage is done)."""
+    ``piece_minutes`` (with ``checkpoint``) ends this run once it has taken that long, in
+    whichever stage it is, saving the state there: the next run resumes from it (a training in
+    pieces, each committed; ``report["finished"]`` says whether the UNet stage is done, and a run
+    that ended in the autoencoder stage writes no model, ``report["stage"]`` "autoencoder")."""
     from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -231,7 +232,39 @@ def train_shapes(
         opt = torch.optim.AdamW(vae.parameters(), lr=spec.vae_lr)
         cosine = spec.world == 2 or spec.looks
         vae_sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, spec.vae_steps)) if cosine else None
-        for step in range(spec.vae_steps):
+        # a long autoencoder stage is cut into pieces too: its state every checkpoint_every steps
+        # and at a piece's end (the scenes' and the sampling's generators with it, so a resumed
+        # run draws what an uncut one would)
+        partial_file = checkpoint / "vae_partial.pt" if checkpoint else None
+        vae_first = 0
+        if partial_file is not None and partial_file.exists():
+            saved = torch.load(partial_file, weights_only=False)
+            vae.load_state_dict(saved["vae"])
+            opt.load_state_dict(saved["opt"])
+            if vae_sched is not None:
+                vae_sched.load_state_dict(saved["sched"])
+            torch.set_rng_state(saved["torch_rng"])
+            rng.bit_generator.state = saved["rng"]
+            vae_first, history["vae"], looks_curve = saved["step"], saved["history"], saved["looks_curve"]
+            start -= saved["seconds"]  # the stage's clock counts its earlier pieces
+            say(f"resumed the autoencoder at step {vae_first} ({saved['seconds']:.0f} s spent before)")
+
+        def save_vae_state(step: int) -> None:
+            _save({"vae": vae.state_dict(), "opt": opt.state_dict(), "sched": vae_sched.state_dict() if vae_sched else None,
+                   "torch_rng": torch.get_rng_state(), "rng": rng.bit_generator.state, "step": step,
+                   "history": history["vae"], "looks_curve": looks_curve, "seconds": time.perf_counter() - start},
+                  partial_file)  # fmt: skip
+
+        for step in range(vae_first, spec.vae_steps):
+            if partial_file is not None and step > vae_first:
+                if piece_minutes and time.perf_counter() - run_start > 60 * piece_minutes:
+                    save_vae_state(step)
+                    say(f"this piece's {piece_minutes} min spent at autoencoder step {step}: saved {partial_file}; "
+                        "run again to resume")  # fmt: skip
+                    return {"spec": asdict(spec), "finished": False, "stage": "autoencoder", "vae_steps_run": step,
+                            "unet_steps_run": 0}  # fmt: skip
+                if step % spec.checkpoint_every == 0:
+                    save_vae_state(step)
             x, _ = _batch(rng, spec.batch, spec)
             posterior = vae.encode(x).latent_dist
             recon = vae.decode(posterior.sample()).sample
@@ -256,6 +289,8 @@ def train_shapes(
         if vae_file is not None:
             _save({"vae": vae.state_dict(), "history": history["vae"], "scaling": scaling, "looks_curve": looks_curve,
                    "seconds": time.perf_counter() - start}, vae_file)  # fmt: skip
+            if partial_file.exists():
+                partial_file.unlink()  # the finished stage's file holds it now
     vae.register_to_config(scaling_factor=scaling)
     round_trip = _round_trip(vae, spec)
     say(f"autoencoder round trip: {round_trip}")
