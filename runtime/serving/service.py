@@ -164,6 +164,14 @@ class Service:
     def store(self):
         return self.bases.store
 
+    @property
+    def adapter_bank(self):
+        """The adapters loaded (``AdapterBank``: names, ranks, graphs, files), None where the export
+        has no slots or no engine runs here (Ray Serve's ingress: its routes read the config's
+        names, which every replica loads). The doors read it; a reload goes through
+        ``reload_adapters``."""
+        return self.pipe.adapter_bank if self.pipe is not None else None
+
     async def reload_adapters(self) -> None:
         """The config file's ``adapters:`` read again and loaded on the engine thread (adapter_reload.py)."""
         self.cfg = await reloaded(self.cfg, self.pipe)

@@ -50,7 +50,7 @@ def known_adapters(service: Service) -> Optional[set[str]]:
     ingress (no pipeline here) the config's, which every replica loads."""
     if service.pipe is None:
         return set(service.cfg.adapters) or None
-    bank = service.pipe.adapter_bank
+    bank = service.adapter_bank
     return None if bank is None else set(bank.adapters)
 
 
@@ -121,7 +121,7 @@ def listing(service: Service) -> list[dict[str, Any]]:
     ingress)."""
     if service.pipe is None:
         return [_entry(name, str(source), {}, _shown(service, source)) for name, source in service.cfg.adapters.items()]
-    bank = service.pipe.adapter_bank
+    bank = service.adapter_bank
     out = []
     for name, adapter in (bank.adapters if bank is not None else {}).items():
         own = {"converted": _shown(service, adapter.path), "rank": adapter.rank, "graphs": sorted(adapter.graphs)}

@@ -3,7 +3,7 @@ frontend calls them, so its clients (its websocket example, the libraries built 
 API-format workflows here.
 
 ``POST /prompt`` checks the whole workflow (comfyui_workflow.py) and plans it on the service
-(comfyui_run.py) before anything runs: a workflow that cannot run is 400 with ComfyUI's
+(comfyui_plan.py) before anything runs: a workflow that cannot run is 400 with ComfyUI's
 ``error`` and ``node_errors``. A queued one runs on the door's queue (comfyui_queue.py), its
 progress and previews on ``/ws``, its images in ``/history`` and at ``/view``. ``/queue``,
 ``/history``, ``/interrupt`` (this door's prompts only; one by its ``prompt_id``),
@@ -40,7 +40,7 @@ from .comfyui_files import TYPES, Files, masked_png, safe_name
 from .comfyui_nodes import Served, lora_file, node_table
 from .comfyui_previews import SUPPORTS_PREVIEW_METADATA, PreviewFrame
 from .comfyui_queue import COMFYUI, PromptQueue, new_prompt_id
-from .comfyui_run import planned
+from .comfyui_plan import planned
 from .comfyui_workflow import MAX_NODES, WorkflowRefused, checked_workflow, error
 from .credentials import Credentials, api_auth_of, token_of
 from .http_errors import ApiError, api_error
@@ -62,7 +62,7 @@ class Door:
 
     def table(self, service: Service) -> dict:
         """The node table for what is served now (the adapters loaded, the images uploaded)."""
-        bank = service.pipe.adapter_bank if service.pipe is not None else None
+        bank = service.adapter_bank
         adapters = tuple(bank.adapters) if bank is not None else ()
         return node_table(Served(service.model_name, adapters, tuple(service.cfg.served_sizes()), service.cfg.serve.max_steps,
                                  tuple(self.files.names("input")), service.cfg.serve.max_edits_per_request))  # fmt: skip
@@ -289,7 +289,7 @@ async def models_in(folder: str, request: HttpRequest):
     if folder == "checkpoints":
         return [service.model_name]
     if folder == "loras":
-        bank = service.pipe.adapter_bank if service.pipe is not None else None
+        bank = service.adapter_bank
         return [lora_file(n) for n in (bank.adapters if bank is not None else ())]
     raise ApiError(404, f"folder: {folder[:40]!r}; this server has checkpoints and loras", "not_found_error",
                    param="folder", code="not_found")  # fmt: skip

@@ -211,7 +211,7 @@ def adapter_list(service: Service) -> dict:
     if service.pipe is None:
         cfg = service.cfg
         return {"data": [{"name": n, "graphs": []} for n in cfg.adapters], "slots": cfg.adapter_slots}
-    bank = service.pipe.adapter_bank
+    bank = service.adapter_bank
     if bank is None:
         return {"data": [], "slots": 0}
     return {"data": [{"name": n, "rank": a.rank, "graphs": sorted(a.graphs), "text": a.text} for n, a in bank.adapters.items()],

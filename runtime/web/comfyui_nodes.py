@@ -5,7 +5,7 @@
 An input's spec is ComfyUI's tuple: ``("MODEL",)`` for a link of that type, ``("INT", {"default",
 "min", "max"})`` for a value, ``([choices],)`` for a list. The lists that depend on what is served
 (the checkpoint, the LoRA adapters, the uploaded images) are filled in from :class:`Served`.
-What a node computes is comfyui_run.py's; here only what it takes and returns.
+What a node computes is comfyui_plan.py's (run by comfyui_run.py); here only what it takes and returns.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from ..serving.service import Service
 from ..storage.store import base_id
 from .comfyui_files import Files
 from .comfyui_previews import SUPPORTS_PREVIEW_METADATA, PreviewFrame, preview_jpeg
-from .comfyui_run import Plan, RowCache, comfy_png, reused, run_plan
+from .comfyui_plan import Plan
+from .comfyui_run import RowCache, comfy_png, reused, run_plan
 
 log = logging.getLogger(__name__)
 

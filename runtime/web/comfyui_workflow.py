@@ -8,7 +8,7 @@ read), each node's ``class_type`` and ``inputs``, every required input present, 
 value's type, range and list, the graph free of cycles, and the rows its sweeps ask for (each
 sweep's ``n`` summed, before any is expanded). What the nodes mean together (a
 sampler pair, a size, a LoRA's strengths) is checked when the workflow is planned
-(comfyui_run.py), also before anything runs.
+(comfyui_plan.py), also before anything runs.
 """
 
 from __future__ import annotations
