@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm check-sd15 redteam injected-bugs test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm train-planner check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -156,6 +156,12 @@ sliders: setup
 train-lcm: setup
 	$(BIN)/python scripts/train_lcm.py --model export/models/shapes-sd --out export/models/shapes-sd/lcm-lora \
 		--checkpoint export/checkpoints/shapes-lcm --minutes 60 --piece-minutes 45 --seed 0 --bases 50
+
+# issue 55's planner (export/world/train_planner.py): 60 minutes in all, in pieces of at most 85,
+# each resuming from the committed checkpoint
+train-planner: setup
+	$(BIN)/python scripts/train_planner.py --out export/models/planner --checkpoint export/checkpoints/planner \
+		--piece-minutes 85 --seed 0
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

@@ -109,3 +109,31 @@ def test_a_behaviour_edit_keeps_the_present_and_the_scene_exactly_and_rows_run_a
         assert np.abs(plan[:, ~kept] - base[:, ~kept]).max() > 1e-3  # the rest was re-planned
         np.testing.assert_allclose(plan, alone[k], atol=1e-5)
     np.testing.assert_allclose(identity, base, atol=1e-5)  # the base's own prompt re-enters to the base
+
+
+def test_the_planners_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tmp_path):
+    """export/world/train_planner.py at toy length: a piece ends on its clock with its state
+    saved and writes the model as of then; the next resumes (the dataset drawn again from the
+    seed) and ends where one uncut run ends; the folder passes the compile stage."""
+    import torch
+    from safetensors.torch import load_file
+
+    from edit_rt.export.compile.onnx_export import export_onnx
+    from edit_rt.export.world.train_planner import PlannerSpec, train_planner
+
+    spec = PlannerSpec(steps=4, batch=4, dataset_size=6, checkpoint_every=100, max_minutes=0.0,
+                       block_out_channels=(8, 16), text_hidden_size=16)  # fmt: skip
+    quiet = lambda s: None  # noqa: E731
+    uncut = train_planner(tmp_path / "uncut", spec, say=quiet)
+    assert uncut["finished"] and uncut["steps_run"] == 4 and 10 <= uncut["plans"] <= 30
+    first = train_planner(tmp_path / "piece1", spec, say=quiet, checkpoint=tmp_path / "ckpt", piece_minutes=1e-9)
+    assert not first["finished"] and first["steps_run"] == 1
+    resumed = train_planner(tmp_path / "piece2", spec, say=quiet, checkpoint=tmp_path / "ckpt")
+    assert resumed["finished"] and resumed["loss"] == uncut["loss"]
+    for part in ("unet", "text_encoder"):
+        name = "diffusion_pytorch_model.safetensors" if part == "unet" else "model.safetensors"
+        a, b = load_file(tmp_path / "uncut" / part / name), load_file(tmp_path / "piece2" / part / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    export_onnx(tmp_path / "piece2", tmp_path / "build" / "piece2" / "onnx")
+    with pytest.raises(ValueError, match="another spec"):
+        train_planner(tmp_path / "other", dataclasses.replace(spec, seed=1), say=quiet, checkpoint=tmp_path / "ckpt")

@@ -1,0 +1,167 @@
+"""Train the planner (issue 55, part 2): the driving world's expert plans as latents
+(plan_model.py), a UNet and a CLIP text encoder learning epsilon-prediction on them, seeded, on the
+CPU, in resumable pieces.
+
+The data: ``dataset_size`` scenes (``driving.random_scene`` from the seed), each with every
+behaviour at an aggressiveness drawn from {0, 0.25, 0.5, 0.75, 1}; the expert's plan where it has
+one (an infeasible behaviour is no example: the judge says so at run time), as
+``to_latents(trajectory, scene)`` with ``driving.prompt(scene, behaviour, aggressiveness)``. The
+latents are the data itself (no autoencoder), so a step is only the UNet and the text encoder.
+
+The loss is the shapes model's (train.py): epsilon on SD's scaled-linear schedule, each sample
+weighted by ``1 + 1/SNR(t)`` (the v-prediction loss of an epsilon model), 10% empty prompts for
+classifier-free guidance, an EMA of the weights saved. A run with ``checkpoint`` saves its state
+every ``checkpoint_every`` steps and at a piece's end; run again, it resumes (the dataset drawn
+again from the seed: it is not saved) and ends with the weights of one uncut run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from . import driving
+from .plan_model import planner_parts, save_planner, to_latents
+from .train import _save
+
+AGGRESSIVENESS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    seed: int = 0
+    # measured: 0.41 s a step of 64 on one thread beside another training (33,422 plans from 8000
+    # scenes); the issue's 60 minutes on 2 cores are expected to hold ~12,000 (not yet measured)
+    steps: int = 12_000
+    batch: int = 64
+    lr: float = 1e-3
+    ema_decay: float = 0.999
+    dataset_size: int = 8_000  # scenes; x 5 behaviours, the feasible plans kept (~85%)
+    uncond_probability: float = 0.1
+    block_out_channels: tuple[int, ...] = (32, 64)
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    checkpoint_every: int = 1000
+    max_minutes: float = 60.0  # the issue's budget, both cores; 0 = every step
+
+
+def planner_dataset(spec: PlannerSpec) -> tuple[torch.Tensor, list[str]]:
+    """The expert's feasible plans as latents ``[n, 4, 10, 8]`` and their prompts, from the seed."""
+    rng = np.random.default_rng([spec.seed, 55])
+    latents, prompts = [], []
+    for _ in range(spec.dataset_size):
+        scene = driving.random_scene(rng)
+        for behaviour in driving.BEHAVIOURS:
+            aggressiveness = float(AGGRESSIVENESS[rng.integers(len(AGGRESSIVENESS))])
+            plan = driving.expert(scene, behaviour, aggressiveness)
+            if plan.trajectory is not None:
+                latents.append(to_latents(plan.trajectory, scene))
+                prompts.append(driving.prompt(scene, behaviour, aggressiveness))
+    return torch.from_numpy(np.stack(latents)), prompts
+
+
+def train_planner(out: Path, spec: PlannerSpec = PlannerSpec(), say: Callable[[str], None] = print,
+                  checkpoint: Optional[Path] = None, piece_minutes: float = 0.0) -> dict:  # fmt: skip
+    """Train (or resume from ``checkpoint``) and write the planner to ``out`` with its
+    ``training.json``; a piece that ends on ``piece_minutes`` saves its state and writes the model
+    as of then (``report["finished"]`` False)."""
+    from diffusers import DDPMScheduler
+
+    out = Path(out)
+    run_start = time.perf_counter()
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        marker = checkpoint / "spec.json"
+        if marker.exists() and json.loads(marker.read_text()) != json.loads(json.dumps(asdict(spec))):
+            raise ValueError(f"{checkpoint} holds a run of another spec ({marker}); give another --checkpoint folder or delete it")
+        marker.write_text(json.dumps(asdict(spec)))
+    parts = planner_parts(out / "tokenizer", spec.seed, spec.block_out_channels, spec.text_hidden_size, spec.text_layers)
+    unet, text_encoder, tokenizer = parts.unet, parts.text_encoder, parts.tokenizer
+    latents, prompts = planner_dataset(spec)
+    ids_all = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    empty_ids = tokenizer([""], padding="max_length", max_length=77, return_tensors="pt").input_ids[0]
+    say(f"{len(latents)} plans from {spec.dataset_size} scenes")
+    alphas_cumprod = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                   beta_schedule="scaled_linear").alphas_cumprod  # fmt: skip
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=spec.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, spec.steps))
+    generator = torch.Generator().manual_seed(spec.seed)
+    first, history, spent = 0, [], 0.0
+    state_file = checkpoint / "state.pt" if checkpoint is not None else None
+    if state_file is not None and state_file.exists():
+        saved = torch.load(state_file, weights_only=False)
+        unet.load_state_dict(saved["unet"])
+        text_encoder.load_state_dict(saved["text_encoder"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        generator.set_state(saved["generator"])
+        with torch.no_grad():
+            for e, v in zip(ema, saved["ema"]):
+                e.copy_(v)
+        first, history, spent = saved["step"], saved["history"], saved["seconds"]
+        say(f"resumed at step {first} ({spent:.0f} s spent before)")
+    start = time.perf_counter() - spent  # the clock counts the earlier pieces
+
+    def save_state(step: int) -> None:
+        _save({"unet": unet.state_dict(), "text_encoder": text_encoder.state_dict(), "opt": opt.state_dict(),
+               "sched": sched.state_dict(), "generator": generator.get_state(), "ema": ema, "step": step,
+               "history": history, "seconds": time.perf_counter() - start}, state_file)  # fmt: skip
+
+    finished = True
+    unet.train()
+    text_encoder.train()
+    for step in range(first, spec.steps):
+        if spec.max_minutes and time.perf_counter() - start > 60 * spec.max_minutes:
+            say(f"time budget of {spec.max_minutes} min spent after {step} steps")
+            break
+        if state_file is not None and step > first:
+            if piece_minutes and time.perf_counter() - run_start > 60 * piece_minutes:
+                save_state(step)
+                finished = False
+                say(f"this piece's {piece_minutes} min spent at step {step}: saved {state_file}; run again to resume")
+                break
+            if step % spec.checkpoint_every == 0:
+                save_state(step)
+        idx = torch.randint(0, len(latents), (spec.batch,), generator=generator)
+        ids = ids_all[idx].clone()
+        ids[torch.rand(spec.batch, generator=generator) < spec.uncond_probability] = empty_ids
+        x0 = latents[idx]
+        noise = torch.randn(x0.shape, generator=generator)
+        t = torch.randint(0, 1000, (spec.batch,), generator=generator)
+        a = alphas_cumprod[t].view(-1, 1, 1, 1)
+        pred = unet(a.sqrt() * x0 + (1 - a).sqrt() * noise, t, text_encoder(ids)[0]).sample
+        per_sample = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
+        weight = 1.0 / alphas_cumprod[t]  # 1 + 1/SNR(t): the v-prediction loss of an epsilon model
+        loss = (weight * per_sample).sum() / weight.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - spec.ema_decay)
+        history.append(loss.item())
+        if step % 100 == 0:
+            say(f"step {step}/{spec.steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)")
+    if state_file is not None and finished and len(history) > first:
+        save_state(len(history))  # the end too: the checkpoint then holds the finished run
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    save_planner(out, parts)
+    seconds = time.perf_counter() - start
+    report = {"spec": asdict(spec), "seconds": round(seconds, 1), "finished": finished, "steps_run": len(history),
+              "plans": len(latents), "unet_parameters": sum(p.numel() for p in unet.parameters()),
+              "final_loss": float(np.mean(history[-50:])) if history else None, "loss": history}  # fmt: skip
+    (out / "training.json").write_text(json.dumps(report))
+    say(f"trained {len(history)} steps in {seconds / 60:.1f} min; wrote {out}")
+    return report
