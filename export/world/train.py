@@ -177,6 +177,65 @@ def _save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class DenoiserState:
+    """A text-conditioned UNet's training state (the shapes model's UNet stage, the planner's):
+    the modules, the optimiser and its schedule, the batch generator and the EMA weights. Saved
+    and loaded whole, so that a run resumed from a checkpoint draws and steps as an uncut one."""
+
+    unet: torch.nn.Module
+    text_encoder: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator
+    ema: list
+
+    def save(self, path: Path, step: int, history: list[float], seconds: float) -> None:
+        _save({"unet": self.unet.state_dict(), "text_encoder": self.text_encoder.state_dict(), "opt": self.opt.state_dict(),
+               "sched": self.sched.state_dict(), "generator": self.generator.get_state(), "ema": self.ema, "step": step,
+               "history": history, "seconds": seconds}, path)  # fmt: skip
+
+    def load(self, path: Path) -> tuple[int, list[float], float]:
+        """The saved state into these objects; returns (step, loss history, seconds spent)."""
+        saved = torch.load(path, weights_only=False)
+        self.unet.load_state_dict(saved["unet"])
+        self.text_encoder.load_state_dict(saved["text_encoder"])
+        self.opt.load_state_dict(saved["opt"])
+        self.sched.load_state_dict(saved["sched"])
+        self.generator.set_state(saved["generator"])
+        with torch.no_grad():
+            for e, v in zip(self.ema, saved["ema"]):
+                e.copy_(v)
+        return saved["step"], saved["history"], saved["seconds"]
+
+
+def denoising_step(state: DenoiserState, params: list, latents: torch.Tensor, ids_all: torch.Tensor, empty_ids: torch.Tensor,
+                   batch: int, uncond_probability: float, noise_scheduler, ema_decay: float, ema_params: list) -> float:  # fmt: skip
+    """One optimisation step of epsilon-prediction (Ho et al. 2020, eq. 14) on a batch drawn
+    with ``state.generator``: ``uncond_probability`` of the prompts dropped to "" (classifier-free
+    guidance), each sample's loss weighted by 1 + 1/SNR(t) (the v-prediction loss of an epsilon
+    model), gradients clipped to 1, the EMA of ``ema_params`` updated. Returns the loss."""
+    g = state.generator
+    idx = torch.randint(0, len(latents), (batch,), generator=g)
+    ids = ids_all[idx].clone()
+    ids[torch.rand(batch, generator=g) < uncond_probability] = empty_ids
+    x0 = latents[idx]
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.randint(0, 1000, (batch,), generator=g)
+    pred = state.unet(noise_scheduler.add_noise(x0, noise, t), t, state.text_encoder(ids)[0]).sample
+    per_sample = ((pred - noise) ** 2).mean(dim=tuple(range(1, pred.dim())))
+    weight = 1.0 / noise_scheduler.alphas_cumprod[t]
+    loss = (weight * per_sample).sum() / weight.sum()
+    state.opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    state.opt.step()
+    state.sched.step()
+    with torch.no_grad():
+        torch._foreach_lerp_(state.ema, [p.detach() for p in ema_params], 1.0 - ema_decay)
+    return loss.item()
+
+
 def _unet_blocks(levels: tuple[bool, ...]) -> dict[str, tuple[str, ...]]:
     down = tuple("CrossAttnDownBlock2D" if x else "DownBlock2D" for x in levels)
     up = tuple("CrossAttnUpBlock2D" if x else "UpBlock2D" for x in reversed(levels))
@@ -310,7 +369,6 @@ def train_shapes(
     )  # fmt: skip
     ema = [p.detach().clone() for p in unet.parameters()]
     noise_scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
-    alphas_cumprod = noise_scheduler.alphas_cumprod
     data_file = checkpoint / "data.pt" if checkpoint else None
     if data_file is not None and data_file.exists():
         latents, ids_all = torch.load(data_file, weights_only=False)
@@ -327,20 +385,11 @@ def train_shapes(
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=spec.unet_lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, spec.unet_steps))
-    generator = torch.Generator().manual_seed(spec.seed)
+    state = DenoiserState(unet, text_encoder, opt, sched, torch.Generator().manual_seed(spec.seed), ema)
     first = 0
     state_file = checkpoint / "state.pt" if checkpoint else None
     if state_file is not None and state_file.exists():
-        saved = torch.load(state_file, weights_only=False)
-        unet.load_state_dict(saved["unet"])
-        text_encoder.load_state_dict(saved["text_encoder"])
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
-        generator.set_state(saved["generator"])
-        with torch.no_grad():
-            for e, v in zip(ema, saved["ema"]):
-                e.copy_(v)
-        first, history["unet"], spent = saved["step"], saved["history"], saved["seconds"]
+        first, history["unet"], spent = state.load(state_file)
         say(f"resumed the UNet stage at step {first} ({spent:.0f} s spent before)")
     # the clock from here on counts the whole training: this run's stages so far and, resumed,
     # the earlier runs' seconds (``spent``: the autoencoder's, or everything up to the checkpoint)
@@ -349,9 +398,7 @@ def train_shapes(
     finished = True
 
     def save_state(step: int) -> None:
-        _save({"unet": unet.state_dict(), "text_encoder": text_encoder.state_dict(), "opt": opt.state_dict(),
-               "sched": sched.state_dict(), "generator": generator.get_state(), "ema": ema, "step": step,
-               "history": history["unet"], "seconds": time.perf_counter() - start}, state_file)  # fmt: skip
+        state.save(state_file, step, history["unet"], time.perf_counter() - start)
 
     for step in range(first, last):
         if spec.max_minutes and time.perf_counter() - start > 60 * spec.max_minutes:
@@ -364,26 +411,11 @@ def train_shapes(
             break
         if state_file is not None and step > first and step % spec.checkpoint_every == 0:
             save_state(step)
-        idx = torch.randint(0, len(latents), (spec.batch,), generator=generator)
-        ids = ids_all[idx].clone()
-        ids[torch.rand(spec.batch, generator=generator) < spec.uncond_probability] = empty_ids
-        x0 = latents[idx]
-        noise = torch.randn(x0.shape, generator=generator)
-        t = torch.randint(0, 1000, (spec.batch,), generator=generator)
-        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, text_encoder(ids)[0]).sample
-        per_sample = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
-        weight = 1.0 / alphas_cumprod[t]  # 1 + 1/SNR(t): the v-prediction loss of an epsilon model
-        loss = (weight * per_sample).sum() / weight.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in unet.parameters()], 1.0 - spec.ema_decay)
-        history["unet"].append(loss.item())
+        loss = denoising_step(state, params, latents, ids_all, empty_ids, spec.batch, spec.uncond_probability,
+                              noise_scheduler, spec.ema_decay, list(unet.parameters()))  # fmt: skip
+        history["unet"].append(loss)
         if step % 100 == 0:
-            say(f"unet step {step}/{spec.unet_steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)")
+            say(f"unet step {step}/{spec.unet_steps}: loss {loss:.4f} ({time.perf_counter() - start:.0f} s)")
     if state_file is not None and finished and stop_at is None and len(history["unet"]) > first:
         save_state(len(history["unet"]))  # the end too: the checkpoint then holds the finished run
     with torch.no_grad():

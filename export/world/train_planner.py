@@ -28,7 +28,7 @@ import torch
 
 from . import driving
 from .plan_model import planner_parts, save_planner, to_latents
-from .train import _save
+from .train import DenoiserState, denoising_step
 
 AGGRESSIVENESS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -88,33 +88,21 @@ def train_planner(out: Path, spec: PlannerSpec = PlannerSpec(), say: Callable[[s
     ids_all = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
     empty_ids = tokenizer([""], padding="max_length", max_length=77, return_tensors="pt").input_ids[0]
     say(f"{len(latents)} plans from {spec.dataset_size} scenes")
-    alphas_cumprod = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                                   beta_schedule="scaled_linear").alphas_cumprod  # fmt: skip
+    noise_scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
     params = list(unet.parameters()) + list(text_encoder.parameters())
-    ema = [p.detach().clone() for p in params]
+    ema = [p.detach().clone() for p in params]  # the text encoder's too: both are trained here
     opt = torch.optim.AdamW(params, lr=spec.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, spec.steps))
-    generator = torch.Generator().manual_seed(spec.seed)
+    state = DenoiserState(unet, text_encoder, opt, sched, torch.Generator().manual_seed(spec.seed), ema)
     first, history, spent = 0, [], 0.0
     state_file = checkpoint / "state.pt" if checkpoint is not None else None
     if state_file is not None and state_file.exists():
-        saved = torch.load(state_file, weights_only=False)
-        unet.load_state_dict(saved["unet"])
-        text_encoder.load_state_dict(saved["text_encoder"])
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
-        generator.set_state(saved["generator"])
-        with torch.no_grad():
-            for e, v in zip(ema, saved["ema"]):
-                e.copy_(v)
-        first, history, spent = saved["step"], saved["history"], saved["seconds"]
+        first, history, spent = state.load(state_file)
         say(f"resumed at step {first} ({spent:.0f} s spent before)")
     start = time.perf_counter() - spent  # the clock counts the earlier pieces
 
     def save_state(step: int) -> None:
-        _save({"unet": unet.state_dict(), "text_encoder": text_encoder.state_dict(), "opt": opt.state_dict(),
-               "sched": sched.state_dict(), "generator": generator.get_state(), "ema": ema, "step": step,
-               "history": history, "seconds": time.perf_counter() - start}, state_file)  # fmt: skip
+        state.save(state_file, step, history, time.perf_counter() - start)
 
     finished = True
     unet.train()
@@ -131,27 +119,10 @@ def train_planner(out: Path, spec: PlannerSpec = PlannerSpec(), say: Callable[[s
                 break
             if step % spec.checkpoint_every == 0:
                 save_state(step)
-        idx = torch.randint(0, len(latents), (spec.batch,), generator=generator)
-        ids = ids_all[idx].clone()
-        ids[torch.rand(spec.batch, generator=generator) < spec.uncond_probability] = empty_ids
-        x0 = latents[idx]
-        noise = torch.randn(x0.shape, generator=generator)
-        t = torch.randint(0, 1000, (spec.batch,), generator=generator)
-        a = alphas_cumprod[t].view(-1, 1, 1, 1)
-        pred = unet(a.sqrt() * x0 + (1 - a).sqrt() * noise, t, text_encoder(ids)[0]).sample
-        per_sample = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
-        weight = 1.0 / alphas_cumprod[t]  # 1 + 1/SNR(t): the v-prediction loss of an epsilon model
-        loss = (weight * per_sample).sum() / weight.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - spec.ema_decay)
-        history.append(loss.item())
+        history.append(denoising_step(state, params, latents, ids_all, empty_ids, spec.batch, spec.uncond_probability,
+                                      noise_scheduler, spec.ema_decay, params))  # fmt: skip
         if step % 100 == 0:
-            say(f"step {step}/{spec.steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)")
+            say(f"step {step}/{spec.steps}: loss {history[-1]:.4f} ({time.perf_counter() - start:.0f} s)")
     if state_file is not None and finished and len(history) > first:
         save_state(len(history))  # the end too: the checkpoint then holds the finished run
     with torch.no_grad():
