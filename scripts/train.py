@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from edit_rt.export.world.train import TrainSpec, train_shapes  # noqa: E402
 
-# Issue 54's plan for the next default (export/models/shapes-looks-sd/NEXT.md, measured there; NOT
-# yet run): the looks model's recipe, whose autoencoder probes (scripts/ae_probe.py) measured no change
+# Issue 54's plan for the next default (export/models/shapes-looks-sd/NEXT.md, measured there; its
+# first piece run at stop 62, the autoencoder to step 9,873: NEXT.md section 4): the looks model's recipe, whose autoencoder probes (scripts/ae_probe.py) measured no change
 # of width, loss, edge weight, latent channels, lr or posterior better at equal steps beyond the
 # spread of two seeds (L1 worse), so its one measured lever, steps, is spent on the crisp end (the
 # blur round trip's error at level 0 fell 0.60 -> 0.31 of the range from 1500 to 4000 steps, seed
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, choices=(1, 2), default=1, help="1: the 32x32 one-object world; 2: 64x64, one or two objects (issue 26)")
     parser.add_argument("--preset", choices=("plain", "looks", "looks2"), default="plain",
                         help="looks: issue 36's world-1 model, its scenes' looks drawn at random (TrainSpec.looks32); "
-                             "looks2: issue 54's plan for the next default (LOOKS2; not yet run)")  # fmt: skip
+                             "looks2: issue 54's plan for the next default (LOOKS2; in pieces, the first run)")  # fmt: skip
     parser.add_argument("--checkpoint", type=Path, default=None, help="save the run's state here and resume from it")
     parser.add_argument("--snapshot", action="store_true", help="with --checkpoint: write the model as of the last checkpoint, train nothing")
     parser.add_argument("--out", type=Path, default=Path("models/shapes-sd"))
