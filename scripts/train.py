@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from edit_rt.export.world.train import TrainSpec, train_shapes  # noqa: E402
 
 # Issue 54's plan for the next default (export/models/shapes-looks-sd/NEXT.md, measured there; its
-# first piece run at stop 62, the autoencoder to step 9,873: NEXT.md section 4): the looks model's recipe, whose autoencoder probes (scripts/ae_probe.py) measured no change
+# first piece run at stop 62, the autoencoder to step 9,873: NEXT.md section 4): the looks model's
+# recipe, whose autoencoder probes (scripts/ae_probe.py) measured no change
 # of width, loss, edge weight, latent channels, lr or posterior better at equal steps beyond the
 # spread of two seeds (L1 worse), so its one measured lever, steps, is spent on the crisp end (the
 # blur round trip's error at level 0 fell 0.60 -> 0.31 of the range from 1500 to 4000 steps, seed
