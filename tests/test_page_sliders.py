@@ -88,7 +88,7 @@ def test_get_adapters_without_adapters_is_empty():
 
     from edit_rt.runtime.web.api_openai import adapter_list
 
-    assert adapter_list(SimpleNamespace(pipe=SimpleNamespace(adapter_bank=None))) == {"data": [], "slots": 0}
+    assert adapter_list(SimpleNamespace(pipe=SimpleNamespace(), adapter_bank=None)) == {"data": [], "slots": 0}
 
 
 # --- the page ---------------------------------------------------------------------------------------
