@@ -83,14 +83,6 @@ def test_get_adapters_lists_the_configured_adapter(server, lora_build):
     assert "/v1/adapters" in httpx.get(server.url + "/openapi.json").json()["paths"]
 
 
-def test_get_adapters_without_adapters_is_empty():
-    from types import SimpleNamespace
-
-    from edit_rt.runtime.web.api_openai import adapter_list
-
-    assert adapter_list(SimpleNamespace(pipe=SimpleNamespace(), adapter_bank=None)) == {"data": [], "slots": 0}
-
-
 # --- the page ---------------------------------------------------------------------------------------
 
 

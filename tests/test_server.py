@@ -276,6 +276,9 @@ def test_openapi_schema_and_page(server):
     assert {"/v1/images/generations", "/v1/images/edits", "/v1/bases/{bid}", "/v1/adapters"} <= set(schema["paths"])
     page = server.client.get("/")
     assert page.status_code == 200 and "edit-rt" in page.text and "/v1/images/edits" in page.text
+    # an export without adapter slots lists none, at each door
+    assert server.client.get("/v1/adapters").json() == {"data": [], "slots": 0}
+    assert server.client.get("/sdapi/v1/loras").json() == []
 
 
 json_values = st.recursive(

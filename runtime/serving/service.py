@@ -25,13 +25,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional
 
 from ..config.run_config import RunConfig
 from ..errors import ConfigError
 from ..engine.manifest import Manifest
 from ..metrics import Metrics
+from ..model.adapters import Adapter
 from ..model.edit import Base, Edit
 from ..pipeline.assemble import pipeline_of, store_of
 from ..pipeline.edit_pipeline import EditPipeline
@@ -52,6 +53,18 @@ from .results import Edited, Event, Generated
 from .step_loops import Client, StepLoops
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedAdapters:
+    """The LoRAs a request may name here. ``loaded``: name -> the converted adapter, or None on a
+    Ray Serve ingress (no engine runs there: the config's names, which every replica loads);
+    ``sources``: name -> the LoRA file it was converted from; ``slots``: the export's adapter
+    slots (0: it runs no LoRA)."""
+
+    slots: int
+    loaded: dict[str, Optional[Adapter]]
+    sources: dict[str, str]
 
 
 class Service:
@@ -164,13 +177,17 @@ class Service:
     def store(self):
         return self.bases.store
 
-    @property
-    def adapter_bank(self):
-        """The adapters loaded (``AdapterBank``: names, ranks, graphs, files), None where the export
-        has no slots or no engine runs here (Ray Serve's ingress: its routes read the config's
-        names, which every replica loads). The doors read it; a reload goes through
+    def adapters(self) -> ServedAdapters:
+        """The LoRAs served, as every door lists and checks them; a reload goes through
         ``reload_adapters``."""
-        return self.pipe.adapter_bank if self.pipe is not None else None
+        if self.pipe is None:  # a Ray Serve ingress
+            return ServedAdapters(self.cfg.adapter_slots, dict.fromkeys(self.cfg.adapters),
+                                  {name: str(source) for name, source in self.cfg.adapters.items()})  # fmt: skip
+        bank = self.pipe.adapter_bank
+        if bank is None:
+            return ServedAdapters(0, {}, {})
+        return ServedAdapters(bank.slots, dict(bank.adapters),
+                              {name: a.source or str(a.path) for name, a in bank.adapters.items()})  # fmt: skip
 
     async def reload_adapters(self) -> None:
         """The config file's ``adapters:`` read again and loaded on the engine thread (adapter_reload.py)."""

@@ -46,12 +46,9 @@ def prompt_loras(prompt: str, param: str = "prompt") -> PromptLoras:
 
 
 def known_adapters(service: Service) -> Optional[set[str]]:
-    """The adapter names rows may use; None: the export has no adapter slots. On Ray Serve's
-    ingress (no pipeline here) the config's, which every replica loads."""
-    if service.pipe is None:
-        return set(service.cfg.adapters) or None
-    bank = service.adapter_bank
-    return None if bank is None else set(bank.adapters)
+    """The adapter names rows may use; None: the export has no adapter slots."""
+    served = service.adapters()
+    return set(served.loaded) if served.slots else None
 
 
 def check_known(service: Service, loras: PromptLoras, param: str = "prompt") -> None:
@@ -119,13 +116,11 @@ async def refresh_loras(service: ServiceDep):
 def listing(service: Service) -> list[dict[str, Any]]:
     """A1111's ``/sdapi/v1/loras`` entries, one per adapter loaded (the config's on Ray Serve's
     ingress)."""
-    if service.pipe is None:
-        return [_entry(name, str(source), {}, _shown(service, source)) for name, source in service.cfg.adapters.items()]
-    bank = service.adapter_bank
-    out = []
-    for name, adapter in (bank.adapters if bank is not None else {}).items():
-        own = {"converted": _shown(service, adapter.path), "rank": adapter.rank, "graphs": sorted(adapter.graphs)}
-        source = adapter.source or str(adapter.path)
+    served, out = service.adapters(), []
+    for name, adapter in served.loaded.items():
+        own = {} if adapter is None else {"converted": _shown(service, adapter.path), "rank": adapter.rank,
+                                          "graphs": sorted(adapter.graphs)}  # fmt: skip
+        source = served.sources[name]
         out.append(_entry(name, source, own, _shown(service, source)))
     return out
 

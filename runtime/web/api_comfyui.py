@@ -62,8 +62,7 @@ class Door:
 
     def table(self, service: Service) -> dict:
         """The node table for what is served now (the adapters loaded, the images uploaded)."""
-        bank = service.adapter_bank
-        adapters = tuple(bank.adapters) if bank is not None else ()
+        adapters = tuple(service.adapters().loaded)
         return node_table(Served(service.model_name, adapters, tuple(service.cfg.served_sizes()), service.cfg.serve.max_steps,
                                  tuple(self.files.names("input")), service.cfg.serve.max_edits_per_request))  # fmt: skip
 
@@ -289,8 +288,7 @@ async def models_in(folder: str, request: HttpRequest):
     if folder == "checkpoints":
         return [service.model_name]
     if folder == "loras":
-        bank = service.adapter_bank
-        return [lora_file(n) for n in (bank.adapters if bank is not None else ())]
+        return [lora_file(n) for n in service.adapters().loaded]
     raise ApiError(404, f"folder: {folder[:40]!r}; this server has checkpoints and loras", "not_found_error",
                    param="folder", code="not_found")  # fmt: skip
 

@@ -207,15 +207,11 @@ async def base_sampler(service: Service, bid: str) -> str:
 
 def adapter_list(service: Service) -> dict:
     """``GET /v1/adapters``: the adapters loaded and the slots a row has; on Ray Serve's ingress
-    (no pipeline here) the config's names, which every replica loads."""
-    if service.pipe is None:
-        cfg = service.cfg
-        return {"data": [{"name": n, "graphs": []} for n in cfg.adapters], "slots": cfg.adapter_slots}
-    bank = service.adapter_bank
-    if bank is None:
-        return {"data": [], "slots": 0}
-    return {"data": [{"name": n, "rank": a.rank, "graphs": sorted(a.graphs), "text": a.text} for n, a in bank.adapters.items()],
-            "slots": bank.slots}  # fmt: skip
+    (no pipeline here) the config's names alone, which every replica loads."""
+    served = service.adapters()
+    data = [{"name": n} | ({"graphs": []} if a is None else {"rank": a.rank, "graphs": sorted(a.graphs), "text": a.text})
+            for n, a in served.loaded.items()]  # fmt: skip
+    return {"data": data, "slots": served.slots}
 
 
 def edits_request(raw: bytes, limit: int) -> EditsRequest:
