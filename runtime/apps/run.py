@@ -135,14 +135,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
     timer = Timer()
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)
-    if cfg.catalogue is not None:  # its edits and sliders before minutes of work: its rows are made as they run
-        for i, edit in enumerate(cfg.catalogue.edits):
-            cfg.tail_row(edit, f"catalogue.edits[{i}]")
-        for j, slider in enumerate(cfg.catalogue.sliders):
-            if slider.adapter is not None and slider.adapter not in cfg.adapters:
-                raise ConfigError(f"catalogue.sliders[{j}].adapter: {slider.adapter!r} is not in adapters: "
-                                  f"({', '.join(cfg.adapters) or 'none'}); add it there or name one of those")  # fmt: skip
-    writable_or_refuse(cfg.output_dir, "output_dir")  # before minutes of work, not after
+    _refuse_before_work(cfg)
     upload = None
     if base.image is not None:  # a base from an image: its key holds the pixels' hash
         if base.sampler not in (None, IMAGE_SAMPLER):
@@ -163,7 +156,7 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
             pipe.activate()
     # what runs, named in the base (its store key, its PNG's Sampler)
     base = dataclasses.replace(base, sampler=pipe.sampler_of(base))
-    files, labels, images, edits_report = ["base.png"], ["base: " + base.prompt], [], []
+    catalogue = None
     try:
         store = store_of(cfg, pipe.manifest.fingerprint)
         bid = base_id(pipe.manifest.fingerprint, base)
@@ -171,52 +164,14 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         rows_per_call, images_per_decode = pipe.batcher(shape).scheduler.max_rows, pipe.decode_rows(shape)
         counted = [dataclasses.replace(stats)]
         with timer.stage("base_generation"):
-            tier = store.tier(bid)
-            try:
-                state = store.get(bid) if tier else None
-            except DamagedBaseError as err:  # set aside by the store (an older version's file, say): made again
-                log.warning("%s", err)
-                state = None
-            if state is not None and state.window_start <= cfg.cache.window_start:
-                base_source = f"store ({tier})"
-            elif upload is not None:
-                state = pipe.invert(upload.pixels, base, cfg.cache.window_start, progress=progress(2 * (T - cfg.cache.window_start), "inversion"),
-                                    encoder=pipe.encoder_for(cfg.decoder))  # fmt: skip
-                store.put(state)
-                base_source = "inverted"
-            else:
-                state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
-                store.put(state)
-                base_source = "generated"
+            state, base_source = _base_state(cfg, pipe, store, bid, base, upload, progress)
         counted.append(dataclasses.replace(stats))
         with timer.stage("edit_tail"):
             row_steps = sum(T - r.start_step for r in rows)
             results = pipe.edit(state, rows, progress=progress(row_steps, "edit tail"), decode=False)
         counted.append(dataclasses.replace(stats))
         with timer.stage("decode"), output_errors(cfg.output_dir):
-            cfg.output_dir.mkdir(parents=True, exist_ok=True)
-            fingerprint = state.fingerprint
-            with stage("decoding base.png"):
-                images.append(pipe.base_image(state, cfg.decoder))
-                save_png(cfg.output_dir / "base.png", images[0],
-                         parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
-            # masked and preserve: auto edits show the base's own pixels outside their masks
-            decoded = pipe.render_each(state, rows, results, cfg.decoder) if rows else iter(())
-            for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
-                name = f"edit_{k:02d}.png"
-                with stage(f"decoding {name}"):
-                    images.append(next(decoded))
-                    fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve, results[k].uncond)
-                    save_png(cfg.output_dir / name, images[-1], parameters_text(row.prompt, base.negative_prompt, fields))
-                label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
-                files.append(name)
-                labels.append(label)
-                directions = {"directions": [dataclasses.asdict(d) for d in row.directions]} if row.directions else {}
-                edits_report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
-                                     "start_step": row.start_step, "tail_steps": T - row.start_step,
-                                     "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
-                                     "preserve": results[k].preserve, "uncond": results[k].uncond,
-                                     "deepcache": row.deepcache, **directions})  # fmt: skip
+            written = _write_images(cfg, pipe, state, base, bid, rows, results, stage)
         if cfg.catalogue is not None:  # after the edits, image by image (catalogue.py)
             with timer.stage("catalogue"), output_errors(cfg.output_dir):
                 catalogue = run_catalogue(cfg, pipe, state, base, bid, progress)
@@ -225,20 +180,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         pipe.deactivate()
 
     with timer.stage("write"), output_errors(cfg.output_dir):
-        contact_sheet(images, labels, rows=grid_rows(cfg.edit_rows, len(images) - 1)).save(cfg.output_dir / "grid.png")
-
-    # What the scheduler ran, not arithmetic on the config: a stored base costs no UNet row, an
-    # inversion its rows backwards and forwards; a tail's reference rows (structure keeping) count,
-    # and entry-step reuse skips the unconditional half of a row at its entry step.
-    # A catalogue's rows are rows this run ran: they count in the total and in what regenerating
-    # every image would have cost, as the edits' do.
-    before, based, done = counted[:3]
-    last = counted[-1]
-    base_rows = based.row_steps - before.row_steps
-    tail_rows_run = done.row_steps - based.row_steps
-    catalogue_rows = last.row_steps - done.row_steps
-    total = base_rows + tail_rows_run + catalogue_rows
-    n = len(rows) + (catalogue["run"] if cfg.catalogue is not None else 0)
+        contact_sheet(written.images, written.labels, rows=grid_rows(cfg.edit_rows, len(written.images) - 1)).save(
+            cfg.output_dir / "grid.png")  # fmt: skip
+    n = len(rows) + (catalogue["run"] if catalogue is not None else 0)
+    unet_rows = _unet_rows(counted, T, n)
     report = {
         "edit_rt_version": __version__,
         "config": str(cfg.source) if cfg.source else None,
@@ -250,26 +195,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
                     "onnxruntime": onnxruntime.__version__, "threads": cfg.threads or "all"},  # fmt: skip
         "base": {"prompt": base.prompt, "negative_prompt": base.negative_prompt, "seed": base.seed,
                  "steps": T, "guidance": base.guidance, "size": f"{base.width}x{base.height}", "sampler": base.sampler},  # fmt: skip
-        "edits": edits_report,
-        "files": files + ["grid.png"],
+        "edits": written.report,
+        "files": written.files + ["grid.png"],
         "seconds": timer.stages,
-        # Each row is one unet_step row: two UNet evaluations (unconditional + conditional).
-        "unet_rows": {
-            "base": base_rows,
-            "edit_tails": tail_rows_run,
-            "catalogue": catalogue_rows,
-            "total": total,
-            "reference_rows": last.reference_steps - based.reference_steps,
-            "half_rows_skipped": last.uncond_rows_skipped - before.uncond_rows_skipped,
-            # rows at guidance <= 1 (the conditional prediction alone): their row-steps, and the
-            # unconditional halves of those the UNet did not run (the rest: a GPU bucket's rounding, or
-            # one a call on an export without step_all_given)
-            "unguided_rows": last.unguided_row_steps - before.unguided_row_steps,
-            "unguided_halves_skipped": last.unguided_rows_skipped - before.unguided_rows_skipped,
-            "padding_rows": (last.rows_computed - before.rows_computed) - total,
-            "regenerating_every_edit": T * (n + 1),
-            "saving": round(1 - total / (T * (n + 1)), 4),
-        },
+        "unet_rows": unet_rows,
         # what this process held at its peak, and the rows a call ran at (engine/memory.py)
         "memory": {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    "step_rows_per_call": rows_per_call, "images_per_decode": images_per_decode},  # fmt: skip
@@ -279,11 +208,120 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
         "base_source": base_source,
         "store": store.stats(),
     }
-    if cfg.catalogue is not None:
-        report["catalogue"] = {**catalogue, "unet_rows": catalogue_rows}
+    if catalogue is not None:
+        report["catalogue"] = {**catalogue, "unet_rows": unet_rows["catalogue"]}
     with output_errors(cfg.output_dir):
         (cfg.output_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _refuse_before_work(cfg: RunConfig) -> None:
+    """What can be refused before minutes of work: a catalogue's edits and sliders (its rows are
+    made as they run), and an output folder that cannot be written."""
+    if cfg.catalogue is not None:
+        for i, edit in enumerate(cfg.catalogue.edits):
+            cfg.tail_row(edit, f"catalogue.edits[{i}]")
+        for j, slider in enumerate(cfg.catalogue.sliders):
+            if slider.adapter is not None and slider.adapter not in cfg.adapters:
+                raise ConfigError(f"catalogue.sliders[{j}].adapter: {slider.adapter!r} is not in adapters: "
+                                  f"({', '.join(cfg.adapters) or 'none'}); add it there or name one of those")  # fmt: skip
+    writable_or_refuse(cfg.output_dir, "output_dir")
+
+
+def _base_state(cfg: RunConfig, pipe, store, bid: str, base, upload, progress: ProgressFactory):
+    """The base's state and where it came from: the store (a base kept with at least the
+    config's window), inverted from ``base.image``, or generated; a new one is kept."""
+    T = base.steps
+    tier = store.tier(bid)
+    try:
+        state = store.get(bid) if tier else None
+    except DamagedBaseError as err:  # set aside by the store (an older version's file, say): made again
+        log.warning("%s", err)
+        state = None
+    if state is not None and state.window_start <= cfg.cache.window_start:
+        return state, f"store ({tier})"
+    if upload is not None:
+        state = pipe.invert(upload.pixels, base, cfg.cache.window_start, progress=progress(2 * (T - cfg.cache.window_start), "inversion"),
+                            encoder=pipe.encoder_for(cfg.decoder))  # fmt: skip
+        source = "inverted"
+    else:
+        state = pipe.generate_base(base, cfg.cache.window_start, progress=progress(T, "base"))
+        source = "generated"
+    store.put(state)
+    return state, source
+
+
+@dataclass
+class _Written:
+    """The images a run wrote, in the grid's order, with their labels and report entries."""
+
+    images: list = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    report: list[dict] = field(default_factory=list)
+
+
+def _write_images(cfg: RunConfig, pipe, state, base, bid: str, rows: list[TailRow], results, stage) -> _Written:
+    """base.png then each edit_XX.png, decoded and written one by one (each with its parameters)."""
+    out, T, fingerprint = _Written(), base.steps, state.fingerprint
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    with stage("decoding base.png"):
+        out.images.append(pipe.base_image(state, cfg.decoder))
+        save_png(cfg.output_dir / "base.png", out.images[0],
+                 parameters_text(base.prompt, base.negative_prompt, base_fields(base, cfg.model_name, fingerprint, bid)))  # fmt: skip
+    out.files.append("base.png")
+    out.labels.append("base: " + base.prompt)
+    # masked and preserve: auto edits show the base's own pixels outside their masks
+    decoded = pipe.render_each(state, rows, results, cfg.decoder) if rows else iter(())
+    for k, (edit, row) in enumerate(zip(cfg.edits, rows)):
+        name = f"edit_{k:02d}.png"
+        with stage(f"decoding {name}"):
+            out.images.append(next(decoded))
+            fields = edit_fields(base, row, cfg.model_name, fingerprint, bid, results[k].preserve, results[k].uncond)
+            save_png(cfg.output_dir / name, out.images[-1], parameters_text(row.prompt, base.negative_prompt, fields))
+        label = edit_label(edit, row.strength, row.start_step, T, results[k].preserve, row.directions)
+        out.files.append(name)
+        out.labels.append(label)
+        directions = {"directions": [dataclasses.asdict(d) for d in row.directions]} if row.directions else {}
+        out.report.append({"file": name, "label": label, "prompt": row.prompt, "strength": row.strength,
+                           "start_step": row.start_step, "tail_steps": T - row.start_step,
+                           "guidance": row.guidance, "masked": row.mask is not None, "seed": row.seed,
+                           "preserve": results[k].preserve, "uncond": results[k].uncond,
+                           "deepcache": row.deepcache, **directions})  # fmt: skip
+    return out
+
+
+def _unet_rows(counted: list, T: int, n: int) -> dict[str, Any]:
+    """What the scheduler ran (``counted``: its stats before the base, after it, after the edit
+    tail and, with a catalogue, after it), against regenerating each of ``n`` images and the base.
+
+    Not arithmetic on the config: a stored base costs no UNet row, an inversion its rows
+    backwards and forwards; a tail's reference rows (structure keeping) count, and entry-step
+    reuse skips the unconditional half of a row at its entry step. A catalogue's rows count in
+    the total and in what regenerating every image would have cost, as the edits' do. Each row
+    is one unet_step row: two UNet evaluations (unconditional + conditional)."""
+    before, based, done = counted[:3]
+    last = counted[-1]
+    base_rows = based.row_steps - before.row_steps
+    tail_rows_run = done.row_steps - based.row_steps
+    catalogue_rows = last.row_steps - done.row_steps
+    total = base_rows + tail_rows_run + catalogue_rows
+    return {
+        "base": base_rows,
+        "edit_tails": tail_rows_run,
+        "catalogue": catalogue_rows,
+        "total": total,
+        "reference_rows": last.reference_steps - based.reference_steps,
+        "half_rows_skipped": last.uncond_rows_skipped - before.uncond_rows_skipped,
+        # rows at guidance <= 1 (the conditional prediction alone): their row-steps, and the
+        # unconditional halves of those the UNet did not run (the rest: a GPU bucket's rounding, or
+        # one a call on an export without step_all_given)
+        "unguided_rows": last.unguided_row_steps - before.unguided_row_steps,
+        "unguided_halves_skipped": last.unguided_rows_skipped - before.unguided_rows_skipped,
+        "padding_rows": (last.rows_computed - before.rows_computed) - total,
+        "regenerating_every_edit": T * (n + 1),
+        "saving": round(1 - total / (T * (n + 1)), 4),
+    }
 
 
 @contextmanager
