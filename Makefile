@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm train-planner check-sd15 redteam injected-bugs test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm train-planner plan quality-plans bench-plans check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -162,6 +162,21 @@ train-lcm: setup
 train-planner: setup
 	$(BIN)/python scripts/train_planner.py --out export/models/planner --checkpoint export/checkpoints/planner \
 		--piece-minutes 85 --seed 0
+
+# the planner's loop (issue 55): configs/plan.yaml's scene planned (out/plan/plans.png, plans.json)
+plan: setup
+	$(BIN)/edit-rt export configs/plan.yaml
+	$(BIN)/edit-rt run configs/plan.yaml
+
+# its plans judged on 200 seeded scenes at four tail lengths, beside the expert's (out/quality-plans/)
+quality-plans: setup
+	$(BIN)/edit-rt export configs/plan.yaml
+	$(BIN)/python -m edit_rt.export.eval.quality_plans configs/plan.yaml --out out/quality-plans --scenes 200
+
+# its latency for N = 1, 8, 32 variants: from a stored base, fresh, from noise, the expert (out/bench-plans/)
+bench-plans: setup
+	$(BIN)/edit-rt export configs/plan.yaml
+	$(BIN)/python -m edit_rt.export.bench.bench_plans configs/plan.yaml --out out/bench-plans --repeats 20
 
 BENCH_CONFIG ?= configs/bench.yaml
 BENCH_MODEL ?= build/models/bench-sd

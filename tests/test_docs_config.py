@@ -124,7 +124,8 @@ def _declared(key: str) -> bool:
 
 
 # Declared on a section but refused in a file (test_refused_keys_are_refused holds each to it).
-REFUSED_IN_A_FILE = {"base.related": {"model": "m", "base": {"prompt": "p", "related": "abc@3"}}}
+REFUSED_IN_A_FILE = {"base.related": {"model": "m", "base": {"prompt": "p", "related": "abc@3"}},
+                     "base.known": {"model": "m", "base": {"prompt": "p", "known": "sha256:00"}}}
 
 
 def test_every_config_field_has_a_row_and_every_row_a_field():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edit_rt.export.world.driving import (ACCEL_MAX, BEHAVIOURS, DECEL_MAX, DT, LANE_WIDTH, LATERAL_ACCEL_MAX, LENGTH,
+from edit_rt.runtime.model.driving import (ACCEL_MAX, BEHAVIOURS, DECEL_MAX, DT, LANE_WIDTH, LATERAL_ACCEL_MAX, LENGTH,
                                           STEPS, VOCAB, Scene, draw, expert, judge, prompt, random_scene)  # fmt: skip
 
 N_SCENES = 200

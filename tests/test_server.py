@@ -279,6 +279,9 @@ def test_openapi_schema_and_page(server):
     # an export without adapter slots lists none, at each door
     assert server.client.get("/v1/adapters").json() == {"data": [], "slots": 0}
     assert server.client.get("/sdapi/v1/loras").json() == []
+    # a picture model is no planner: POST /v1/plans says so, naming the fix
+    r = server.client.post("/v1/plans", json={"scene": {"ego_speed": 10.0, "lead_gap": 20.0}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_a_planner" and "plan:" in r.text
 
 
 json_values = st.recursive(

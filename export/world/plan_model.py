@@ -1,19 +1,6 @@
-"""The planner's model (issue 55, part 2): a trajectory and its scene laid out as a Stable
-Diffusion latent, and the untrained diffusers folder its training starts from.
-
-The latent is ``[4, 10, 8]``. Rows 0-7 are the trajectory (``driving.py``: ``[STEPS, 3]``, x, y
-and speed at 0.1 s steps): the 64 steps row-major (step t at row ``t // 8``, column ``t % 8``),
-one channel per quantity, normalised to about unit spread, the fourth channel 0. Rows 8-9 are
-the scene (``context``): its eight numbers (the ego's speed and offset, the lead's gap and speed,
-whether it is stopped, the oncoming vehicle's presence, distance and speed), value k at column k
-of both rows in every channel. What a planner knows exactly is then a set of positions: step 0
-(the present, at row 0 column 0) and rows 8-9, which a mask keeps while the rest is generated or
-edited (the masked-edit machinery, ``TailRow.pixel_mask``; a mask covers every channel of a
-position, so the scene cannot share positions with the trajectory's later steps).
-
-A one-row latent (time along the width) does not pass the compile stage (its prompt-to-prompt
-maps are read at factor 2: docs/plans.md measures it); the grid passes it unchanged, so the
-export, the engines, the step loop, the store and the masks serve plans as they serve pictures.
+"""The planner's model (issue 55, part 2): the untrained diffusers folder its training starts
+from. Its latent is a plan laid out as a grid (runtime/model/plan_grid.py: the trajectory's 64 steps
+as 8 x 8, the scene's numbers in two rows below).
 
 The folder is an SD 1.x one (``StableDiffusionPipeline``): a UNet on the grid with
 cross-attention at full resolution, a CLIP text encoder over the world's words (each one token,
@@ -27,60 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .driving import STEPS, Scene
-
-GRID = 8  # the trajectory's rows and the latent's width: GRID * GRID == STEPS
-CONTEXT_ROWS = 2  # the scene's rows below it
-HEIGHT, WIDTH = GRID + CONTEXT_ROWS, GRID  # the latent's sides (the "image" size: the autoencoder is factor 1)
-CHANNELS = 4
-# (offset, scale) per quantity: x over the horizon (0 to ~160 m at the fastest), y across the
-# road (-1.75 to 5.25 m), speed (0 to 25 m/s); latent = (value - offset) / scale
-NORMALISE = ((70.0, 45.0), (1.75, 2.0), (12.0, 7.0))
-assert GRID * GRID == STEPS
-
-
-def context(scene: Scene) -> np.ndarray:
-    """The scene's eight numbers, normalised as the latent holds them: ego speed, ego offset, lead
-    gap, lead speed, stopped lead (+1 / -1), oncoming vehicle (+1 / -1), its distance (0 without
-    one), its speed."""
-    distance = (scene.oncoming_distance - 220.0) / 180.0 if scene.oncoming else 0.0
-    return np.array([(scene.ego_speed - 13.0) / 7.0, scene.ego_y / 0.5, (scene.lead_gap - 50.0) / 45.0,
-                     (scene.lead_speed - 10.0) / 10.0, 1.0 if scene.obstacle else -1.0, 1.0 if scene.oncoming else -1.0,
-                     distance, (scene.oncoming_speed - 10.0) / 10.0], dtype=np.float32)  # fmt: skip
-
-
-def to_latents(trajectory: np.ndarray, scene: Scene) -> np.ndarray:
-    """``[STEPS, 3]`` (x, y, speed) and its scene -> ``[CHANNELS, HEIGHT, WIDTH]`` float32."""
-    trajectory = np.asarray(trajectory, dtype=np.float64)
-    if trajectory.shape != (STEPS, 3):
-        raise ValueError(f"a trajectory is [{STEPS}, 3] (x, y, speed), not {list(trajectory.shape)}")
-    out = np.zeros((CHANNELS, HEIGHT, WIDTH), dtype=np.float32)
-    for c, (offset, scale) in enumerate(NORMALISE):
-        out[c, :GRID] = ((trajectory[:, c] - offset) / scale).reshape(GRID, GRID)
-    out[:, GRID:] = context(scene)[None, None, :]
-    return out
-
-
-def from_latents(latents: np.ndarray) -> np.ndarray:
-    """``[CHANNELS, HEIGHT, WIDTH]`` -> the trajectory ``[STEPS, 3]`` (x, y, speed)."""
-    latents = np.asarray(latents)
-    if latents.shape != (CHANNELS, HEIGHT, WIDTH):
-        raise ValueError(f"a plan's latents are [{CHANNELS}, {HEIGHT}, {WIDTH}], not {list(latents.shape)}")
-    return np.stack([latents[c, :GRID].reshape(STEPS).astype(np.float64) * scale + offset
-                     for c, (offset, scale) in enumerate(NORMALISE)], axis=1)  # fmt: skip
-
-
-def known(present: bool = True) -> np.ndarray:
-    """``TailRow.pixel_mask`` of a plan, ``[HEIGHT, WIDTH]``: 1 where it may change, 0 where it is
-    kept: the scene's rows and (``present``) step 0."""
-    mask = np.ones((HEIGHT, WIDTH), dtype=np.float32)
-    mask[GRID:] = 0.0
-    if present:
-        mask[0, 0] = 0.0
-    return mask
-
+from edit_rt.runtime.model.plan_grid import CHANNELS, HEIGHT, WIDTH
 
 @dataclass
 class PlannerParts:
@@ -100,7 +34,7 @@ def planner_parts(tokenizer_dir: Path, seed: int = 0, block_out_channels: tuple[
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from .driving import VOCAB
+    from edit_rt.runtime.model.driving import VOCAB
     from .tiny_model import write_tokenizer
 
     torch.manual_seed(seed)

@@ -26,8 +26,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from . import driving
-from .plan_model import planner_parts, save_planner, to_latents
+from edit_rt.runtime.model import driving
+from edit_rt.runtime.model.plan_grid import to_latents
+
+from .plan_model import planner_parts, save_planner
 from .train import DenoiserState, denoising_step
 
 AGGRESSIVENESS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -432,12 +432,17 @@ def serve(
 
 @app.command()
 def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base, edits.")) -> None:
-    """Generate the base and run every edit as one batched tail; write PNGs, grid and report."""
+    """Generate the base and run every edit as one batched tail; write PNGs, grid and report.
+    A plan config (plan:) plans its scene's behaviours as one batched tail; writes plans.png and plans.json."""
     from ..pipeline.assemble import require_ready
     from .run import run_config
+    from .run_plan import run_plan
 
     cfg = load_config(config)
     require_ready(cfg)  # the model, its export, its adapters: in that order, before any folder is made
+    if cfg.plan is not None:
+        print_run(run_plan(cfg), cfg.output_dir)
+        return
     with _progress() as bars:
         report = run_config(cfg, progress=bars, stage=bars.stage)
     print_run(report, cfg.output_dir)

@@ -35,13 +35,16 @@ from PIL import Image
 from pydantic import TypeAdapter, ValidationError
 
 from ..config.load import config_from_dict, load_config
+from ..config.plan import PlanScene, PlanSection
 from ..config.run_config import RunConfig
 from ..errors import EditRtError, EditorError
+from ..model import driving
 from ..model.edit import Base, Direction, Edit
 from ..model.schema import request_refusal
 from ..model.sweep import expand
 from ..pipeline.images import to_uint8
 from ..pipeline.pnginfo import parse_fields
+from ..pipeline.plans import PlanOutcome, Variant
 from ..serving import service as service_module
 from ..serving.service import Service
 from .run import edit_label
@@ -124,6 +127,8 @@ class EditResult(Result):
 
 _EDIT = TypeAdapter(Edit)
 _BASE = TypeAdapter(Base)
+_SCENE = TypeAdapter(PlanScene)
+_PLAN = TypeAdapter(PlanSection)
 
 
 class Editor:
@@ -162,8 +167,11 @@ class Editor:
         (``store={"disk_dir": "bases"}``, ``cache={...}``, ``backend="auto"``), validated as a
         config's: an unknown or out-of-range one is refused naming it. Relative paths are taken
         from the current folder."""
-        base = {"prompt": "", "width": width, "height": height, "steps": steps, "guidance": guidance,
-                **sections.pop("base", {})}  # fmt: skip
+        if "plan" in sections:  # a planner: its base sets seed, steps and guidance only (config/plan.py)
+            base = sections.pop("base", {})
+        else:
+            base = {"prompt": "", "width": width, "height": height, "steps": steps, "guidance": guidance,
+                    **sections.pop("base", {})}  # fmt: skip
         return cls(config_from_dict({"model": str(model), "build_dir": str(build_dir), "base": base, **sections}))
 
     # --- life -----------------------------------------------------------------------------------
@@ -303,6 +311,23 @@ class Editor:
 
     def __contains__(self, base: Union[BaseResult, str]) -> bool:
         return self._run(self.service.has_base(base if isinstance(base, str) else base.base_id))
+
+    def plan(self, scene: Union[dict, driving.Scene], behaviours: Sequence[str] = driving.BEHAVIOURS,
+             aggressiveness: Sequence[float] = (0.0, 0.5, 1.0), *, base_behaviour: str = "keep lane",
+             base_aggressiveness: float = 0.5, tail_steps: Optional[int] = None,
+             seed: Optional[int] = None) -> PlanOutcome:  # fmt: skip
+        """A planner's loop (an Editor of a plan config): the scene's base plan (kept from an
+        earlier call, or generated) and every behaviour x aggressiveness as one batched tail of
+        it, each judged; the outcome holds every trajectory and score, the best, and
+        ``picture()``. ``scene``: a driving.Scene, or its fields as a dict (checked as POST
+        /v1/plans checks them)."""
+        if not isinstance(scene, driving.Scene):
+            scene = _validated(_SCENE, PlanScene, scene if isinstance(scene, dict) else {}, "scene.").to_scene("scene")
+        asked = {"behaviours": list(behaviours), "aggressiveness": list(aggressiveness), "base_behaviour": base_behaviour,
+                 "base_aggressiveness": base_aggressiveness}  # fmt: skip
+        v = _validated(_PLAN, PlanSection, asked, "")
+        variants = [Variant(b, a) for b in v.behaviours for a in v.aggressiveness]
+        return self._run(self.service.plan(scene, variants, Variant(v.base_behaviour, v.base_aggressiveness), tail_steps, seed))
 
     # --- the loop -------------------------------------------------------------------------------
 

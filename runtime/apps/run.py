@@ -131,7 +131,10 @@ def run_config(cfg: RunConfig, progress: ProgressFactory = _no_progress,
 
     ``progress`` makes a bar per counted stage (base, edit tail), ``stage(name)`` is a context
     for the uncounted ones (loading, decoding each image). Each image is written as soon as it
-    is decoded, so a run killed while decoding keeps the images before it."""
+    is decoded, so a run killed while decoding keeps the images before it. (A plan config,
+    ``plan:``, runs run_plan.py's instead.)"""
+    if cfg.plan is not None:
+        raise ConfigError("plan: a plan config runs run_plan (`edit-rt run` chooses it)")
     timer = Timer()
     base, T = cfg.base, cfg.base.steps
     rows = tail_rows(cfg)

@@ -113,6 +113,8 @@ def print_bench(report: dict, output_dir: Path) -> None:
 
 def print_run(report: dict, output_dir: Path) -> None:
     """`edit-rt run`'s table (a file per edit) and its UNet rows against regenerating every edit."""
+    if "variants" in report:
+        return print_plans(report, output_dir)
     table = Table(title=f"edit-rt run: {len(report['edits'])} edits on one base", title_justify="left")
     for column in ("file", "edit", "tail steps"):
         table.add_column(column)
@@ -134,3 +136,22 @@ def print_run(report: dict, output_dir: Path) -> None:
     if "catalogue" in report:
         c = report["catalogue"]
         out.print(f"catalogue: {c['rows']} rows ({c['run']} run, {c['resumed']} resumed from their files) in {c['folder']}/")
+
+
+def print_plans(report: dict, output_dir: Path) -> None:
+    """A plan run's table (a row per variant: done as asked, collision, comfort, utility)."""
+    table = Table(title=f"edit-rt run: {len(report['variants'])} plans from one base plan", title_justify="left")
+    for column in ("plan", "success", "collision", "peak accel", "peak jerk", "progress m", "utility"):
+        table.add_column(column)
+    for k, v in enumerate([report["base"], *report["variants"]]):
+        s = v["scores"]
+        name = ("base: " if k == 0 else "") + v["label"] + (" (best)" if k - 1 == report["best"] else "")
+        table.add_row(name, str(s["success"]), str(s["collision"]), f"{s['peak_accel']:.2f}", f"{s['peak_jerk']:.1f}",
+                      f"{s['progress']:.1f}", f"{v['utility']:.1f}")  # fmt: skip
+    out = Console()
+    out.print(table)
+    rows = report["unet_rows"]
+    out.print(f"UNet rows run: {rows['total']} (base {rows['base']} + variants {rows['variants']}) vs "
+              f"{rows['sampling_every_variant']} sampling every variant from noise")  # fmt: skip
+    out.print("seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in report["seconds"].items()))
+    out.print(f"wrote {output_dir}/ (plans.png, plans.json)")

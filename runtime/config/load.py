@@ -2,7 +2,8 @@
 (a key given twice refused), validated by pydantic against the declarations in run_config.py,
 every refusal worded as one :class:`ConfigError` naming the file, the field path
 (``edits[2].strength``) and the fix; paths taken from the file's folder; the base's speed LoRA's
-schedule set where the base sets none; sweeps expanded into their rows, a catalogue's size counted."""
+schedule set where the base sets none; sweeps expanded into their rows, a catalogue's size counted;
+a plan's base made from its ``plan:`` section."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import ConfigError
+from ..model import driving
 from ..model.adapters import SCHEDULE_FIELDS
 from ..model.lora_tags import config_with_tags
+from ..model.plan_grid import HEIGHT, WIDTH
+from ..model.samplers import IMAGE_SAMPLER
 from ..model.schema import refusal
 from ..model.single_file import checkpoint_family
 from ..model.sweep import expand_all, rows_of
@@ -93,11 +97,17 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
                 raise ConfigError(f"{key}: unknown key; it is set at load ({_SET_AT_LOAD[key]})")
         if _ADAPTER is None:
             _ADAPTER = TypeAdapter(RunConfig)
+        if "plan" in data:  # a plan's base: its chain from base:, its prompt and size the plan's (plan.py)
+            data = {**data, "base": plan_base(data.get("base", {}))}
         data, base_tags = config_with_tags(data)  # <lora:name:w> in base.prompt, edits[i].prompt: their adapters
         try:
             cfg = _ADAPTER.validate_python(data)
         except ValidationError as err:
             raise _config_error(err) from None
+        if cfg.plan is not None:
+            v = cfg.plan
+            prompt = driving.prompt(v.the_scene(), v.base_behaviour, v.base_aggressiveness)
+            cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, prompt=prompt))
         if base_tags:  # a base may take A1111's (te, unet) apart, which base.adapters' scale cannot say
             cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, adapters={**(cfg.base.adapters or {}), **base_tags}))
         # a speed LoRA's schedule where the file's base sets none of its own
@@ -137,6 +147,18 @@ def config_from_dict(data: Any, source: Optional[Path] = None) -> RunConfig:
     except ConfigError as err:
         raise ConfigError(f"{label}{err}") from None
     return cfg
+
+
+def plan_base(given: Any) -> dict:
+    """A plan config's ``base:``: what it may set (seed, steps, guidance), over the plan's defaults."""
+    if not isinstance(given, dict):
+        raise ConfigError(f"base: must be a mapping (seed, steps, guidance), got {type(given).__name__}")
+    for key in given:
+        if key not in ("seed", "steps", "guidance"):
+            raise ConfigError(f"base.{key}: a plan's base sets seed, steps and guidance only; its prompt is the scene's and "
+                              "base behaviour's words (plan:), its size the plan grid's; remove it")  # fmt: skip
+    return {"prompt": "plan", "negative_prompt": "", "width": WIDTH, "height": HEIGHT, "sampler": IMAGE_SAMPLER,
+            "steps": 20, "guidance": 3.0, **given}  # fmt: skip
 
 
 def check_catalogue(spec: Catalogue) -> None:

@@ -24,6 +24,7 @@ from ..model.schema import Bool, DeepCache, Float, Guidance, Int, StoragePrecisi
 from ..model.single_file import artifact_name, checkpoint_family, is_single_file, require_converted
 from ..model.weighting import prompt_spans
 from .catalogue import Catalogue
+from .plan import PlanSection
 from .serve import Serve
 
 STRICT = ConfigDict(extra="forbid")
@@ -250,6 +251,9 @@ class RunConfig:
     # Hundreds of variants of the base (config/catalogue.py): every catalogue edit at every
     # position of every slider, written image by image to <output_dir>/catalogue/ after the edits.
     catalogue: Optional[Catalogue] = None
+    # A plan config (config/plan.py, pipeline/plans.py): the model is a planner, and `edit-rt run`
+    # plans the scene's base and its behaviours instead of editing an image.
+    plan: Optional[PlanSection] = None
     # Set at load, never from the file: the file's path, and the rows each of the file's edits
     # became (a sweep's n, else 1; ``edits`` holds them expanded): the grid shows a sweep as a row.
     source: Optional[Path] = None
@@ -359,6 +363,16 @@ class RunConfig:
         self._check_model(where)
         if self.base.related is not None:
             raise ConfigError(f"{where}base.related: set by the server for related generations; remove it")
+        if self.base.known is not None:
+            raise ConfigError(f"{where}base.known: set by the planner for a plan's base; remove it")
+        if self.plan is not None and (self.edits or self.catalogue is not None):
+            raise ConfigError(f"{where}{'edits' if self.edits else 'catalogue'}: a plan config plans behaviours (plan:), "
+                              "it edits no image; remove it")  # fmt: skip
+        if self.plan is not None and self.plan.tail_steps is not None and self.plan.tail_steps > self.base.steps:
+            raise ConfigError(f"{where}plan.tail_steps: {self.plan.tail_steps} is above base.steps ({self.base.steps}); "
+                              "lower it")  # fmt: skip
+        if self.plan is not None:
+            self.plan.the_scene()  # a stopped obstacle with a speed: refused here
         if self.base.image is not None and not Path(self.base.image).is_file():
             raise ConfigError(f"{where}base.image: {self.base.image} is not a file; give the path of a PNG or JPEG")
         if self.store.disk_dir is not None and self.store.disk_dir.exists() and not self.store.disk_dir.is_dir():

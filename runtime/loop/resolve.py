@@ -198,13 +198,17 @@ class RowResolver:
             return Row(schedule, 0, record.latents[0].copy(), job.row.guidance, [t[0] for t in edit.tensors], negative,
                        record=record, conds=conds, owner=job, noise_seed=base.seed, deepcache=base.deepcache)  # fmt: skip
         if job.kind == "related":  # a related generation (serving/related.py): its related base's
-            # tail at strength 1, i.e. with its own prompt's K/V, recording from the entry step
+            # tail at strength 1, i.e. with its own prompt's K/V, recording from the entry step; with a
+            # mask, kept to the state's latents where it keeps them (a generation around known positions:
+            # EditPipeline.generate_base)
             state, T, k = job.state, base.steps, job.row.start_step
+            keep = self._keep(job.row, shape)
             record = Recording(np.empty((T + 1, *shape), dtype=np.float32), np.empty((T, *shape), dtype=np.float32),
                                np.empty((T, *shape), dtype=np.float32) if schedule.history else None)  # fmt: skip
             record.latents[k] = state.latent(k)[0]
             return Row(schedule, k, record.latents[k].copy(), job.row.guidance, [t[0] for t in edit.tensors], state.uncond_kv,
-                       entry_uncond=state.entry_uncond(k), record=record, conds=conds, owner=job,
+                       entry_uncond=state.entry_uncond(k), record=record, conds=conds, owner=job, keep=keep,
+                       base=state if keep is not None else None,
                        history=state.history(k) if schedule.history else None, noise_seed=state.base.seed,
                        deepcache=base.deepcache)  # fmt: skip
         state, tail = job.state, job.row  # an edit: a tail of its base

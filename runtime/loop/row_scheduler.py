@@ -440,7 +440,7 @@ class RowScheduler:
         for r, row in enumerate(self.active):
             if row.keep is not row.keep_written:
                 self._write_keep(row)
-            if row.keep is not None and row.record is None:  # the base's next latent, from its resident window
+            if row.keep is not None and row.base is not None:  # the base's next latent, from its resident window
                 window, at = self.windows.source(row)
                 self.dev["base"].copy_from(window, r * latent, at, latent)
             if row.corrections is not None:

@@ -228,6 +228,10 @@ class Base:
     # DeepCache over the generation (loop/row_scheduler.py): every k-th step runs the whole UNet, the
     # others its outer blocks; 1 (the default): every step, diffusers' numbers.
     deepcache: DeepCache = 1
+    # Set by the planner, never in a config: "sha256:<hex>" of the latent a generation kept where
+    # its mask keeps it (a plan's present and scene: pipeline/plans.py), so that two scenes whose
+    # words are the same are two bases.
+    known: Optional[Str] = None
 
     def time_ids(self) -> list[float]:
         """SDXL's size conditioning: original (h, w), crop (top, left), target (h, w)."""

@@ -38,7 +38,7 @@ from ..metrics import Metrics, timed
 from ..model.adapters import Adapter, AdapterBank, load_adapter
 from ..model.automask import AutoMask
 from ..model.edit import Base, Mask, Preserve, TailRow
-from ..model.samplers import default_sampler, schedule_for
+from ..model.samplers import IMAGE_SAMPLER, default_sampler, schedule_for
 from ..model.scheduler_ddim import DDIMConfig
 from ..model.step_coefs import Schedule
 from ..model.state import KV, BaseState
@@ -346,18 +346,50 @@ class EditPipeline:
         window_start: int = 0,
         noise: Optional[np.ndarray] = None,
         progress: Optional[Progress] = None,
+        known: Optional[np.ndarray] = None,
+        pixel_mask: Optional[np.ndarray] = None,
     ) -> BaseState:
-        """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on."""
+        """Run the full T-step chain for ``base`` and keep its state from ``window_start`` on.
+
+        ``known`` ([c, h, w] latent) with ``pixel_mask`` ([H, W], 1 where the chain may change,
+        as an edit's): a generation around what is known, as diffusers' inpainting with a plain
+        UNet runs it (``StableDiffusionInpaintPipeline``, 4 channels): after each step ``i`` the
+        kept positions take ``known`` noised to step ``i + 1``'s level with the generation's own
+        noise, the last step's ``known`` itself. Edits of this base with the same mask keep those
+        positions exactly (a planner's present and scene: plans.py)."""
         shape = self.latent_shape(base)
         noise = self.initial_noise(base) if noise is None else noise
         request = Request(uuid.uuid4().hex, decode=False)
-        job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise, kind="generate")
+        if known is None:
+            job = Job(request, 0, base, TailRow(base.prompt, 1.0, 0, base.guidance), noise=noise, kind="generate")
+        else:  # a tail from step 0 of the noised knowns, recorded as a base (resolve.py: "related")
+            anchors = self._noised(base, np.asarray(known, dtype=np.float32), noise)
+            kv = self.text.kv_from_prompts([base.prompt], base.clip_skip)
+            uncond = self.text.kv_from_prompts([base.negative_prompt], negative=True)
+            known_state = BaseState(base, self.manifest.fingerprint, 0, anchors, kv, uncond)
+            row = TailRow(base.prompt, 1.0, 0, base.guidance, pixel_mask=pixel_mask)
+            job = Job(request, 0, base, row, state=known_state, kind="related")
         (result,) = self._run([job], request, shape, progress)
         state = result.state
         if window_start:
             state = state.windowed(window_start)
         log.debug("base state: %d latents, %.1f KiB", len(state.latents), state.nbytes / 1024)
         return state
+
+    def _noised(self, base: Base, known: np.ndarray, noise: np.ndarray) -> np.ndarray:
+        """x_i of ``known`` for i in 0..T: the noise itself at step 0, ``sqrt(a_i) known +
+        sqrt(1 - a_i) noise`` between (``a_i``: the sampler's alpha-bar at step i, as diffusers'
+        ``add_noise`` at its timestep), ``known`` at T."""
+        sampler = self.sampler_of(base)
+        if sampler != IMAGE_SAMPLER:  # alpha_t is alpha-bar in DDIM's schedule (the sigma samplers' differ)
+            raise ConfigError(f"base.sampler: {sampler}; a generation around known positions runs {IMAGE_SAMPLER} "
+                              f"(set base.sampler: {IMAGE_SAMPLER})")  # fmt: skip
+        schedule = self.schedule(sampler, base.steps)
+        if known.shape != noise.shape[1:]:
+            raise ConfigError(f"known: a latent of shape {list(noise.shape[1:])} for this base, not {list(known.shape)}")
+        a = np.asarray(schedule.alpha_t, dtype=np.float64)[1 : base.steps, None, None, None]
+        between = (np.sqrt(a) * known + np.sqrt(1 - a) * noise).astype(np.float32)
+        return np.concatenate([noise, between, known[None]])
 
     @timed("inversion")
     def invert(self, image: np.ndarray, base: Base, window_start: int = 0, progress: Optional[Progress] = None,

@@ -13,7 +13,8 @@ given what it uses:
 - ``related`` (related.py): related generations, the index and when a request is served from it;
 - ``previews`` (previews.py): previews while rows run;
 - once the engines load, ``generations`` (generation.py), ``edits`` (edits.py) and
-  ``inversions`` (inversion.py) on the pipeline.
+  ``inversions`` (inversion.py) on the pipeline; for a planner's config (``plan:``), ``plans``
+  (pipeline/plans.py: its base plans kept, its variants one batched tail on the served loop).
 
 Every refusal is a domain error of runtime/errors.py with the field it names; only web/ turns
 them into HTTP answers (web/http_errors.py), and the Python API raises them as they are.
@@ -21,6 +22,7 @@ them into HTTP answers (web/http_errors.py), and the Python API raises them as t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -29,13 +31,15 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional
 
 from ..config.run_config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestError, TooLargeError
 from ..engine.manifest import Manifest
 from ..metrics import Metrics
+from ..model import driving
 from ..model.adapters import Adapter
 from ..model.edit import Base, Edit
 from ..pipeline.assemble import pipeline_of, store_of
 from ..pipeline.edit_pipeline import EditPipeline
+from ..pipeline.plans import PlanLoop, PlanOutcome, Variant
 from ..pipeline.uploads import Upload
 from ..storage.related_index import RelatedIndex
 from .adapter_reload import reloaded
@@ -88,6 +92,7 @@ class Service:
         self.generations: Optional[Generations] = None
         self.edits: Optional[Edits] = None
         self.inversions: Optional[Inversions] = None
+        self.plans: Optional[PlanLoop] = None  # a planner's loop (cfg.plan)
         self.ready = threading.Event()
         self.draining = threading.Event()
         self.load_error: Optional[str] = None
@@ -127,6 +132,8 @@ class Service:
             self.edits = Edits(cfg, self.fields, self.loops, self.bases, self.previews, self.related, self.metrics,
                                self.model_name)  # fmt: skip
             self.inversions = Inversions(cfg, pipe, self.fields, self.bases, self.metrics, self.model_name)
+            if cfg.plan is not None:  # a planner: plans served (POST /v1/plans) from its base plans
+                self.plans = PlanLoop(pipe, base.steps, base.guidance, cfg.plan.tail_steps or max(1, base.steps // 2), base.seed)
             self.metrics.loaded(pipe.graph_set.backend, self.model_name, pipe.manifest.fingerprint,
                                 [b.scheduler for b in self.loops.by_size.values()])  # fmt: skip
             self.ready.set()
@@ -192,6 +199,22 @@ class Service:
     async def reload_adapters(self) -> None:
         """The config file's ``adapters:`` read again and loaded on the engine thread (adapter_reload.py)."""
         self.cfg = await reloaded(self.cfg, self.pipe)
+
+    async def plan(self, scene: driving.Scene, variants: list[Variant], base: Variant, tail_steps: Optional[int] = None,
+                   seed: Optional[int] = None) -> PlanOutcome:  # fmt: skip
+        """A planner's loop (pipeline/plans.py): the scene's base plan (kept from an earlier
+        request, or generated) and every variant as one batched tail of it, judged. Its rows run
+        on the served step loop beside every other request's."""
+        if self.plans is None:
+            raise RequestError("this server's model is not a planner (its config has no plan: section); serve a plan "
+                               "config (configs/plan.yaml)", "model", "not_a_planner")  # fmt: skip
+        limit = self.cfg.serve.max_edits_per_request
+        if len(variants) > limit:
+            raise TooLargeError(f"behaviours x aggressiveness: {len(variants)} variants; this server plans at most {limit} "
+                                "a request (serve.max_edits_per_request)", "behaviours", "too_many_edits")  # fmt: skip
+        if tail_steps is not None and not 1 <= tail_steps <= self.plans.steps:
+            raise RequestError(f"tail_steps: {tail_steps} is outside [1, {self.plans.steps}]", "tail_steps", "out_of_range")
+        return await asyncio.to_thread(self.plans.run, scene, variants, base, tail_steps, seed)
 
     def choose_decoder(self, asked: Optional[str], param: str = "decoder") -> None:
         """This request's decoder (decoder_choice.py), checked against the export."""

@@ -67,7 +67,7 @@ def group(base: Base) -> str:
     """What a related base must share with a request: everything but the prompt and the seed
     (and the markers of what it came from)."""
     fields = asdict(base)
-    for name in ("prompt", "seed", "image", "related"):
+    for name in ("prompt", "seed", "image", "related", "known"):
         fields.pop(name, None)
     return json.dumps(fields, sort_keys=True)
 

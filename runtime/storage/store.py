@@ -48,6 +48,8 @@ def base_id(fingerprint: str, base: Base) -> str:
     fields = asdict(base)
     if fields.get("deepcache") == 1:  # every step full: left out, so ids already in PNGs and clients stay valid
         del fields["deepcache"]
+    if fields.get("known") is None:  # likewise: only a plan's base has one
+        del fields["known"]
     key = json.dumps({"fingerprint": fingerprint, **fields}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 

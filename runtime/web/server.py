@@ -2,7 +2,7 @@
 
 Route families, one app: edit-rt's own and the OpenAI Images API's (api_openai.py:
 ``/v1/images/generations``, ``/v1/images/edits``, ``/v1/models``), AUTOMATIC1111's
-(api_a1111.py: ``/sdapi/v1/*``), and here ``GET``/``DELETE /v1/bases/{id}``, ``GET /health``,
+(api_a1111.py: ``/sdapi/v1/*``), a planner's ``POST /v1/plans`` (api_plans.py), and here ``GET``/``DELETE /v1/bases/{id}``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /editor`` (the editing page, at ``GET /`` too unless
 ComfyUI's frontend is served there: comfyui_frontend.py), ``GET /openapi.json`` and its pages
 ``GET /docs``, ``GET /redoc`` (docs.py: offline). Each family is a module-level ``router`` whose
@@ -36,7 +36,7 @@ from ..errors import EditRtError
 from ..metrics import CONTENT_TYPE
 from .http_errors import ApiError, api_error, validation_error
 from ..serving.service import Service
-from . import api_a1111, api_comfyui, api_openai, comfyui_frontend, docs
+from . import api_a1111, api_comfyui, api_openai, api_plans, comfyui_frontend, docs
 from .a1111_fields import Settings
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .exposure import refuse_an_open_port
@@ -155,7 +155,7 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
                        credentials=Credentials(token_of(cfg.serve), api_auth_of(cfg.serve)),
                        max_body_bytes=cfg.serve.max_body_bytes)  # fmt: skip
     docs.redoc_script()  # read now, off any request; fastapi-offline missing: one line here, not a 500 on /docs
-    for door in (router, docs.router, api_openai.router, api_a1111.router):
+    for door in (router, docs.router, api_openai.router, api_a1111.router, api_plans.router):
         app.include_router(door)
     if cfg.serve.comfyui:  # ComfyUI's bare paths (/prompt, /view) only when asked for
         app.state.comfyui = api_comfyui.Door(cfg, app.state.service)

@@ -1,7 +1,8 @@
 """The "driving" world (issue 55): a two-lane road seen from above, an ego vehicle, the traffic
 around it, an expert planner per behaviour, the prompt that states scene and behaviour in words,
-a judge of any trajectory, and a picture. Numpy and Pillow only; the model that learns it, the
-plan-edit-evaluate loop and the bench are not built yet (docs/plans.md).
+a judge of any trajectory, and a picture. Numpy and Pillow only. The model that learns it is
+export/world/plan_model.py (its latent: plan_grid.py), the plan-edit-evaluate loop
+pipeline/plans.py (docs/plans.md).
 
 **The road and the scene.** A straight two-way road of two lanes, ``LANE_WIDTH`` wide each: the
 ego's lane (lane 0, centre y = 0, traffic in +x) and the other lane (lane 1, centre y =
