@@ -218,17 +218,19 @@ def test_the_loop_plans_every_variant_as_one_tail_of_its_base_plan_each_judged_a
     variants = [Variant(b, a) for b in ("follow", "brake to stop", "change lane") for a in (0.0, 1.0)] + [Variant("keep lane")]
     kept = known() == 0
     with EditPipeline(onnx, model) as pipe:
-        loop = PlanLoop(pipe, steps=10, guidance=3.0, tail_steps=4, seed=2)
+        loop = PlanLoop(pipe, steps=10, guidance=3.0, tail_steps=4, seed=2, behaviour_tails={"change lane": 7})
         first = loop.run(scene, variants)
         again = loop.run(scene, variants)
         # the same base and rows written out here: each variant alone, an edit row of the base from step 6
+        # (change lane, its own tail of 7: from step 3)
         base = Base(driving.prompt(scene, "keep lane", 0.5), negative_prompt="", seed=2, steps=10, guidance=3.0,
                     width=WIDTH, height=HEIGHT, sampler="ddim")  # fmt: skip
         state = pipe.generate_base(base, known=present(scene), pixel_mask=known())
-        alone = [pipe.run_tail(state, [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0, 6, 3.0,
-                                               pixel_mask=known())])[0] for v in variants]  # fmt: skip
+        alone = [pipe.run_tail(state, [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0,
+                                               3 if v.behaviour == "change lane" else 6, 3.0, pixel_mask=known())])[0]
+                 for v in variants]  # fmt: skip
     assert first.base_source == "generated" and again.base_source == "kept"
-    assert first.rows == {"base": 10, "variants": 4 * len(variants)} and again.rows["base"] == 0
+    assert first.rows == {"base": 10, "variants": 4 * (len(variants) - 2) + 7 * 2} and again.rows["base"] == 0
     np.testing.assert_allclose(plan_of(state.final_latent[0]), first.base.trajectory, atol=1e-4)
     for k, (plan, latent) in enumerate(zip(first.variants, alone)):
         np.testing.assert_allclose(plan.trajectory, plan_of(latent), atol=1e-4)  # batched equals alone

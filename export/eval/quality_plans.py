@@ -104,9 +104,10 @@ def main() -> None:
     tails = tuple(int(t) for t in args.tails.split(",")) if args.tails else tuple(sorted({max(1, steps // 4), steps // 2,
                                                                                          3 * steps // 4, steps}))
     with pipeline_of(cfg) as pipe:
-        loop = PlanLoop(pipe, steps, cfg.base.guidance, cfg.plan.tail_steps or steps // 2, cfg.base.seed)
+        loop = PlanLoop.of_config(pipe, cfg)
         report = evaluate(loop, args.scenes, tails)
-    report.update(config=str(args.config), model=str(cfg.model), default_tail=cfg.plan.tail_steps or steps // 2)
+    report.update(config=str(args.config), model=str(cfg.model), default_tail=loop.tail_steps,
+                  behaviour_tails=loop.behaviour_tails)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality_plans.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({t: {b: (v["done"], v["collision_free"], v["monotone"]) for b, v in per.items()}

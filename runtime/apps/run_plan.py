@@ -26,8 +26,7 @@ def run_plan(cfg: RunConfig) -> dict[str, Any]:
         pipe = pipeline_of(cfg)
         pipe.activate()
     try:
-        tail = plan.tail_steps or max(1, base.steps // 2)
-        loop = PlanLoop(pipe, base.steps, base.guidance, tail, base.seed)
+        loop = PlanLoop.of_config(pipe, cfg)
         outcome = loop.run(plan.the_scene(), variants, Variant(plan.base_behaviour, plan.base_aggressiveness))
     finally:
         pipe.deactivate()
@@ -35,7 +34,8 @@ def run_plan(cfg: RunConfig) -> dict[str, Any]:
     n = len(variants)
     report["unet_rows"].update(total=sum(outcome.rows.values()), sampling_every_variant=base.steps * (n + 1))
     report.update(config=str(cfg.source) if cfg.source else None, model=str(cfg.model), backend=pipe.graph_set.backend,
-                  steps=base.steps, guidance=base.guidance, seed=base.seed, tail_steps=tail,
+                  steps=base.steps, guidance=base.guidance, seed=base.seed, tail_steps=loop.tail_steps,
+                  behaviour_tails=loop.behaviour_tails,
                   files=["plans.png", "plans.json"])  # fmt: skip
     report["seconds"] = {**timer.stages, **report["seconds"]}
     with output_errors(cfg.output_dir):

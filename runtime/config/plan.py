@@ -58,6 +58,9 @@ class PlanSection:
     aggressiveness: Annotated[list[Aggressiveness], Field(min_length=1)] = dataclasses.field(default_factory=lambda: [0.0, 0.5, 1.0])
     # The steps each variant re-runs; left out, half of base.steps.
     tail_steps: Optional[between(Int, 1, 1000)] = None
+    # A behaviour's own tail where it needs another (one that departs from the base plan early
+    # re-enters earlier); its rows still run in the same batch.
+    behaviour_tails: dict[Behaviour, between(Int, 1, 1000)] = dataclasses.field(default_factory=dict)
 
     def the_scene(self) -> driving.Scene:
         if self.scene is not None:

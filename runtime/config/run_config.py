@@ -368,9 +368,12 @@ class RunConfig:
         if self.plan is not None and (self.edits or self.catalogue is not None):
             raise ConfigError(f"{where}{'edits' if self.edits else 'catalogue'}: a plan config plans behaviours (plan:), "
                               "it edits no image; remove it")  # fmt: skip
-        if self.plan is not None and self.plan.tail_steps is not None and self.plan.tail_steps > self.base.steps:
-            raise ConfigError(f"{where}plan.tail_steps: {self.plan.tail_steps} is above base.steps ({self.base.steps}); "
-                              "lower it")  # fmt: skip
+        if self.plan is not None:
+            tails = {"plan.tail_steps": self.plan.tail_steps,
+                     **{f"plan.behaviour_tails.{b}": t for b, t in self.plan.behaviour_tails.items()}}  # fmt: skip
+            for name, tail in tails.items():
+                if tail is not None and tail > self.base.steps:
+                    raise ConfigError(f"{where}{name}: {tail} is above base.steps ({self.base.steps}); lower it")
         if self.plan is not None:
             self.plan.the_scene()  # a stopped obstacle with a speed: refused here
         if self.base.image is not None and not Path(self.base.image).is_file():

@@ -83,7 +83,8 @@ def present(scene: Scene) -> np.ndarray:
 
 
 KNOT_SPACING = 1.6  # s between the readout's spline knots (4 pieces over the 6.3 s horizon)
-MAX_LATERAL_RATIO = 0.5  # |dy| <= this x dx per step: a heading of at most ~27 degrees, none when stopped
+MAX_LATERAL_RATIO = 0.5  # |dy| <= this x dx per step: a heading of at most ~27 degrees,
+SLOW = 3.0  # m/s, below which that bound shrinks with the speed (none when stopped)
 
 
 def _spline_basis(order_from: int) -> np.ndarray:
@@ -106,8 +107,9 @@ def plan_of(latents: np.ndarray) -> np.ndarray:
        every ``KNOT_SPACING`` s), never below 0 (a planner does not reverse);
     2. x: that speed integrated (trapezoids, as the expert's plans are: x is speed's integral);
     3. y: the lateral channel's cubic spline through the present offset with no lateral speed at
-       t = 0, each step's lateral move at most ``MAX_LATERAL_RATIO`` of its forward move (a car
-       moves sideways only while it moves forward)."""
+       t = 0, each step's lateral move at most ``MAX_LATERAL_RATIO`` of its forward move, and less
+       below ``SLOW`` m/s in proportion to the speed (a car moves sideways only while it moves
+       forward, and turns less the slower it goes: a stopping car does not swing its heading)."""
     raw = from_latents(latents)
     x0, y0, v0 = raw[0]
     c, *_ = np.linalg.lstsq(_SPEED_BASIS, raw[:, 2] - v0, rcond=None)
@@ -119,6 +121,6 @@ def plan_of(latents: np.ndarray) -> np.ndarray:
     y = np.empty(STEPS)
     y[0] = y0
     for k in range(1, STEPS):
-        room = MAX_LATERAL_RATIO * (x[k] - x[k - 1])
+        room = MAX_LATERAL_RATIO * min(1.0, v[k] / SLOW) * (x[k] - x[k - 1])
         y[k] = y[k - 1] + np.clip(wanted[k] - y[k - 1], -room, room)
     return np.stack([x, y, v], axis=1)

@@ -26,10 +26,11 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..config.run_config import RunConfig
 from ..errors import ConfigError
 from ..model import driving
 from ..model.edit import Base, TailRow
@@ -121,22 +122,36 @@ def known_key(latent: np.ndarray) -> str:
 
 class PlanLoop:
     """The loop on a planner's pipeline. ``steps``, ``guidance`` and ``seed``: the base plan's
-    chain (DDIM, as its training's scheduler); ``tail_steps``: the steps each variant re-runs;
-    ``keep_bases``: base plans kept in memory (least recently used out), so a scene planned again
-    starts from its stored base."""
+    chain (DDIM, as its training's scheduler); ``tail_steps``: the steps each variant re-runs,
+    ``behaviour_tails`` a behaviour's own where it needs another (one that departs from the base
+    plan early, as an overtake from a kept lane, re-enters earlier; its rows still run in the same
+    batch); ``keep_bases``: base plans kept in memory (least recently used out), so a scene planned
+    again starts from its stored base."""
 
     def __init__(self, pipe: EditPipeline, steps: int = 20, guidance: float = 3.0, tail_steps: int = 10, seed: int = 0,
-                 keep_bases: int = 64):  # fmt: skip
+                 keep_bases: int = 64, behaviour_tails: Optional[Mapping[str, int]] = None):  # fmt: skip
         shape = tuple(pipe.latent_shape(Base("", width=WIDTH, height=HEIGHT)))
         if shape[1:] != (HEIGHT, WIDTH):
             raise ConfigError(f"model: its latent is {list(shape)}, not a plan's [4, {HEIGHT}, {WIDTH}]; a planner is "
                               "made by `make train-planner` (export/world/plan_model.py)")  # fmt: skip
-        if not 1 <= tail_steps <= steps:
-            raise ConfigError(f"plan.tail_steps: {tail_steps} is outside [1, steps = {steps}]")
-        self.pipe, self.steps, self.guidance, self.tail_steps, self.seed = pipe, steps, guidance, tail_steps, seed
+        self.pipe, self.steps, self.guidance, self.seed = pipe, steps, guidance, seed
+        self.tail_steps = self._checked(tail_steps, "plan.tail_steps")
+        self.behaviour_tails = {b: self._checked(t, f"plan.behaviour_tails.{b}") for b, t in (behaviour_tails or {}).items()}
         self.mask = known()
         self.keep_bases = keep_bases
         self._bases: OrderedDict[str, BaseState] = OrderedDict()
+
+    def _checked(self, tail: int, field_name: str) -> int:
+        if not 1 <= tail <= self.steps:
+            raise ConfigError(f"{field_name}: {tail} is outside [1, steps = {self.steps}]")
+        return tail
+
+    def tail_of(self, variant: Variant, tail_steps: Optional[int] = None) -> int:
+        """The steps ``variant`` re-runs: ``tail_steps`` for every variant where given, else its
+        behaviour's own, else the loop's."""
+        if tail_steps is not None:
+            return tail_steps
+        return self.behaviour_tails.get(variant.behaviour, self.tail_steps)
 
     def base_of(self, scene: driving.Scene, variant: Variant, seed: Optional[int] = None) -> Base:
         """The base plan's generation: the scene and behaviour in words, what it keeps hashed."""
@@ -160,33 +175,39 @@ class PlanLoop:
 
     def rows(self, scene: driving.Scene, variants: Sequence[Variant], tail_steps: Optional[int] = None) -> list[TailRow]:
         """Each variant as an edit row of the base plan: its words, the mask keeping the present
-        and the scene, re-entering ``tail_steps`` before the end."""
-        start = self.steps - (self.tail_steps if tail_steps is None else tail_steps)
-        return [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0, start, self.guidance, pixel_mask=self.mask)
-                for v in variants]  # fmt: skip
+        and the scene, re-entering its tail's steps before the end (:meth:`tail_of`)."""
+        return [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0, self.steps - self.tail_of(v, tail_steps),
+                        self.guidance, pixel_mask=self.mask) for v in variants]  # fmt: skip
 
     def run(self, scene: driving.Scene, variants: Sequence[Variant], base: Variant = Variant("keep lane"),
             tail_steps: Optional[int] = None, seed: Optional[int] = None) -> PlanOutcome:  # fmt: skip
-        """The loop: the base plan (kept or generated), every variant as one batched tail, each judged."""
+        """The loop: the base plan (kept or generated), every variant as one batched tail, each
+        judged. ``tail_steps``: every variant's tail (the loop's own per behaviour if None)."""
         if not variants:
             raise ConfigError("plan.behaviours: no variant to plan; name at least one behaviour")
         variants = [v.check(f"variants[{k}]") for k, v in enumerate(variants)]
-        tail = self.tail_steps if tail_steps is None else tail_steps
-        if not 1 <= tail <= self.steps:
-            raise ConfigError(f"tail_steps: {tail} is outside [1, steps = {self.steps}]")
-        seconds = {}
+        if tail_steps is not None:
+            self._checked(tail_steps, "tail_steps")
         t0 = time.perf_counter()
         state, source = self.base_plan(scene, base, seed)
         t1 = time.perf_counter()
-        latents = self.pipe.run_tail(state, self.rows(scene, variants, tail))
+        latents = self.pipe.run_tail(state, self.rows(scene, variants, tail_steps))
         t2 = time.perf_counter()
         judged = [self.judged(scene, v, latent) for v, latent in zip(variants, latents)]
         base_plan = self.judged(scene, base, state.final_latent[0])
         best = max(range(len(judged)), key=lambda k: choice_key(judged[k]))
         t3 = time.perf_counter()
         seconds = {"base": t1 - t0, "variants": t2 - t1, "judge": t3 - t2, "total": t3 - t0}
-        rows = {"base": self.steps if source == "generated" else 0, "variants": tail * len(variants)}
+        rows = {"base": self.steps if source == "generated" else 0,
+                "variants": sum(self.tail_of(v, tail_steps) for v in variants)}  # fmt: skip
         return PlanOutcome(scene, base_plan, judged, best, source, seconds, rows)
+
+    @classmethod
+    def of_config(cls, pipe: EditPipeline, cfg: RunConfig) -> "PlanLoop":
+        """The loop a plan config (``plan:``) asks for: its base's chain, its tails (half of
+        ``base.steps`` where it sets none)."""
+        b, p = cfg.base, cfg.plan
+        return cls(pipe, b.steps, b.guidance, p.tail_steps or max(1, b.steps // 2), b.seed, behaviour_tails=p.behaviour_tails)
 
     @staticmethod
     def judged(scene: driving.Scene, variant: Variant, latent: np.ndarray) -> JudgedPlan:

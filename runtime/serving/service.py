@@ -133,7 +133,7 @@ class Service:
                                self.model_name)  # fmt: skip
             self.inversions = Inversions(cfg, pipe, self.fields, self.bases, self.metrics, self.model_name)
             if cfg.plan is not None:  # a planner: plans served (POST /v1/plans) from its base plans
-                self.plans = PlanLoop(pipe, base.steps, base.guidance, cfg.plan.tail_steps or max(1, base.steps // 2), base.seed)
+                self.plans = PlanLoop.of_config(pipe, cfg)
             self.metrics.loaded(pipe.graph_set.backend, self.model_name, pipe.manifest.fingerprint,
                                 [b.scheduler for b in self.loops.by_size.values()])  # fmt: skip
             self.ready.set()
