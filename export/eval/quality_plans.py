@@ -15,6 +15,9 @@ and tail, over the variants the expert finds feasible (its plan exists):
   issue's bar reads; the expert's own share beside it;
 - ``comfort``: median peak acceleration and jerk, the plan's and the expert's.
 
+"default" is the config's own tails (``plan.tail_steps`` and ``plan.behaviour_tails``), what
+`edit-rt run` and the server plan with.
+
 Writes ``quality_plans.json`` under ``--out``; `make quality-plans` runs it on configs/plan.yaml.
 """
 
@@ -42,7 +45,9 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def evaluate(loop: PlanLoop, scenes: int, tails: tuple[int, ...], seed: int = 0, say=print) -> dict:
+def evaluate(loop: PlanLoop, scenes: int, tails: tuple, seed: int = 0, say=print) -> dict:
+    """``tails``: tail steps for every variant, or None: the loop's own (its default and
+    behaviour tails), reported as "default"."""
     rng = np.random.default_rng(seed)
     variants = [Variant(b, a) for b in driving.BEHAVIOURS for a in LEVELS]
     records = {t: [] for t in tails}
@@ -61,7 +66,7 @@ def evaluate(loop: PlanLoop, scenes: int, tails: tuple[int, ...], seed: int = 0,
     out = {"scenes": scenes, "seed": seed, "levels": list(LEVELS), "steps": loop.steps, "guidance": loop.guidance,
            "seconds": round(time.perf_counter() - start, 1), "tails": {}}  # fmt: skip
     for t in tails:
-        out["tails"][str(t)] = _summary(records[t], expert, variants)
+        out["tails"]["default" if t is None else str(t)] = _summary(records[t], expert, variants)
     out["expert"] = _summary(expert, expert, variants)
     return out
 
@@ -103,6 +108,7 @@ def main() -> None:
     steps = cfg.base.steps
     tails = tuple(int(t) for t in args.tails.split(",")) if args.tails else tuple(sorted({max(1, steps // 4), steps // 2,
                                                                                          3 * steps // 4, steps}))
+    tails = (None, *tails)  # the config's own tails first
     with pipeline_of(cfg) as pipe:
         loop = PlanLoop.of_config(pipe, cfg)
         report = evaluate(loop, args.scenes, tails)
