@@ -59,6 +59,24 @@ async def named_base(images: ImageWork, info, data: bytes, param: str) -> Option
         return None
 
 
+def kept_by_base(found: dict, steps: Optional[int] = None, negative_prompt: Optional[str] = None,
+                 source_prompt: str = "", clip_skip: Optional[int] = None,
+                 clip_field: str = "clip_skip") -> dict[str, str]:  # fmt: skip
+    """What a stored base found by an upload's ``Base id`` (:func:`named_base`) runs instead of
+    what the request sent, since an edit re-enters its chain: ``info.accepted`` entries by the
+    door's field names (``clip_field``: A1111's ``CLIP_stop_at_last_layers``)."""
+    out = {}
+    if source_prompt and source_prompt != found["prompt"]:
+        out["source_prompt"] = f"{found['prompt']!r} (this image's base's prompt: the image was found by its Base id)"
+    if steps is not None and steps != found["steps"]:
+        out["steps"] = f"{found['steps']} (the steps of this image's base, whose chain the edit re-enters)"
+    if negative_prompt is not None and negative_prompt != found.get("negative_prompt"):
+        out["negative_prompt"] = f"{found.get('negative_prompt')!r} (this image's base's)"
+    if clip_skip is not None and clip_skip != found["clip_skip"]:
+        out[clip_field] = f"{found['clip_skip'] + 1} (this image's base's)"
+    return out
+
+
 class Inversions:
     """Uploads inverted on the loaded ``pipe``, their bases kept in ``bases``."""
 

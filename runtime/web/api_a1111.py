@@ -45,6 +45,7 @@ from ..model.samplers import a1111_label
 from ..serving.generation import watch
 from .http_errors import ApiError, validation_error
 from ..serving.job_control import A1111, DOOR
+from ..serving.inversion import kept_by_base
 from ..serving.results import Edited
 from ..serving.service import Service
 from .a1111_fields import (Common, Img2Img, Settings, Txt2Img, accepted, check_off, eta_of, override, prompts_of, refuse,
@@ -259,7 +260,8 @@ async def init_base(service: Service, body: Img2Img, i: int, data: str, clip_ski
             raise refuse("override_settings.CLIP_stop_at_last_layers", clip_skip + 1, f"this image's base ({bid}) "
                          f"was made with {found['clip_skip'] + 1}; send that, or leave it out")  # fmt: skip
         pixels = (await service.images.upload(raw, param)).pixels if masked else None
-        return InitBase(bid, found, pixels, True, kept_by_base(body, found, clip_skip))
+        return InitBase(bid, found, pixels, True, kept_by_base(found, body.steps, body.negative_prompt, clip_skip=clip_skip,
+                                                               clip_field="CLIP_stop_at_last_layers"))  # fmt: skip
     # any other image: inverted into a base (A1111's prompt is the target; the image's own
     # description is unknown, so the inversion's prompt is empty)
     size_of(body, (service.cfg.base.width, service.cfg.base.height), "this server's size")
@@ -331,19 +333,6 @@ async def inverted(service: Service, upload, body: Img2Img, clip_skip: Optional[
         if service.jobs.interrupts != epoch:
             raise interrupted_error() from None
         raise
-
-
-def kept_by_base(body: Img2Img, found: dict, clip_skip: Optional[int]) -> dict[str, str]:
-    """What a base found by its ``Base id`` runs instead of what the request sent (its chain is
-    what the edit re-enters): ``info.accepted`` entries."""
-    out = {}
-    if body.steps is not None and body.steps != found["steps"]:
-        out["steps"] = f"{found['steps']} (the steps of this image's base, whose chain the edit re-enters)"
-    if body.negative_prompt is not None and body.negative_prompt != found["negative_prompt"]:
-        out["negative_prompt"] = f"{found['negative_prompt']!r} (this image's base's)"
-    if clip_skip is not None and clip_skip != found["clip_skip"]:
-        out["CLIP_stop_at_last_layers"] = f"{found['clip_skip'] + 1} (this image's base's)"
-    return out
 
 
 def inpainting_accepted(body: Img2Img) -> dict[str, str]:

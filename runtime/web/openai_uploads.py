@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..model.samplers import IMAGE_SAMPLER
 from ..pipeline.uploads import Upload
+from ..serving.inversion import kept_by_base
 from ..serving.service import Service
 
 
@@ -54,23 +55,10 @@ async def inverted(service: Service, found: list[UploadBase], source_prompt: str
     accepted: dict[str, str] = {}
     for item in found:
         if item.reused:
-            accepted.update(kept_by_base(item.base, source_prompt, negative_prompt, steps))
+            accepted.update(kept_by_base(item.base, steps, negative_prompt, source_prompt))
             continue
         made = await service.invert(item.upload, source_prompt, negative_prompt, steps, guidance)
         item.id = made.id
         item.base = {"prompt": made.base.prompt, "steps": made.base.steps, "sampler": made.base.sampler,
                      "width": made.base.width, "height": made.base.height}  # fmt: skip
     return accepted
-
-
-def kept_by_base(found: dict, source_prompt: str, negative_prompt: Optional[str], steps: Optional[int]) -> dict[str, str]:
-    """The inversion fields a request sent that the stored base it re-enters overrides
-    (``accepted`` entries: what ran instead)."""
-    out = {}
-    if source_prompt and source_prompt != found["prompt"]:
-        out["source_prompt"] = f"{found['prompt']!r} (this image's base's prompt: the image was found by its Base id)"
-    if negative_prompt is not None and negative_prompt != found.get("negative_prompt"):
-        out["negative_prompt"] = f"{found.get('negative_prompt')!r} (this image's base's)"
-    if steps is not None and steps != found["steps"]:
-        out["steps"] = f"{found['steps']} (the steps of this image's base, whose chain the edit re-enters)"
-    return out
