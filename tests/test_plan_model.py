@@ -6,6 +6,7 @@ what a plan's mask keeps (the present, the scene's rows) exactly."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -341,3 +342,30 @@ def test_the_python_api_plans_as_the_route_does_and_names_a_wrong_field(planner,
     np.testing.assert_allclose(outcome.variants[1].trajectory, outcome.base.trajectory, atol=1e-4)
     for p, q in zip(outcome.variants, again.variants):
         np.testing.assert_array_equal(p.trajectory, q.trajectory)
+
+
+def test_the_plans_example_of_docs_python_md_runs_on_a_planner(planner, tmp_path):
+    """docs/python.md's "Plans" block, as written, on this random planner's config."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    model, onnx = planner
+    config = {"model": str(model), "build_dir": str(onnx.parent.parent), "base": {"seed": 0, "steps": 8, "guidance": 3.0},
+              "plan": {"scene_seed": 0, "tail_steps": 3}}  # fmt: skip
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
+    text = (Path(__file__).resolve().parents[1] / "docs" / "python.md").read_text()
+    section = text.split("\n## Plans\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert '"configs/plan.yaml"' in code
+    namespace = {"Editor": __import__("edit_rt.runtime.apps.editor", fromlist=["Editor"]).Editor}
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code.replace('"configs/plan.yaml"', repr(str(tmp_path / "plan.yaml"))), "docs/python.md", "exec"), namespace)
+    finally:
+        os.chdir(here)
+    outcome, best = namespace["outcome"], namespace["best"]
+    assert len(outcome.variants) == 6 and best is outcome.variants[outcome.best] and best.trajectory.shape == (64, 3)
+    assert (tmp_path / "plans.png").stat().st_size > 1000

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class PlanLoop:
         self.mask = known()
         self.keep_bases = keep_bases
         self._bases: OrderedDict[str, BaseState] = OrderedDict()
+        self._lock = threading.Lock()  # the server runs loops from several request threads
 
     def _checked(self, tail: int, field_name: str) -> int:
         if not 1 <= tail <= self.steps:
@@ -163,14 +165,16 @@ class PlanLoop:
         """The base plan's state and where it came from ("kept": planned before, "generated")."""
         base = self.base_of(scene, variant.check("base"), seed)
         key = repr(base)
-        state = self._bases.get(key)
-        if state is not None:
-            self._bases.move_to_end(key)
-            return state, "kept"
+        with self._lock:
+            state = self._bases.get(key)
+            if state is not None:
+                self._bases.move_to_end(key)
+                return state, "kept"
         state = self.pipe.generate_base(base, known=present(scene), pixel_mask=self.mask)
-        self._bases[key] = state
-        while len(self._bases) > self.keep_bases:
-            self._bases.popitem(last=False)
+        with self._lock:
+            self._bases[key] = state
+            while len(self._bases) > self.keep_bases:
+                self._bases.popitem(last=False)
         return state, "generated"
 
     def rows(self, scene: driving.Scene, variants: Sequence[Variant], tail_steps: Optional[int] = None) -> list[TailRow]:
