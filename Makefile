@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality64 sliders train-lcm train-planner plan quality-plans bench-plans check-sd15 redteam injected-bugs test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality-looks2 train-looks2 quality64 sliders train-lcm train-planner plan quality-plans bench-plans check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -138,6 +138,18 @@ quality-looks: setup
 	$(BIN)/edit-rt export configs/shapes-looks.yaml
 	$(BIN)/edit-rt engines configs/shapes-looks.yaml
 	$(BIN)/edit-rt quality configs/shapes-looks.yaml
+
+# issue 54's model (configs/shapes-looks2.yaml; out/quality-looks2/)
+quality-looks2: setup
+	$(BIN)/edit-rt export configs/shapes-looks2.yaml
+	$(BIN)/edit-rt engines configs/shapes-looks2.yaml
+	$(BIN)/edit-rt quality configs/shapes-looks2.yaml
+
+# issue 54's model: the looks recipe, its autoencoder 12,000 steps (NEXT.md), in pieces of at most 85
+# minutes each resuming from export/checkpoints/shapes-looks2
+train-looks2: setup
+	$(BIN)/python scripts/train.py --preset looks2 --out export/models/shapes-looks2-sd \
+		--checkpoint export/checkpoints/shapes-looks2 --piece-minutes 85
 
 quality64: setup
 	$(BIN)/edit-rt export configs/shapes64.yaml
