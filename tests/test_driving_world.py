@@ -1,4 +1,4 @@
-"""The driving world (export/world/driving.py, issue 55): seeded scenes, the expert's plans held to
+"""The driving world (runtime/model/driving.py, issue 55): seeded scenes, the expert's plans held to
 physics (positions the integral of speed, bounded accelerations) and to the judge, aggressiveness
 moving peak acceleration, the judge against hand-made bad plans, prompts in VOCAB, the picture.
 The rank correlation and the integral are computed here, not taken from the module."""
