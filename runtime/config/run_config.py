@@ -374,7 +374,6 @@ class RunConfig:
             for name, tail in tails.items():
                 if tail is not None and tail > self.base.steps:
                     raise ConfigError(f"{where}{name}: {tail} is above base.steps ({self.base.steps}); lower it")
-        if self.plan is not None:
             self.plan.the_scene()  # a stopped obstacle with a speed: refused here
         if self.base.image is not None and not Path(self.base.image).is_file():
             raise ConfigError(f"{where}base.image: {self.base.image} is not a file; give the path of a PNG or JPEG")

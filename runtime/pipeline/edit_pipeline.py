@@ -357,6 +357,8 @@ class EditPipeline:
         kept positions take ``known`` noised to step ``i + 1``'s level with the generation's own
         noise, the last step's ``known`` itself. Edits of this base with the same mask keep those
         positions exactly (a planner's present and scene: plans.py)."""
+        if (known is None) != (pixel_mask is None):
+            raise ConfigError("known: a generation around known positions takes both known and pixel_mask")
         shape = self.latent_shape(base)
         noise = self.initial_noise(base) if noise is None else noise
         request = Request(uuid.uuid4().hex, decode=False)
