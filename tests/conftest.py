@@ -45,7 +45,8 @@ def built_once(tmp_path_factory, key: str, build: Callable[[Path], object]) -> P
     (pytest-xdist's advice for session fixtures); in one process, a fresh folder of this session.
     What is built is the same in every worker (seeded models, their exports), and no test writes
     into it (a test that needs a changed one copies it first)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # every worker of one run has the same
+    if not run:
         folder = tmp_path_factory.mktemp(key)
         build(folder)
         return folder
@@ -53,7 +54,8 @@ def built_once(tmp_path_factory, key: str, build: Callable[[Path], object]) -> P
 
     from filelock import FileLock
 
-    folder = tmp_path_factory.getbasetemp().parent / "built-once" / key  # the run's folder, beside the workers'
+    # beside the workers' own folders, named by the run: never another run's build
+    folder = tmp_path_factory.getbasetemp().parent / f"built-once-{run}" / key
     folder.parent.mkdir(exist_ok=True)
     with FileLock(f"{folder}.lock"):
         if not (folder / ".built").exists():
