@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -95,3 +96,11 @@ def test_a_stored_base_the_store_refuses_is_generated_again_by_run(tmp_path, mod
     assert "set aside" in again.stderr or "damaged" in again.stderr, again.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["base_source"] == "generated"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_config_loads(path):
+    """Each config the README and the Makefile name is one `edit-rt` accepts as committed (its
+    fields, ranges and paths)."""
+    cfg = load_config(path)
+    assert cfg.source == path and (cfg.plan is None or cfg.base.width * cfg.base.height == 80)
