@@ -32,7 +32,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ..config.run_config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestError
 from ..model import driving
 from ..model.edit import Base, TailRow
 from ..model.plan_grid import HEIGHT, WIDTH, known, plan_of, present
@@ -145,7 +145,7 @@ class PlanLoop:
 
     def _checked(self, tail: int, field_name: str) -> int:
         if not 1 <= tail <= self.steps:
-            raise ConfigError(f"{field_name}: {tail} is outside [1, steps = {self.steps}]")
+            raise RequestError(f"{field_name}: {tail} is outside [1, steps = {self.steps}]", field_name, "out_of_range")
         return tail
 
     def tail_of(self, variant: Variant, tail_steps: Optional[int] = None) -> int:

@@ -212,8 +212,6 @@ class Service:
         if len(variants) > limit:
             raise TooLargeError(f"behaviours x aggressiveness: {len(variants)} variants; this server plans at most {limit} "
                                 "a request (serve.max_edits_per_request)", "behaviours", "too_many_edits")  # fmt: skip
-        if tail_steps is not None and not 1 <= tail_steps <= self.plans.steps:
-            raise RequestError(f"tail_steps: {tail_steps} is outside [1, {self.plans.steps}]", "tail_steps", "out_of_range")
         return await asyncio.to_thread(self.plans.run, scene, variants, base, tail_steps, seed)
 
     def choose_decoder(self, asked: Optional[str], param: str = "decoder") -> None:
