@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 MODEL_DIR ?= export/models/shapes-sd
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality-looks2 train-looks2 quality64 sliders train-lcm train-planner plan quality-plans bench-plans check-sd15 redteam injected-bugs test test-all clean help
+.PHONY: setup model export engines parity demo bench bench-engines bench-samplers bench-comfyui related serve loadtest loadtest-ray train train-looks train64 gates64 quality quality-bf16 quality-dpmpp quality-lcm demo-lcm quality-looks quality-looks2 train-looks2 quality64 sliders train-lcm train-planner plan quality-plans bench-plans train-text text bench-text check-sd15 redteam injected-bugs test test-all clean help
 
 help:
 	@echo "make demo    set up, export the embedded shapes model to ONNX, build engines, run $(CONFIG)"
@@ -40,6 +40,9 @@ help:
 	@echo "make train-planner train the driving world's planner (CPU, 60 min in pieces; resumes)"
 	@echo "make plan    plan configs/plan.yaml's scene: its base plan and every behaviour as one tail (out/plan/)"
 	@echo "make quality-plans  the planner's plans judged on 200 scenes beside the expert's (out/quality-plans/)"
+	@echo "make train-text   train the text models (masked diffusion, autoregressive; CPU, 90 min each in pieces; resumes)"
+	@echo "make text         continue configs/text.yaml's prompt in 3 rows and edit a span (out/text/)"
+	@echo "make bench-text   the diffusion text model vs the autoregressive one: quality, tokens/s, batches, span edits"
 	@echo "make bench-plans  the plan loop's latency for 1, 8, 32 variants vs sampling from noise (out/bench-plans/)"
 	@echo "make redteam issue 35's attacks replayed against a real server, /health polled (out/redteam/redteam.json)"
 	@echo "make injected-bugs 16 one-line bugs, each must fail the default suite (out/injected-bugs/)"
@@ -180,6 +183,25 @@ train-lcm: setup
 train-planner: setup
 	$(BIN)/python scripts/train_planner.py --out export/models/planner --checkpoint export/checkpoints/planner \
 		--piece-minutes 85 --seed 0
+
+# issue 56's text models (export/world/train_text.py): the masked-diffusion model and its
+# autoregressive baseline side by side, one thread each, 90 minutes each in pieces of at most 60,
+# each resuming from the committed checkpoint
+train-text: setup
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/train_text.py --kind mdm --out export/models/text-mdm \
+		--checkpoint export/checkpoints/text-mdm --piece-minutes 60 & \
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/train_text.py --kind ar --out export/models/text-ar \
+		--checkpoint export/checkpoints/text-ar --piece-minutes 60; wait
+
+# the text model's continuations and span edit (issue 56): configs/text.yaml (out/text/)
+text: setup
+	$(BIN)/edit-rt export configs/text.yaml
+	$(BIN)/edit-rt run configs/text.yaml
+
+# the diffusion model against the autoregressive one on held-out files: quality, tokens per call
+# and per second, 8 continuations batched, a span edit (out/bench-text/)
+bench-text: setup
+	$(BIN)/python -m edit_rt.export.bench.bench_text --out out/bench-text
 
 # the planner's loop (issue 55): configs/plan.yaml's scene planned (out/plan/plans.png, plans.json)
 plan: setup

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - an older typer over click itself
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click >= 8.2: `edit-rt` alone, answered with the help
 
 from .. import __version__
-from ..config.load import load_config, revalidated
+from ..config.load import is_text_config, load_config, load_text_config, revalidated
 from ..config.run_config import RunConfig
 from ..errors import ConfigError, EditRtError
 from .progress import Reporter, human_bytes, reporter
@@ -96,6 +96,22 @@ def _quiet_third_parties() -> None:
     logging.captureWarnings(True)  # warnings.warn(...) -> the "py.warnings" logger
 
 
+def _export_text(config: Path) -> None:
+    """`edit-rt export` of a text config: its model's two graphs (export/compile/text_export.py)."""
+    cfg = load_text_config(config)
+    if not (cfg.model / "config.json").is_file() or not (cfg.model / "model.safetensors").is_file():
+        raise ConfigError(f"model: {cfg.model} holds no text model (config.json, model.safetensors); train one "
+                          "(`make train-text`) or fix the path")  # fmt: skip
+    out = _export_module("compile.text_export").export_text(cfg.model, cfg.onnx_dir)
+    console.print(f"wrote {out} (text_full.onnx, text_cached.onnx, text_manifest.json, tokenizer.json)")
+
+
+def require_text_export(cfg) -> None:
+    from ..model.text_manifest import TextManifest
+
+    TextManifest.load(cfg.onnx_dir)  # says `edit-rt export` where there is none
+
+
 @app.command()
 def model(
     out: Path = typer.Option(Path("build/models/tiny-sd"), help="Folder to write the diffusers model to."),
@@ -128,6 +144,8 @@ def export(config: Path = typer.Argument(..., help="Run config naming `model:` a
     from ..engine.memory import refuse_sizes_no_row_fits
     from ..pipeline.assemble import require_model
 
+    if is_text_config(config):
+        return _export_text(config)
     cfg = load_config(config)
     require_model(cfg)  # a wrong path before torch loads
     if cfg.single_file:
@@ -438,6 +456,13 @@ def run(config: Path = typer.Argument(..., help="Run config (YAML): model, base,
     from .run import run_config
     from .run_plan import run_plan
 
+    if is_text_config(config):
+        from .run_text import run_text
+
+        cfg = load_text_config(config)
+        require_text_export(cfg)
+        print_run(run_text(cfg), cfg.output_dir)
+        return
     cfg = load_config(config)
     require_ready(cfg)  # the model, its export, its adapters: in that order, before any folder is made
     if cfg.plan is not None:

@@ -115,6 +115,8 @@ def print_run(report: dict, output_dir: Path) -> None:
     """`edit-rt run`'s table (a file per edit) and its UNet rows against regenerating every edit."""
     if "variants" in report:
         return print_plans(report, output_dir)
+    if "rows" in report and "kind" in report:
+        return print_text(report, output_dir)
     table = Table(title=f"edit-rt run: {len(report['edits'])} edits on one base", title_justify="left")
     for column in ("file", "edit", "tail steps"):
         table.add_column(column)
@@ -155,3 +157,20 @@ def print_plans(report: dict, output_dir: Path) -> None:
               f"{rows['sampling_every_variant']} sampling every variant from noise")  # fmt: skip
     out.print("seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in report["seconds"].items()))
     out.print(f"wrote {output_dir}/ (plans.png, plans.json)")
+
+
+def print_text(report: dict, output_dir: Path) -> None:
+    """A text run's table (a line per continuation and span edit: its file, tokens, first line)."""
+    table = Table(title=f"edit-rt run: {len(report['rows'])} continuations ({report['kind']})", title_justify="left")
+    for column in ("file", "tokens", "finish", "first line"):
+        table.add_column(column)
+    for r in report["rows"]:
+        table.add_row(r["file"], str(r["tokens"]), r["finish_reason"], r["text"].split("\n", 1)[0][:60])
+    for e in report["edits"]:
+        table.add_row(e["file"], f"span {e['span_tokens'][0]}..{e['span_tokens'][1]}", "", e["text"].split("\n", 1)[0][:60])
+    out = Console()
+    out.print(table)
+    calls = report["calls"]
+    out.print(f"graph calls: {calls['forwards']} for {calls['decoded']} tokens ({calls['tokens_per_forward']:.2f} a call per row)")
+    out.print("seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in report["seconds"].items()))
+    out.print(f"wrote {output_dir}/ (text.json, {len(report['rows']) + len(report['edits'])} .txt)")

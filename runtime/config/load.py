@@ -3,7 +3,8 @@
 every refusal worded as one :class:`ConfigError` naming the file, the field path
 (``edits[2].strength``) and the fix; paths taken from the file's folder; the base's speed LoRA's
 schedule set where the base sets none; sweeps expanded into their rows, a catalogue's size counted;
-a plan's base made from its ``plan:`` section."""
+a plan's base made from its ``plan:`` section. A text config (``text:``, config/text.py) is read by
+:func:`load_text_config`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..model.single_file import checkpoint_family
 from ..model.sweep import expand_all, rows_of
 from .catalogue import MAX_ROWS, Catalogue
 from .run_config import RunConfig
+from .text import TextRunConfig
 
 
 def _path(loc: tuple) -> str:
@@ -39,9 +41,9 @@ def _path(loc: tuple) -> str:
     return out
 
 
-def _type_at(loc: tuple) -> Any:
+def _type_at(loc: tuple, root: Any = RunConfig) -> Any:
     """The dataclass a location's last key belongs to (for the list of allowed keys)."""
-    tp: Any = RunConfig
+    tp: Any = root
     for part in loc:
         if isinstance(part, int) or _is_tag(part):  # a list's item; a union's branch, chosen below
             continue
@@ -62,19 +64,19 @@ def _is_tag(part: Any) -> bool:
     return isinstance(part, str) and part.startswith("(")
 
 
-def _config_error(err: ValidationError) -> ConfigError:
+def _config_error(err: ValidationError, root: Any = RunConfig) -> ConfigError:
     first = err.errors()[0]
     loc, kind = tuple(first["loc"]), first["type"]
     where = _path(loc) or "top level"
     if kind == "unexpected_keyword_argument":
-        owner = _type_at(loc[:-1])
+        owner = _type_at(loc[:-1], root)
         known = sorted(f.name for f in dataclasses.fields(owner) if f.name not in _SET_AT_LOAD) if owner else []
         return ConfigError(f"{where}: unknown key; the keys allowed here are {', '.join(known)}")
     if kind in ("missing", "missing_argument", "missing_keyword_argument"):
         return ConfigError(f"{where}: missing; this field is required")
-    if any(_is_tag(part) for part in loc) and _type_at(loc[:-1]) is not None:  # a range from inside a union's branch
-        return ConfigError(f"{where}: {refusal({**first, 'loc': loc[-1:]}, _type_at(loc[:-1]))}")
-    return ConfigError(f"{where}: {refusal(first, RunConfig)}")
+    if any(_is_tag(part) for part in loc) and _type_at(loc[:-1], root) is not None:  # a range from inside a union's branch
+        return ConfigError(f"{where}: {refusal({**first, 'loc': loc[-1:]}, _type_at(loc[:-1], root))}")
+    return ConfigError(f"{where}: {refusal(first, root)}")
 
 
 _ADAPTER: Optional[TypeAdapter] = None
@@ -208,7 +210,41 @@ def revalidated(section: Any, where: str) -> Any:
 
 def load_config(path: Path | str) -> RunConfig:
     """Read a YAML config file into a validated :class:`RunConfig`."""
+    data = _yaml_of(Path(path))
+    if isinstance(data, dict) and "text" in data:
+        raise ConfigError(f"{path}: a text config (text:); `edit-rt export` and `edit-rt run` take it, this command "
+                          "runs image and plan configs")  # fmt: skip
+    return config_from_dict(data, source=Path(path))
+
+
+def is_text_config(path: Path | str) -> bool:
+    """Whether the file is a text config (``text:`` at its top level)."""
+    data = _yaml_of(Path(path))
+    return isinstance(data, dict) and "text" in data
+
+
+def load_text_config(path: Path | str) -> TextRunConfig:
+    """Read a text config file into a validated :class:`TextRunConfig` (paths from its folder)."""
     path = Path(path)
+    data = _yaml_of(path)
+    try:
+        if not isinstance(data, dict):
+            raise ConfigError(f"top level: must be a mapping, got {type(data).__name__}")
+        if "source" in data:
+            raise ConfigError("source: unknown key; it is set at load (from the file's path)")
+        try:
+            cfg = TypeAdapter(TextRunConfig).validate_python(data)
+        except ValidationError as err:
+            raise _config_error(err, TextRunConfig) from None
+        root = path.parent
+        cfg = dataclasses.replace(cfg, model=_resolve(cfg.model, root), build_dir=_resolve(cfg.build_dir, root),
+                                  output_dir=_resolve(cfg.output_dir, root), source=path).validate()  # fmt: skip
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    return cfg
+
+
+def _yaml_of(path: Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
@@ -225,7 +261,7 @@ def load_config(path: Path | str) -> RunConfig:
         raise ConfigError(f"{path}:{where}: {err.problem or err.context} (fix the YAML there)") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
-    return config_from_dict(data, source=path)
+    return data
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -206,9 +206,10 @@ class OvGraph:
     binds_zero_width = False
 
     def __init__(self, path: Path, device: Optional[OvDevice] = None, threads: int = 0, precision: str = "fp32",
-                 lazy: bool = False):  # fmt: skip
+                 lazy: bool = False, static: Optional[bool] = None):  # fmt: skip
         """``precision``: ``fp32`` or ``bf16`` (already checked: :func:`resolve_precision`);
-        ``lazy``: read on first use, as on ort-cpu."""
+        ``lazy``: read on first use, as on ort-cpu; ``static``: one compile per shape (None: by the
+        weights' size, below; a text graph, whose shapes change every decoding step, says False)."""
         if precision not in PRECISIONS:
             raise ConfigError(f"engines.precision: {precision!r} is not one OpenVINO runs ({', '.join(PRECISIONS)})")
         self.path = Path(path)
@@ -225,7 +226,7 @@ class OvGraph:
         # one compile per shape, or one dynamic compile for every shape past STATIC_WEIGHTS_LIMIT:
         # known before the graph is read (its files' size, the weights all but a few kB of it),
         # so that the step loop picks its buckets for it (pow2 where each is a compile)
-        self.static = graph_file_bytes(self.path) <= self.STATIC_WEIGHTS_LIMIT
+        self.static = graph_file_bytes(self.path) <= self.STATIC_WEIGHTS_LIMIT if static is None else static
         self._loading = threading.Lock()
 
     def config(self) -> dict[str, str]:

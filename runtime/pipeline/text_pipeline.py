@@ -1,0 +1,237 @@
+"""An exported text model on a runtime engine (issue 56): its two graphs, its tokenizer, and the
+operations every door uses (a completion, N continuations of one prefix, a span edit, a style
+pass), each one batched call of the decoding loop (loop/text_decoding.py).
+
+The graphs run on the same backends as the UNet's (engine/): ``ort-cpu`` (ONNX Runtime),
+``openvino`` (its CPU plugin, compiled once with dynamic shapes: a decoding step's shapes change
+every step), or any other ONNX Runtime provider. A masked-diffusion model decodes in blocks with
+the loop's cache modes; an autoregressive one with its K/V cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, RequestError
+from ..loop.text_decoding import CACHE_MODES, DecodeStats, decode_autoregressive, decode_masked
+from ..model.text_manifest import TextManifest
+
+
+def text_graph(path: Path, backend: str, threads: int):
+    """One text graph on ``backend``, not yet activated."""
+    if backend == "openvino":
+        from ..engine.backend_ov import OvGraph
+
+        return OvGraph(path, threads=threads, static=False)
+    from ..engine.backend_ort import OrtGraph
+
+    return OrtGraph(path, backend, threads=threads)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a masked-diffusion model decodes (an autoregressive one reads only ``temperature``)."""
+
+    block_length: int = 32
+    threshold: Optional[float] = 0.9  # parallel decoding; None: ``steps``
+    steps: Optional[int] = None  # LLaDA's fixed schedule over the whole generation
+    edit_threshold: Optional[float] = None  # token-to-token editing; None: off
+    edit_rounds: int = 1
+    cache: str = "prefix"
+    temperature: float = 0.0
+
+    def check(self) -> "Decoding":
+        if (self.threshold is None) == (self.steps is None):
+            raise ConfigError("text.threshold / text.steps: give one of them (threshold: parallel decoding; steps: a fixed schedule)")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"text.threshold: {self.threshold:g} is outside [0, 1]")
+        if self.edit_threshold is not None and not 0.0 < self.edit_threshold <= 1.0:
+            raise ConfigError(f"text.edit_threshold: {self.edit_threshold:g} is outside (0, 1]")
+        if self.cache not in CACHE_MODES:
+            raise ConfigError(f"text.cache: {self.cache!r} is not one of {', '.join(CACHE_MODES)}")
+        if self.block_length < 1:
+            raise ConfigError(f"text.block_length: {self.block_length} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"text.temperature: {self.temperature:g} must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class Row:
+    """One continuation: its seed, its temperature (None: the decoding's), an instruction line
+    put before the prompt (None: the prompt as it is)."""
+
+    seed: int = 0
+    temperature: Optional[float] = None
+    instruction: Optional[str] = None
+
+
+@dataclass
+class TextResult:
+    """Rows of one call: each row's ids (its whole text: prompt and continuation), where its
+    continuation starts, its text there (up to its end or a stop string)."""
+
+    ids: list  # each row's int64 [L_k]
+    starts: list[int]  # each row's continuation's first position (its prompt's length)
+    texts: list[str]
+    finish_reasons: list[str]  # "stop": the end of text or a stop string; "length": max_tokens
+    stats: DecodeStats
+    seconds: float
+    tokens: list[int] = field(default_factory=list)  # each row's continuation tokens up to its end
+
+
+class TextPipeline:
+    """An exported text model (``text_manifest.json``) ready to decode; a context manager."""
+
+    def __init__(self, folder: Path, backend: str = "ort-cpu", threads: int = 0):
+        from tokenizers import Tokenizer
+
+        self.folder = Path(folder)
+        self.manifest = TextManifest.load(self.folder)
+        self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        self.backend = backend
+        self.graphs = {name: text_graph(self.folder / f"{name}.onnx", backend, threads) for name in self.manifest.graphs}
+
+    def __enter__(self) -> "TextPipeline":
+        for graph in self.graphs.values():
+            graph.activate()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for graph in self.graphs.values():
+            graph.deactivate()
+
+    # the loop's TextGraphs
+    def full(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits, kv = self.graphs["text_full"].infer({"input_ids": ids, "positions": positions})
+        return logits, kv
+
+    def cached(self, ids: np.ndarray, positions: np.ndarray, past: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits, kv = self.graphs["text_cached"].infer({"input_ids": ids, "positions": positions, "past_kv": past})
+        return logits, kv
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def _fits(self, length: int, field_name: str) -> None:
+        if length > self.manifest.max_len:
+            raise RequestError(f"{field_name}: the text needs {length} tokens, past the model's {self.manifest.max_len}; "
+                               "shorten the prompt or lower max_tokens", field=field_name, code="too_long")  # fmt: skip
+
+    def complete(self, prompt: str, max_tokens: int, n: int = 1, decoding: Decoding = Decoding(),
+                 seeds: Optional[Sequence[int]] = None, stop: Sequence[str] = (),
+                 rows: Optional[Sequence[Row]] = None) -> TextResult:  # fmt: skip
+        """Continuations of ``prompt``, each up to ``max_tokens`` tokens: ``n`` rows (seeds 0..n-1,
+        or ``seeds``) or ``rows``, each with its seed, temperature and instruction line. Rows whose
+        texts are as long (in tokens) run as one batch; rows of one text share its first step and
+        its cache."""
+        decoding = decoding.check()
+        if rows is None:
+            rows = [Row(seed) for seed in (seeds if seeds is not None else range(n))]
+        if not rows:
+            raise RequestError("n: no row to continue; ask for at least one", field="n")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens: {max_tokens} must be at least 1", field="max_tokens")
+        texts = [prompt if r.instruction is None else f"{r.instruction.rstrip(chr(10))}\n{prompt}" for r in rows]
+        encoded = [self.encode(t) for t in texts]
+        if not all(encoded):
+            raise RequestError("prompt: empty; give the text to continue", field="prompt")
+        for k, ids in enumerate(encoded):
+            self._fits(len(ids) + max_tokens, "max_tokens" if len(ids) < self.manifest.max_len else f"rows[{k}]")
+        groups: dict[int, list[int]] = {}
+        for k, ids in enumerate(encoded):
+            groups.setdefault(len(ids), []).append(k)
+        t0 = time.perf_counter()
+        out: list = [None] * len(rows)
+        stats = DecodeStats()
+        for length, members in groups.items():
+            prompts = np.array([encoded[k] for k in members])
+            temps = [decoding.temperature if rows[k].temperature is None else rows[k].temperature for k in members]
+            ids, part = self._decode(prompts, max_tokens, decoding, [rows[k].seed for k in members], temps)
+            stats.merge(part)
+            for j, k in enumerate(members):
+                out[k] = ids[j]
+        return self._result(out, [len(e) for e in encoded], stats, time.perf_counter() - t0, stop)
+
+    def _decode(self, prompts: np.ndarray, max_tokens: int, decoding: Decoding, seeds: list[int],
+                temperatures: list[float]) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
+        m, n = self.manifest, len(prompts)
+        if m.causal:
+            if n > 1 and not (prompts == prompts[:1]).all():  # the loop shares one prompt: rows of several run apart
+                parts = [self._decode(prompts[k:k + 1], max_tokens, decoding, seeds[k:k + 1], temperatures[k:k + 1]) for k in range(n)]
+                stats = DecodeStats()
+                for _, part in parts:
+                    stats.merge(part)
+                return np.concatenate([ids for ids, _ in parts]), stats
+            out, stats = decode_autoregressive(self, prompts[0], max_tokens, m.eos_id, temperature=temperatures, seeds=seeds, rows=n)
+            return np.concatenate([prompts, out], axis=1), stats
+        x = np.concatenate([prompts, np.full((n, max_tokens), m.mask_id)], axis=1)
+        region = np.arange(x.shape[1]) >= prompts.shape[1]
+        return decode_masked(self, x, region, m.mask_id, block_length=decoding.block_length, steps=decoding.steps,
+                             threshold=decoding.threshold, edit_threshold=decoding.edit_threshold, edit_rounds=decoding.edit_rounds,
+                             cache=decoding.cache, temperature=temperatures, seeds=seeds, stop_id=m.eos_id)  # fmt: skip
+
+    def span_edit(self, result: "TextResult", row: int, span: tuple[int, int], decoding: Decoding = Decoding(),
+                  seeds: Sequence[int] = (0,), temperature: float = 0.0, stop: Sequence[str] = ()) -> "TextResult":  # fmt: skip
+        """Row ``row`` of ``result`` with its continuation's tokens ``span`` = (a, b) re-masked and
+        decoded again, as one batch of ``len(seeds)`` rows (one block: the span; the cache kept
+        outside it when ``decoding.cache`` is not none, so a step runs the span alone under "dual").
+        Every token outside the span is the row's, exactly. A masked-diffusion model's operation."""
+        m = self.manifest
+        if m.causal:
+            raise RequestError("edits: an autoregressive model cannot decode a span between kept tokens; use a masked-diffusion model",
+                               field="edits", code="not_a_diffusion_model")  # fmt: skip
+        start, ids = result.starts[row], np.asarray(result.ids[row])
+        a, b = span
+        decoded_length = result.tokens[row]
+        if not 0 <= a < b <= decoded_length:
+            raise RequestError(f"edits: span [{a}, {b}] is not inside the continuation's {decoded_length} tokens", field="edits")
+        x = np.tile(ids, (len(seeds), 1))
+        where = np.zeros(x.shape[1], dtype=bool)
+        where[start + a: start + b] = True
+        x[:, where] = m.mask_id
+        t0 = time.perf_counter()
+        out, stats = decode_masked(self, x, where, m.mask_id, threshold=decoding.threshold, steps=decoding.steps,
+                                   edit_threshold=decoding.edit_threshold, edit_rounds=decoding.edit_rounds,
+                                   cache=decoding.cache, temperature=temperature, seeds=list(seeds))  # fmt: skip
+        return self._result(list(out), [start] * len(seeds), stats, time.perf_counter() - t0, stop)
+
+    def line_span(self, result: "TextResult", row: int, lines: tuple[int, int]) -> tuple[int, int]:
+        """The continuation's tokens (a, b) that write any character of its lines ``lines``
+        (0 the first line; whole tokens, so a token holding a line break belongs to both lines)."""
+        start = result.starts[row]
+        pieces = [self.decode([int(t)]) for t in result.ids[row][start: start + result.tokens[row]]]
+        offsets = np.cumsum([0] + [len(p) for p in pieces])
+        text = "".join(pieces)
+        line_of = lambda c: text.count("\n", 0, c)  # noqa: E731  (the line character c is on)
+        a, b = lines
+        inside = [k for k, p in enumerate(pieces) if p and line_of(offsets[k]) < b and line_of(offsets[k + 1] - 1) >= a]
+        if not inside:
+            raise RequestError(f"edits: lines [{a}, {b}] are past the continuation's {text.count(chr(10)) + 1} lines", field="edits")
+        return inside[0], inside[-1] + 1
+
+    def _result(self, ids: list, starts: list[int], stats: DecodeStats, seconds: float, stop: Sequence[str]) -> TextResult:
+        texts, reasons, tokens = [], [], []
+        m = self.manifest
+        for row, start in zip(ids, starts):
+            region = [int(t) for t in row[start:]]
+            ended = m.eos_id in region or m.mask_id in region
+            if ended:
+                cut = min(region.index(t) for t in (m.eos_id, m.mask_id) if t in region)
+                region = region[:cut]
+            text = self.decode(region)
+            hits = [text.index(s) for s in stop if s and s in text]
+            if hits:
+                text, ended = text[: min(hits)], True
+            texts.append(text)
+            reasons.append("stop" if ended else "length")
+            tokens.append(len(region))
+        return TextResult(ids, starts, texts, reasons, stats, seconds, tokens)

@@ -1,0 +1,294 @@
+"""Issue 56's text models through the compiled pipeline, on small random models of the trained
+ones' shape (export/compile/text_model.py) built in the session with the committed corpus tokenizer.
+
+Every promise against an independent reference: the graphs against the PyTorch model through
+Polygraphy; masked-diffusion decoding with the cache off against a PyTorch loop written here as
+LLaDA's published ``generate.py`` decodes (its schedule, its low-confidence remasking, its
+Gumbel-max); autoregressive decoding with the K/V cache against greedy decoding in PyTorch that
+recomputes every token; a span edit against the text outside it; batched rows against each alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator, CompareFunc
+
+from edit_rt.export.compile.parity import TorchCpuRunner, ort_runner
+from edit_rt.export.compile.text_export import export_text
+from edit_rt.export.compile.text_model import TextSpec, TextTransformer, load_text_model, save_text_model
+from edit_rt.runtime.loop.text_decoding import decode_autoregressive, decode_masked
+from edit_rt.runtime.pipeline.text_pipeline import Decoding, TextPipeline
+
+from .conftest import built_once
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "export" / "checkpoints" / "text-tokenizer" / "tokenizer.json"
+SPEC = TextSpec(d_model=32, layers=2, heads=2, max_len=96)
+PROMPT = ('def mean(values):\n    """The arithmetic mean of a non-empty sequence of numbers."""\n    total = 0\n'
+          "    for value in values:\n")
+
+
+def _tiny(folder: Path, causal: bool, seed: int) -> None:
+    from tokenizers import Tokenizer
+
+    torch.manual_seed(seed)
+    model = TextTransformer(dataclasses.replace(SPEC, causal=causal))
+    with torch.no_grad():  # larger than the initialisation's 0.02, so that tokens differ in confidence
+        for p in model.parameters():
+            p.mul_(8.0 if p.dim() >= 2 else 1.0)
+    save_text_model(folder / "model", model.eval(), Tokenizer.from_file(str(TOKENIZER)))
+    export_text(folder / "model", folder / "onnx")
+
+
+@pytest.fixture(scope="session")
+def text_models(tmp_path_factory) -> dict[str, Path]:
+    """A random masked-diffusion model and an autoregressive one: {kind: folder with model/ and onnx/}."""
+    return {kind: built_once(tmp_path_factory, f"text-{kind}", lambda folder, c=causal, s=seed: _tiny(folder, c, s))
+            for kind, causal, seed in (("mdm", False, 0), ("ar", True, 1))}  # fmt: skip
+
+
+def _metadata(names_shapes) -> TensorMetadata:
+    meta = TensorMetadata()
+    for name, dtype, shape in names_shapes:
+        meta.add(name, np.dtype(dtype), shape)
+    return meta
+
+
+@pytest.mark.parametrize("kind", ["mdm", "ar"])
+def test_both_graphs_equal_the_pytorch_model_through_polygraphy(text_models, kind):
+    folder = text_models[kind]
+    model = load_text_model(folder / "model")
+    rng = np.random.default_rng(0)
+    s = model.spec
+    ids = lambda n, lq: rng.integers(3, s.vocab_size, (n, lq)).astype(np.int64)  # noqa: E731
+    full_data = [OrderedDict(input_ids=ids(n, lq), positions=np.arange(lq)) for n, lq in ((1, 7), (3, 20))]
+    cached_data = [OrderedDict(input_ids=ids(n, lq), positions=np.arange(p, p + lq),
+                               past_kv=rng.standard_normal((s.layers, 2, np_, s.heads, p, s.head_dim)).astype(np.float32))
+                   for n, lq, p, np_ in ((1, 4, 9, 1), (3, 6, 5, 3), (4, 1, 12, 1))]  # fmt: skip
+    for graph, data, inputs in (
+        ("text_full", full_data, [("input_ids", np.int64, [None, None]), ("positions", np.int64, [None])]),
+        ("text_cached", cached_data, [("input_ids", np.int64, [None, None]), ("positions", np.int64, [None]),
+                                      ("past_kv", np.float32, [s.layers, 2, None, s.heads, None, s.head_dim])]),
+    ):  # fmt: skip
+        reference = TorchCpuRunner(model, _metadata(inputs), ["logits", "kv"])
+        results = Comparator.run([ort_runner(folder / "onnx" / f"{graph}.onnx", "onnxrt"), reference], data_loader=data)
+        assert bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=1e-4, rtol=1e-3))), graph
+
+
+def test_the_cached_graph_equals_the_full_one_on_the_same_text(text_models):
+    """A masked-diffusion model's tokens over the K/V of the others, computed with them, are the
+    whole text's logits (the cache holds K/V exactly as the full pass makes them)."""
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        x = np.array([pipe.encode(PROMPT)[:30]])
+        assert x.shape == (1, 30)
+        logits, kv = pipe.full(x, np.arange(30))
+        span = np.arange(12, 19)
+        outside = np.setdiff1d(np.arange(30), span)
+        cached, _ = pipe.cached(x[:, span], span, kv[:, :, :, :, outside])
+        np.testing.assert_allclose(cached, logits[:, span], atol=1e-4, rtol=1e-4)
+
+
+def llada_generate(model: TextTransformer, prompt: torch.Tensor, steps: int, gen_length: int, block_length: int,
+                   temperature: float = 0.0, noise=None) -> torch.Tensor:  # fmt: skip
+    """LLaDA's ``generate.py`` (low-confidence remasking, no CFG), on this model's call signature.
+    ``noise(shape, mask_index)`` gives the uniform draws of its Gumbel-max (LLaDA:
+    ``torch.rand_like``; only the draws at masked positions matter, the others are not taken)."""
+    mask_id = model.spec.mask_id
+    x = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), mask_id, dtype=torch.long)
+    x[:, : prompt.shape[1]] = prompt
+    num_blocks = gen_length // block_length
+    steps = steps // num_blocks
+    for num_block in range(num_blocks):
+        lo, hi = prompt.shape[1] + num_block * block_length, prompt.shape[1] + (num_block + 1) * block_length
+        block_mask_index = x[:, lo:hi] == mask_id
+        mask_num = block_mask_index.sum(dim=1, keepdim=True)
+        base, remainder = mask_num // steps, mask_num % steps
+        num_transfer_tokens = base.expand(-1, steps).clone()
+        for i in range(mask_num.size(0)):
+            num_transfer_tokens[i, : remainder[i]] += 1
+        for i in range(steps):
+            mask_index = x == mask_id
+            with torch.no_grad():
+                logits, _ = model(x, torch.arange(x.shape[1]))
+            if temperature == 0:
+                x0 = torch.argmax(logits, dim=-1)
+            else:
+                wide = logits.to(torch.float64)
+                x0 = torch.argmax(wide.exp() / (-torch.log(noise(wide.shape, mask_index))) ** temperature, dim=-1)
+            p = torch.softmax(logits.to(torch.float64), dim=-1)
+            x0_p = torch.gather(p, dim=-1, index=x0.unsqueeze(-1)).squeeze(-1)
+            x0_p[:, hi:] = -np.inf
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, torch.tensor(-np.inf, dtype=torch.float64))
+            transfer_index = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(confidence.shape[0]):
+                _, select_index = torch.topk(confidence[j], k=int(num_transfer_tokens[j, i]))
+                transfer_index[j, select_index] = True
+            x[transfer_index] = x0[transfer_index]
+    return x
+
+
+def test_masked_decoding_with_the_cache_off_is_lladas_generate(text_models):
+    model = load_text_model(text_models["mdm"] / "model")
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        prompt = pipe.encode(PROMPT)
+        ids = torch.tensor([prompt, prompt[::-1]])  # two texts, so that rows differ from the first step
+        reference = llada_generate(model, ids, steps=16, gen_length=32, block_length=16)
+        x = np.concatenate([ids.numpy(), np.full((2, 32), SPEC.mask_id)], axis=1)
+        ours, stats = decode_masked(pipe, x, np.arange(x.shape[1]) >= len(prompt), SPEC.mask_id, block_length=16, steps=16)
+    np.testing.assert_array_equal(ours, reference.numpy())
+    assert stats.forwards == 16 and stats.decoded == 64  # 2 tokens a step, 2 rows
+
+
+def test_masked_decoding_at_a_temperature_is_lladas_gumbel_max(text_models):
+    """Each row draws its noise from its own generator; LLaDA's loop given the same draws."""
+    model = load_text_model(text_models["mdm"] / "model")
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        prompt = pipe.encode(PROMPT)
+        x = np.concatenate([[prompt], np.full((1, 16), SPEC.mask_id)], axis=1)
+        region = np.arange(x.shape[1]) >= len(prompt)
+        ours, _ = decode_masked(pipe, x, region, SPEC.mask_id, block_length=16, steps=8, temperature=0.8, seeds=[7])
+        draws = np.random.default_rng(7)
+        # our loop draws at the masked positions only: LLaDA's draws elsewhere are never taken
+        noise = lambda shape, masked: torch.from_numpy(_padded_draws(draws, shape, masked[0].numpy()))  # noqa: E731
+        reference = llada_generate(model, torch.tensor([prompt]), steps=8, gen_length=16, block_length=16, temperature=0.8, noise=noise)
+    np.testing.assert_array_equal(ours, reference.numpy())
+
+
+def _padded_draws(rng: np.random.Generator, shape, masked: np.ndarray) -> np.ndarray:
+    """Uniform draws at the masked positions from ``rng`` (as our loop takes them), 0.5 elsewhere."""
+    out = np.full(shape, 0.5)
+    out[0, masked] = rng.random((int(masked.sum()), shape[-1]))
+    return out
+
+
+def test_a_span_edit_decodes_only_the_span_and_keeps_every_token_outside(text_models):
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        base = pipe.complete(PROMPT, 32, decoding=Decoding(block_length=16, threshold=0.5, cache="none"))
+        x = np.array(base.ids)
+        span = np.zeros(x.shape[1], dtype=bool)
+        span[base.starts[0] + 8: base.starts[0] + 14] = True
+        x[:, span] = SPEC.mask_id
+        for cache in ("none", "prefix", "dual"):
+            edited, stats = decode_masked(pipe, x, span, SPEC.mask_id, threshold=0.5, edit_threshold=0.6, cache=cache, temperature=1.0,
+                                          seeds=[3])  # fmt: skip
+            np.testing.assert_array_equal(edited[:, ~span], x[:, ~span])
+            assert (edited[:, span] != SPEC.mask_id).all() and stats.decoded == 6
+
+
+def test_batched_rows_equal_each_row_alone(text_models):
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        decoding = Decoding(block_length=8, threshold=0.3, edit_threshold=0.7, cache="prefix", temperature=0.9)
+        together = pipe.complete(PROMPT, 24, n=3, decoding=decoding, seeds=[11, 12, 13])
+        alone = [pipe.complete(PROMPT, 24, n=1, decoding=decoding, seeds=[s]) for s in (11, 12, 13)]
+    assert len({tuple(r) for r in together.ids}) > 1  # the seeds made different texts
+    for k, one in enumerate(alone):
+        np.testing.assert_array_equal(together.ids[k], one.ids[0])
+
+
+def test_autoregressive_decoding_with_its_cache_is_greedy_decoding_in_pytorch(text_models):
+    model = load_text_model(text_models["ar"] / "model")
+    with TextPipeline(text_models["ar"] / "onnx") as pipe:
+        prompt = pipe.encode(PROMPT)
+        out, stats = decode_autoregressive(pipe, np.array(prompt), 20, SPEC.eos_id, rows=2)
+        ids = torch.tensor([prompt])
+        for _ in range(20):  # no cache: every token computed again each step
+            with torch.no_grad():
+                logits, _ = model(ids, torch.arange(ids.shape[1]))
+            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    reference = ids[0, len(prompt):].numpy()
+    end = int(np.argmax(reference == SPEC.eos_id)) + 1 if (reference == SPEC.eos_id).any() else 20
+    np.testing.assert_array_equal(out[:, :end], np.tile(reference[:end], (2, 1)))
+    assert stats.forwards == end
+
+
+def test_threshold_zero_decodes_a_block_in_one_step_as_the_models_argmax(text_models):
+    """Parallel decoding at threshold 0 takes every masked token of a block at once: the
+    PyTorch model's argmax over the masked text."""
+    model = load_text_model(text_models["mdm"] / "model")
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        prompt = pipe.encode(PROMPT)
+        x = np.concatenate([[prompt], np.full((1, 12), SPEC.mask_id)], axis=1)
+        ours, stats = decode_masked(pipe, x, np.arange(x.shape[1]) >= len(prompt), SPEC.mask_id, threshold=0.0)
+    with torch.no_grad():
+        logits, _ = model(torch.from_numpy(x), torch.arange(x.shape[1]))
+    np.testing.assert_array_equal(ours[0, len(prompt):], logits[0, len(prompt):].argmax(-1).numpy())
+    assert stats.forwards == 1
+
+
+def test_openvino_runs_the_same_graphs_to_the_same_tokens(text_models):
+    """OpenVINO's CPU plugin on the exported graphs (compiled once, dynamic: a decoding step's
+    shapes change every step): ONNX Runtime's logits to fp32 noise, the same decoded tokens."""
+    pytest.importorskip("openvino", reason="OpenVINO is an optional engine (pip install 'edit-rt[openvino]')")
+    decoding = Decoding(block_length=8, threshold=0.4, cache="dual")
+    results = {}
+    for backend in ("ort-cpu", "openvino"):
+        with TextPipeline(text_models["mdm"] / "onnx", backend=backend) as pipe:
+            x = np.array([pipe.encode(PROMPT)])
+            results[backend] = (pipe.full(x, np.arange(x.shape[1]))[0], np.array(pipe.complete(PROMPT, 16, n=2, decoding=decoding).ids))
+    np.testing.assert_allclose(results["openvino"][0], results["ort-cpu"][0], atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(results["openvino"][1], results["ort-cpu"][1])
+
+
+def _text_config(tmp_path: Path, model: Path, text: dict) -> Path:
+    import yaml
+
+    path = tmp_path / "text.yaml"
+    path.write_text(yaml.safe_dump({"model": str(model), "build_dir": str(tmp_path / "build"), "output_dir": str(tmp_path / "out"),
+                                    "backend": "ort-cpu", "threads": 1, "text": text}))  # fmt: skip
+    return path
+
+
+def test_edit_rt_export_and_run_a_text_config_write_lladas_tokens_and_a_span_edit(tmp_path, text_models):
+    """`edit-rt export` and `edit-rt run` on a text config: the first row (one token a step, the
+    cache off) is LLaDA's generate.py on the PyTorch model; a second row with an instruction line
+    runs beside it; a span edit of lines keeps the text outside the lines it re-decodes."""
+    from .cli_in_process import edit_rt
+
+    config = _text_config(tmp_path, text_models["mdm"] / "model", {
+        "prompt": PROMPT, "max_tokens": 16, "block_length": 8, "threshold": None, "steps": 16, "cache": "none",
+        "rows": [{"seed": 0}, {"seed": 1, "instruction": "# Python 3"}], "edits": [{"lines": [0, 1], "seed": 4, "temperature": 1.0}],
+    })  # fmt: skip
+    for command in ("export", "run"):
+        done = edit_rt(command, str(config))
+        assert done.returncode == 0, done.stdout + done.stderr
+    import json
+
+    report = json.loads((tmp_path / "out" / "text.json").read_text())
+    model = load_text_model(text_models["mdm"] / "model")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    prompt = tokenizer.encode(PROMPT).ids
+    reference = llada_generate(model, torch.tensor([prompt]), steps=16, gen_length=16, block_length=8)[0, len(prompt):].tolist()
+    if SPEC.eos_id in reference:
+        reference = reference[: reference.index(SPEC.eos_id)]
+    assert report["rows"][0]["text"] == tokenizer.decode(reference)
+    assert (tmp_path / "out" / "row-1.txt").read_text().startswith("# Python 3\n" + PROMPT)
+    edit = report["edits"][0]
+    first_line_end = report["rows"][0]["text"].find("\n")
+    a, b = edit["span_tokens"]
+    kept_before = tokenizer.decode(reference[:a])
+    assert edit["text"].startswith(kept_before) and edit["text"].endswith(tokenizer.decode(reference[b:]))
+    assert a == 0 and (first_line_end < 0 or len(tokenizer.decode(reference[:b])) > first_line_end)
+
+
+def test_a_text_config_is_refused_with_the_field_and_the_fix(tmp_path, text_models):
+    from .cli_in_process import edit_rt
+
+    cases = [({"prompt": PROMPT, "threshold": 0.9, "steps": 8}, "text.threshold / text.steps"),
+             ({"prompt": PROMPT, "cache": "all"}, "text.cache"),
+             ({"prompt": PROMPT, "edits": [{"tokens": [4, 2]}]}, "text.edits[0].tokens"),
+             ({"prompt": PROMPT, "temprature": 1.0}, "text.temprature: unknown key")]  # fmt: skip
+    for text, named in cases:
+        done = edit_rt("run", str(_text_config(tmp_path, text_models["mdm"] / "model", text)))
+        assert done.returncode != 0 and named in done.stdout + done.stderr, (named, done.stdout + done.stderr)
+    done = edit_rt("run", str(_text_config(tmp_path, text_models["mdm"] / "model", {"prompt": PROMPT})))
+    assert done.returncode != 0 and "edit-rt export" in done.stdout + done.stderr  # not exported yet
