@@ -292,3 +292,70 @@ def test_a_text_config_is_refused_with_the_field_and_the_fix(tmp_path, text_mode
         assert done.returncode != 0 and named in done.stdout + done.stderr, (named, done.stdout + done.stderr)
     done = edit_rt("run", str(_text_config(tmp_path, text_models["mdm"] / "model", {"prompt": PROMPT})))
     assert done.returncode != 0 and "edit-rt export" in done.stdout + done.stderr  # not exported yet
+
+
+def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models):
+    """`edit-rt serve` of a text config on loopback, called by the ``openai`` SDK: n continuations
+    (at temperature 0 and threshold 0 each is the PyTorch model's argmax over the masked text),
+    streamed or not, stop strings, and the server's limits as OpenAI-shaped errors."""
+    import os
+    import subprocess
+    import sys
+
+    import openai
+    import yaml
+
+    from edit_rt.export.bench.related_replay import free_port, terminate, wait_healthy
+
+    from .cli_in_process import edit_rt
+
+    port = free_port()
+    config = _text_config(tmp_path, text_models["mdm"] / "model", {"prompt": "unused", "block_length": 12})
+    data = yaml.safe_load(config.read_text())
+    data["serve"] = {"port": port, "max_edits_per_request": 4}
+    config.write_text(yaml.safe_dump(data))
+    assert edit_rt("export", str(config)).returncode == 0
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edit_rt.runtime.apps.cli", "serve", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log, 90)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["model"]
+        answer = client.completions.create(model="model", prompt=PROMPT, n=3, max_tokens=12, temperature=0,
+                                           extra_body={"threshold": 0.0, "cache": "none"})  # fmt: skip
+        model = load_text_model(text_models["mdm"] / "model")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(TOKENIZER))
+        prompt = tokenizer.encode(PROMPT).ids
+        x = torch.tensor([prompt + [SPEC.mask_id] * 12])
+        with torch.no_grad():
+            argmax = model(x, torch.arange(x.shape[1]))[0][0, len(prompt):].argmax(-1).tolist()
+        expected = tokenizer.decode(argmax[: argmax.index(SPEC.eos_id)] if SPEC.eos_id in argmax else argmax)
+        assert [c.text for c in answer.choices] == [expected] * 3 and [c.index for c in answer.choices] == [0, 1, 2]
+        assert answer.usage.prompt_tokens == len(prompt) and answer.object == "text_completion"
+        stop = expected[3:6]
+        cut = client.completions.create(model="model", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                        extra_body={"threshold": 0.0, "cache": "none"})  # fmt: skip
+        assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+        streamed = {}
+        for chunk in client.completions.create(model="model", prompt=PROMPT, n=2, max_tokens=12, temperature=0.9, seed=5,
+                                               stream=True):  # fmt: skip
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        sampled = client.completions.create(model="model", prompt=PROMPT, n=2, max_tokens=12, temperature=0.9, seed=5)
+        assert streamed == {c.index: c.text for c in sampled.choices}  # the same seeds: the same texts, streamed or not
+        with pytest.raises(openai.APIStatusError) as too_many:
+            client.completions.create(model="model", prompt=PROMPT, n=5, max_tokens=4)
+        assert too_many.value.status_code == 413 and "max_edits_per_request" in str(too_many.value)
+        with pytest.raises(openai.BadRequestError) as other:
+            client.completions.create(model="gpt-3.5-turbo-instruct", prompt=PROMPT, max_tokens=4)
+        assert "model" in str(other.value)
+        with pytest.raises(openai.BadRequestError) as long:
+            client.completions.create(model="model", prompt=PROMPT, max_tokens=SPEC.max_len)
+        assert "max_tokens" in str(long.value)
+    finally:
+        terminate(proc, 30)

@@ -429,8 +429,15 @@ def serve(
     allow_no_token: bool = typer.Option(False, "--allow-no-token", help="Listen beyond loopback without a token "
                                         "(only behind something that checks who connects)."),
 ) -> None:
-    """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` or the flags say otherwise)."""
-    cfg = load_config(config)
+    """Serve the HTTP API and the editing page (127.0.0.1:8188 unless `serve:` or the flags say otherwise);
+    a text config (text:), OpenAI's /v1/completions."""
+    if is_text_config(config):
+        cfg = load_text_config(config)
+        require_text_export(cfg)
+        if ray:
+            raise ConfigError("--ray: a text config is served by one process (its decoding loop on one engine thread); drop --ray")
+    else:
+        cfg = load_config(config)
     if host is not None or port is not None:
         s = dataclasses.replace(cfg.serve, host=host or cfg.serve.host, port=cfg.serve.port if port is None else port)
         cfg = dataclasses.replace(cfg, serve=revalidated(s, "--host/--port"))

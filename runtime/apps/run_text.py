@@ -16,17 +16,12 @@ from ..pipeline.text_pipeline import Decoding, Row, TextPipeline
 from .run import Timer, output_errors, writable_or_refuse
 
 
-def decoding_of(cfg: TextRunConfig) -> Decoding:
-    t = cfg.text
-    return Decoding(t.block_length, t.threshold, t.steps, t.edit_threshold, t.edit_rounds, t.cache, t.temperature)
-
-
 def run_text(cfg: TextRunConfig) -> dict[str, Any]:
     """Continue ``cfg``'s prompt, edit the first continuation's spans; return the report (also text.json)."""
     t = cfg.text
     writable_or_refuse(cfg.output_dir, "output_dir")
     timer = Timer()
-    decoding = decoding_of(cfg).check()
+    decoding = Decoding.of(t)
     with timer.stage("load"), TextPipeline(cfg.onnx_dir, cfg.engine, cfg.threads) as pipe:
         with timer.stage("continuations"):
             result = pipe.complete(t.prompt, t.max_tokens, decoding=decoding, stop=t.stop,

@@ -28,6 +28,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from ..errors import ConfigError
 from ..model.schema import Float, Int, Str, between
+from .serve import Serve
 
 STRICT = ConfigDict(extra="forbid")
 Backend = Literal["auto", "ort-cpu", "openvino"]
@@ -89,6 +90,9 @@ class TextRunConfig:
     output_dir: Path = Path("out/text")
     backend: Backend = "auto"
     threads: between(Int, 0, 256) = 0
+    # `edit-rt serve` of a text config (OpenAI's /v1/completions, web/api_completions.py): the
+    # image server's section, its limits read as a text server's (serving/text_service.py)
+    serve: Serve = dataclasses.field(default_factory=Serve)
     source: Optional[Path] = None  # the file it was read from (set at load)
 
     @property

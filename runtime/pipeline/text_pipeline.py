@@ -45,6 +45,17 @@ class Decoding:
     cache: str = "prefix"
     temperature: float = 0.0
 
+    @classmethod
+    def of(cls, section, **given) -> "Decoding":
+        """A config's ``text:`` decoding (config/text.py), with the ``given`` fields that are not None over it."""
+        fields = {"block_length": section.block_length, "threshold": section.threshold, "steps": section.steps,
+                  "edit_threshold": section.edit_threshold, "edit_rounds": section.edit_rounds, "cache": section.cache,
+                  "temperature": section.temperature}  # fmt: skip
+        fields.update({k: v for k, v in given.items() if v is not None})
+        if given.get("threshold") is not None:  # a request's threshold: parallel decoding, whatever the config's schedule
+            fields["steps"] = None
+        return cls(**fields).check()
+
     def check(self) -> "Decoding":
         if (self.threshold is None) == (self.steps is None):
             raise ConfigError("text.threshold / text.steps: give one of them (threshold: parallel decoding; steps: a fixed schedule)")

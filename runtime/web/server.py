@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import AsyncIterator, Callable, Optional
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -32,11 +32,13 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..config.run_config import RunConfig
+from ..config.text import TextRunConfig
 from ..errors import EditRtError
 from ..metrics import CONTENT_TYPE
 from .http_errors import ApiError, api_error, validation_error
 from ..serving.service import Service
-from . import api_a1111, api_comfyui, api_openai, api_plans, comfyui_frontend, docs
+from ..serving.text_service import TextService
+from . import api_a1111, api_comfyui, api_completions, api_openai, api_plans, comfyui_frontend, docs
 from .a1111_fields import Settings
 from .api import BaseInfo, BaseUpload, Deleted, EditsRequest, GenerationRequest, Health, errors
 from .exposure import refuse_an_open_port
@@ -169,6 +171,47 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     return app
 
 
+@asynccontextmanager
+async def text_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    service: TextService = app.state.text
+    threading.Thread(target=service.load, name="edit-rt-loader", daemon=True).start()
+    yield
+    await asyncio.to_thread(service.shutdown)
+
+
+text_router = APIRouter()
+text_router.add_api_route("/metrics", metrics, response_class=Response, responses=errors(401))  # the image app's handler
+
+
+@text_router.get("/health", response_model=Health, responses={503: {"model": Health, "description": "loading, failed or draining"}})
+async def text_health(request: HttpRequest):
+    service: TextService = request.app.state.text
+    if service.ready.is_set():
+        return {"status": "ready", "backend": service.pipe.backend}
+    status = "failed" if service.load_error else "loading"
+    return JSONResponse({"status": status, "error": service.load_error}, status_code=503)
+
+
+def create_text_app(cfg: TextRunConfig) -> FastAPI:
+    """A text config's app (issue 56): OpenAI's /v1/completions and /v1/models over a
+    :class:`TextService`, behind the same gate, body limits and error bodies as the image app."""
+    app = FastAPI(title="edit-rt (text)", version=__version__, lifespan=text_lifespan, docs_url=None, redoc_url=None,
+                  exception_handlers=EXCEPTION_HANDLERS,
+                  description="A masked-diffusion text model: N continuations of one prompt as one batch.")  # fmt: skip
+    # the gate reads ``state.service`` (its drain, readiness, request metrics): the text service
+    app.state.service = app.state.text = TextService(cfg)
+    app.add_middleware(JsonDepthLimit, max_bytes=cfg.serve.max_body_bytes)
+    app.add_middleware(BodyTimeout, seconds=cfg.serve.body_timeout_s)
+    app.add_middleware(Gate, loopback=cfg.serve.host in ("127.0.0.1", "localhost", "::1"),
+                       credentials=Credentials(token_of(cfg.serve), api_auth_of(cfg.serve)),
+                       max_body_bytes=cfg.serve.max_body_bytes)  # fmt: skip
+    for door in (text_router, api_completions.router):
+        app.include_router(door)
+    app.openapi = lambda: openapi_schema(app)
+    app.state.routes = RouteTable(app.routes)
+    return app
+
+
 def openapi_schema(app: FastAPI) -> dict:
     """FastAPI's schema, with the bearer and Basic schemes and the real error body for every status."""
     if app.openapi_schema:
@@ -249,7 +292,7 @@ def listening_line(cfg: RunConfig, more: str = "") -> str:
     return f"edit-rt serve: http://{host}:{s.port}/ (API docs at /docs{more})"
 
 
-def serve(cfg: RunConfig, say: Callable[[str], None] = print, allow_no_token: bool = False) -> None:
+def serve(cfg: RunConfig | TextRunConfig, say: Callable[[str], None] = print, allow_no_token: bool = False) -> None:
     """Listen on ``serve.host``:``serve.port``, say so with ``say``, and serve until SIGTERM. A
     port beyond loopback without credentials is refused unless ``allow_no_token`` (exposure.py)."""
     import uvicorn
@@ -262,8 +305,9 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, allow_no_token: bo
     # after the engines began loading (which aborted the process)
     sockets = listening_sockets(s.host, s.port)
     say(listening_line(cfg))  # after the bind: said before it, a busy port's address would be one never served
-    app = create_app(cfg)
-    service: Service = app.state.service
+    text = isinstance(cfg, TextRunConfig)
+    app = create_text_app(cfg) if text else create_app(cfg)
+    service = app.state.text if text else app.state.service
     # The access log (uvicorn's own is off: it prints query strings, tokens included).
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("INFO:     %(message)s"))

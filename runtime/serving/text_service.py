@@ -1,0 +1,102 @@
+"""The service behind a text config's server (issue 56): one text model's pipeline on one engine
+thread, the server's limits, and the drain `edit-rt serve` runs on SIGTERM.
+
+Every graph call runs on the engine thread (one thread owns the sessions, as the image service's
+step loop does); a request's continuations are one batch there (pipeline/text_pipeline.py), in
+the order requests came. The limits are the image server's own fields of ``serve:``:
+``max_edits_per_request`` bounds ``n`` (413), ``queue_limit`` the requests admitted at once (429),
+and a draining server refuses new ones (503) while those admitted finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+from ..config.text import TextRunConfig
+from ..errors import QueueFullError, ShuttingDownError, TooLargeError
+from ..metrics import Metrics
+from ..pipeline.text_pipeline import Decoding, Row, TextPipeline, TextResult
+
+
+class TextService:
+    def __init__(self, cfg: TextRunConfig):
+        self.cfg = cfg
+        self.pipe: Optional[TextPipeline] = None
+        self.ready = threading.Event()
+        self.draining = threading.Event()
+        self.load_error: Optional[str] = None
+        # the gate's request histogram and /metrics (the image server's registry; the step
+        # loop's series stay empty here: ``engines=False``)
+        self.metrics = Metrics(engines=False)
+        self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edit-rt-text-engine")
+        self._admitted = 0
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Open the model's graphs on the engine thread (/health answers 503 meanwhile)."""
+        try:
+            self.pipe = self._engine.submit(lambda: TextPipeline(self.cfg.onnx_dir, self.cfg.engine, self.cfg.threads).__enter__()).result()
+            self.ready.set()
+            self.metrics.ready.set(1)
+        except Exception as err:  # said by /health and every request, not a dead server
+            self.load_error = str(err)
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name
+
+    def _admit(self, n: int, prompt: str) -> None:
+        s = self.cfg.serve
+        if len(prompt) > s.max_prompt_chars:
+            raise TooLargeError(f"prompt: {len(prompt)} characters, past serve.max_prompt_chars ({s.max_prompt_chars}); shorten it",
+                                field="prompt")  # fmt: skip
+        if self.draining.is_set():
+            raise ShuttingDownError("the server is shutting down; retry on another replica or after its restart")
+        if not self.ready.is_set():
+            raise ShuttingDownError(f"the model is {'not loaded: ' + self.load_error if self.load_error else 'still loading'}; retry shortly")
+        if n > s.max_edits_per_request:
+            raise TooLargeError(f"n: {n} continuations, past serve.max_edits_per_request ({s.max_edits_per_request}); ask for fewer",
+                                field="n")  # fmt: skip
+        with self._lock:
+            if self._admitted >= s.queue_limit:
+                raise QueueFullError(f"{self._admitted} requests in flight (serve.queue_limit {s.queue_limit}); retry shortly")
+            self._admitted += 1
+
+    async def complete(self, prompt: str, max_tokens: int, rows: Sequence[Row], decoding: Decoding,
+                       stop: Sequence[str] = ()) -> TextResult:  # fmt: skip
+        """``rows`` continuations of ``prompt`` as one batch on the engine thread."""
+        self._admit(len(rows), prompt)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._engine, lambda: self.pipe.complete(prompt, max_tokens, decoding=decoding,
+                                                                                         stop=stop, rows=rows))  # fmt: skip
+        finally:
+            with self._lock:
+                self._admitted -= 1
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def encode(self, text: str) -> list[int]:
+        return self.pipe.encode(text) if self.pipe is not None else []
+
+    # the drain `edit-rt serve` runs (web/http_server.py's DrainingServer)
+    def start_drain(self) -> None:
+        self.draining.set()
+        self.metrics.ready.set(0)
+
+    def drained(self) -> bool:
+        with self._lock:
+            return self._admitted == 0
+
+    def finish(self) -> None:
+        pass  # a batch on the engine thread is not cut: it ends within its max_tokens' steps
+
+    def shutdown(self) -> None:
+        self.ready.clear()
+        self._engine.shutdown(wait=True)
+        if self.pipe is not None:
+            self.pipe.__exit__(None, None, None)

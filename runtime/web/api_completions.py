@@ -1,0 +1,95 @@
+"""OpenAI's completions door for a text model (issue 56): ``POST /v1/completions`` (``prompt``,
+``n``, ``max_tokens``, ``stop``, ``temperature``, ``seed``, ``stream``) and ``GET /v1/models``, on
+the server `edit-rt serve` starts for a text config (server.py ``create_text_app``), behind the
+image server's gate, body limits and error bodies.
+
+The ``n`` continuations are one batch of the decoding loop (their prompt's K/V shared). A masked
+diffusion model decodes blocks, not one token at a time: with ``stream`` each choice is sent as
+one event when the batch ends, then OpenAI's closing events and ``[DONE]`` (the SDK's stream
+reads them as any other). The decoding's own settings may be given beside OpenAI's fields
+(``threshold``, ``block_length``, ``cache``, ``edit_threshold``), the config's otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, Request as HttpRequest
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..pipeline.text_pipeline import Decoding, Row
+from ..serving.text_service import TextService
+from .api import errors
+
+router = APIRouter()
+
+
+def text_service_of(request: HttpRequest) -> TextService:
+    return request.app.state.text
+
+
+TextServiceDep = Annotated[TextService, Depends(text_service_of)]
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = Field(None, description="The served model's name (GET /v1/models); any other is refused.")
+    prompt: str = Field(min_length=1, description="The text to continue (one prompt; a list is not served).")
+    max_tokens: int = Field(16, ge=1, le=4096, description="Tokens each continuation may write (OpenAI's default: 16).")
+    n: int = Field(1, ge=1, description="Continuations, one batch (at most serve.max_edits_per_request).")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0: the most confident tokens; OpenAI's default 1.")
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="Continuation k samples with seed + k (default 0).")
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=4)]]] = Field(None, description="Up to 4 strings that end a continuation.")
+    stream: bool = False
+    threshold: Optional[float] = Field(None, ge=0.0, le=1.0, description="edit-rt: parallel decoding's confidence threshold.")
+    block_length: Optional[int] = Field(None, ge=1, le=4096, description="edit-rt: the tokens of a block.")
+    cache: Optional[Literal["none", "prefix", "dual"]] = Field(None, description="edit-rt: the K/V reused within a block.")
+    edit_threshold: Optional[float] = Field(None, gt=0.0, le=1.0, description="edit-rt: token-to-token editing's threshold.")
+
+
+def _choices(result) -> list[dict]:
+    return [{"text": text, "index": k, "logprobs": None, "finish_reason": reason}
+            for k, (text, reason) in enumerate(zip(result.texts, result.finish_reasons))]  # fmt: skip
+
+
+@router.get("/v1/models", responses=errors(401))
+async def models(service: TextServiceDep):
+    m = service.pipe.manifest if service.pipe is not None else None
+    return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "edit-rt",
+                                        "kind": m.kind if m else None}]}  # fmt: skip
+
+
+@router.post("/v1/completions", responses=errors(400, 401, 413, 429, 503),
+             summary="Continue a prompt: n continuations as one batch of the text model's decoding loop")  # fmt: skip
+async def completions(body: CompletionRequest, service: TextServiceDep):
+    from ..errors import RequestError
+
+    if body.model is not None and body.model != service.model_name:
+        raise RequestError(f"model: {body.model!r} is not served here; this server serves {service.model_name!r}", field="model",
+                           code="model_not_found")  # fmt: skip
+    decoding = Decoding.of(service.cfg.text, threshold=body.threshold, block_length=body.block_length, cache=body.cache,
+                                   edit_threshold=body.edit_threshold, temperature=body.temperature)  # fmt: skip
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    seed = body.seed or 0
+    rows = [Row(seed + k) for k in range(body.n)]
+    result = await service.complete(body.prompt, body.max_tokens, rows, decoding, stop)
+    ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    head = {"id": ident, "object": "text_completion", "created": created, "model": service.model_name}
+    prompt_tokens = len(service.encode(body.prompt))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(result.tokens), "total_tokens": prompt_tokens + sum(result.tokens)}
+    if not body.stream:
+        return {**head, "choices": _choices(result), "usage": usage}
+
+    def events():
+        for choice in _choices(result):
+            yield f"data: {json.dumps({**head, 'choices': [{**choice, 'finish_reason': None}]})}\n\n"
+        for choice in _choices(result):
+            yield f"data: {json.dumps({**head, 'choices': [{**choice, 'text': ''}]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
