@@ -359,3 +359,31 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
         assert "max_tokens" in str(long.value)
     finally:
         terminate(proc, 30)
+
+
+def test_the_python_api_completes_edits_and_refuses_as_the_server_does(tmp_path, text_models):
+    from edit_rt.runtime.apps.text_editor import TextEditor
+    from edit_rt.runtime.errors import TooLargeError
+
+    from .cli_in_process import edit_rt
+
+    config = _text_config(tmp_path, text_models["mdm"] / "model", {"prompt": "unused", "max_tokens": 10, "block_length": 10,
+                                                                     "threshold": 0.0, "cache": "none"})  # fmt: skip
+    assert edit_rt("export", str(config)).returncode == 0
+    model = load_text_model(text_models["mdm"] / "model")
+    with TextEditor.from_config(config) as ed:
+        done = ed.complete(PROMPT, n=2)
+        prompt = ed.service.encode(PROMPT)
+        x = torch.tensor([prompt + [SPEC.mask_id] * 10])
+        with torch.no_grad():
+            argmax = model(x, torch.arange(x.shape[1]))[0][0, len(prompt):].argmax(-1).numpy()
+        for row in done.ids:  # threshold 0: one step, every masked token the model's argmax
+            np.testing.assert_array_equal(row[len(prompt):], argmax)
+        edited = ed.edit(done, 1, tokens=(3, 6), seeds=[1, 2], temperature=1.0, threshold=0.5)
+        for row in edited.ids:
+            kept = np.ones(len(row), dtype=bool)
+            kept[len(prompt) + 3: len(prompt) + 6] = False
+            np.testing.assert_array_equal(row[kept], done.ids[1][kept])
+        with pytest.raises(TooLargeError) as refused:
+            ed.complete(PROMPT, n=65)
+        assert refused.value.field == "n"

@@ -77,6 +77,19 @@ class TextService:
             with self._lock:
                 self._admitted -= 1
 
+    async def span_edit(self, result: TextResult, row: int, span: tuple[int, int], decoding: Decoding, seeds: Sequence[int],
+                        temperature: float, stop: Sequence[str] = ()) -> TextResult:  # fmt: skip
+        """Row ``row`` of ``result`` with its continuation's tokens ``span`` decoded again, one row a
+        seed, as one batch on the engine thread (everything outside the span kept)."""
+        self._admit(len(seeds), "")
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._engine, lambda: self.pipe.span_edit(result, row, span, decoding, seeds,
+                                                                                          temperature, stop))  # fmt: skip
+        finally:
+            with self._lock:
+                self._admitted -= 1
+
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
 
