@@ -188,7 +188,7 @@ train-planner: setup
 # autoregressive baseline side by side, one thread each, 90 minutes each in pieces of at most 60,
 # each resuming from the committed checkpoint
 train-text: setup
-	OMP_NUM_THREADS=1 $(BIN)/python scripts/train_text.py --kind mdm --out export/models/text-mdm \
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/train_text.py --kind mdm --rope --out export/models/text-mdm \
 		--checkpoint export/checkpoints/text-mdm --piece-minutes 60 & \
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/train_text.py --kind ar --out export/models/text-ar \
 		--checkpoint export/checkpoints/text-ar --piece-minutes 60; wait

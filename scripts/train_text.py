@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="stop after this (0 = never)")
+    parser.add_argument("--rope", action="store_true", help="rotary positions besides the learned ones (the diffusion model's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (two kinds side by side: one each)")
     args = parser.parse_args()
     if args.piece_minutes and args.checkpoint is None:
@@ -34,7 +35,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    spec = dataclasses.replace(defaults, kind=args.kind, seed=args.seed, steps=args.steps, max_minutes=args.max_minutes)
+    spec = dataclasses.replace(defaults, kind=args.kind, seed=args.seed, steps=args.steps, max_minutes=args.max_minutes,
+                               rope=args.rope)
     train_text(args.out, spec, checkpoint=args.checkpoint, piece_minutes=args.piece_minutes, tokenizer_dir=args.tokenizer_dir)
 
 

@@ -39,7 +39,7 @@ def _tiny(folder: Path, causal: bool, seed: int) -> None:
     from tokenizers import Tokenizer
 
     torch.manual_seed(seed)
-    model = TextTransformer(dataclasses.replace(SPEC, causal=causal))
+    model = TextTransformer(dataclasses.replace(SPEC, causal=causal, rope=not causal))  # as the trained ones
     with torch.no_grad():  # larger than the initialisation's 0.02, so that tokens differ in confidence
         for p in model.parameters():
             p.mul_(8.0 if p.dim() >= 2 else 1.0)
@@ -387,3 +387,28 @@ def test_the_python_api_completes_edits_and_refuses_as_the_server_does(tmp_path,
         with pytest.raises(TooLargeError) as refused:
             ed.complete(PROMPT, n=65)
         assert refused.value.field == "n"
+
+
+def test_text_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tmp_path):
+    """`make train-text`'s pieces: a run stopped after each step and resumed from its checkpoint
+    (weights, optimiser, schedule, the batches' generator) ends where an uncut run ends."""
+    from safetensors.torch import load_file
+
+    from edit_rt.export.world.text_corpus import corpus_files, split
+    from edit_rt.export.world.train_text import TextTrainSpec, train_text
+
+    train, held = split(corpus_files())
+    files = (train[:6], held[:2])
+    spec = TextTrainSpec(kind="mdm", steps=3, batch=2, d_model=32, layers=1, heads=2, max_len=32, eval_every=2, eval_windows=2,
+                         checkpoint_every=1, warmup=2, rope=True)  # fmt: skip
+    uncut = train_text(tmp_path / "uncut", spec, say=lambda _: None, tokenizer_dir=TOKENIZER.parent, files=files)
+    for _ in range(3):  # each piece ends at its first step past 0 minutes
+        cut = train_text(tmp_path / "cut", spec, say=lambda _: None, checkpoint=tmp_path / "state", piece_minutes=1e-9,
+                         tokenizer_dir=TOKENIZER.parent, files=files)  # fmt: skip
+    cut = train_text(tmp_path / "cut", spec, say=lambda _: None, checkpoint=tmp_path / "state", tokenizer_dir=TOKENIZER.parent,
+                     files=files)  # fmt: skip
+    assert uncut["finished"] and cut["finished"] and cut["steps_run"] == uncut["steps_run"] == 3
+    a, b = load_file(str(tmp_path / "uncut" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+    assert cut["loss"] == uncut["loss"]

@@ -42,6 +42,9 @@ class TextSpec:
     causal: bool = False  # False: the masked-diffusion model; True: the autoregressive baseline
     mask_id: int = 1  # text_corpus.MASK
     eos_id: int = 2  # text_corpus.EOS
+    # rotary position embeddings on queries and keys (LLaDA's, as LLaMA's), besides the learned
+    # absolute ones: attention then sees relative offsets directly (train_text.py says why)
+    rope: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -54,16 +57,19 @@ class TextSpec:
 class Block(nn.Module):
     def __init__(self, spec: TextSpec):
         super().__init__()
-        self.heads, self.head_dim = spec.heads, spec.head_dim
+        self.heads, self.head_dim, self.rope = spec.heads, spec.head_dim, spec.rope
         self.ln1 = nn.LayerNorm(spec.d_model)
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model)
         self.proj = nn.Linear(spec.d_model, spec.d_model)
         self.ln2 = nn.LayerNorm(spec.d_model)
         self.mlp = nn.Sequential(nn.Linear(spec.d_model, 4 * spec.d_model), nn.GELU(), nn.Linear(4 * spec.d_model, spec.d_model))
 
-    def forward(self, x: torch.Tensor, self_bias: Optional[torch.Tensor], past: Optional[torch.Tensor]):
+    def forward(self, x: torch.Tensor, self_bias: Optional[torch.Tensor], past: Optional[torch.Tensor],
+                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None):  # fmt: skip
         n, lq, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(n, lq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if rotary is not None:  # keys are cached rotated: a cached token's K holds its own position
+            q, k = _rotated(q, *rotary), _rotated(k, *rotary)
         scale = 1.0 / math.sqrt(self.head_dim)
         scores = (q @ k.transpose(-1, -2)) * scale  # [N, H, Lq, Lq]
         if self_bias is not None:
@@ -98,12 +104,26 @@ class TextTransformer(nn.Module):
         if self.spec.causal:  # a query sees the queried tokens at or before its position
             later = positions[None, :] > positions[:, None]
             bias = torch.zeros(later.shape, dtype=x.dtype).masked_fill(later, float("-inf"))
+        rotary = _rotary(positions, self.spec.head_dim) if self.spec.rope else None
         kvs = []
         for i, block in enumerate(self.blocks):
-            x, kv = block(x, bias, None if past_kv is None else past_kv[i])
+            x, kv = block(x, bias, None if past_kv is None else past_kv[i], rotary)
             kvs.append(kv)
         logits = self.ln(x) @ self.tok.weight.T
         return logits, torch.stack(kvs)
+
+
+def _rotary(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin at ``positions``: [Lq, head_dim / 2] each (the half-split layout, LLaMA's)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def _init(module: nn.Module) -> None:
@@ -113,17 +133,29 @@ def _init(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def masked_diffusion_loss(model: TextTransformer, ids: torch.Tensor, generator: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
+def masked_diffusion_loss(model: TextTransformer, ids: torch.Tensor, generator: torch.Generator, eps: float = 1e-3,
+                          weighted: bool = True) -> torch.Tensor:  # fmt: skip
     """LLaDA's pre-training loss: a mask ratio ``t ~ U(eps, 1)`` per sequence, each token masked
     with probability ``t``, the cross-entropy of the masked tokens weighted by ``1 / t``, summed and
-    divided by the tokens in the batch (LLaDA's Algorithm 1)."""
+    divided by the tokens in the batch (LLaDA's Algorithm 1: an upper bound on the negative
+    log-likelihood per token). ``weighted=False``: each sequence's mean cross-entropy over its masked
+    tokens, averaged over the sequences (the same masks, ``1 / (t L)`` replaced by one over the
+    count actually masked): what the model is trained on (train_text.py says why)."""
     n, length = ids.shape
     t = eps + (1 - eps) * torch.rand(n, 1, generator=generator)
     masked = torch.rand(n, length, generator=generator) < t
     noisy = torch.where(masked, torch.full_like(ids, model.spec.mask_id), ids)
     logits, _ = model(noisy, torch.arange(length))
     ce = F.cross_entropy(logits[masked], ids[masked], reduction="none")
+    if not weighted:  # each sequence's mean over its masked tokens, the sequences' mean
+        per_token = torch.zeros(n, length).masked_scatter(masked, ce)
+        counts = masked.sum(1)
+        return (per_token.sum(1)[counts > 0] / counts[counts > 0]).mean()
     return (ce / t.expand(n, length)[masked]).sum() / (n * length)
+
+
+def masked_diffusion_training_loss(model: TextTransformer, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return masked_diffusion_loss(model, ids, generator, weighted=False)
 
 
 def autoregressive_loss(model: TextTransformer, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -132,8 +164,11 @@ def autoregressive_loss(model: TextTransformer, ids: torch.Tensor, generator: to
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def loss_of(model: TextTransformer):
-    return autoregressive_loss if model.spec.causal else masked_diffusion_loss
+def loss_of(model: TextTransformer, training: bool = False):
+    """The kind's loss: for the masked-diffusion model, LLaDA's bound (held-out) or, ``training``, its unweighted form."""
+    if model.spec.causal:
+        return autoregressive_loss
+    return masked_diffusion_training_loss if training else masked_diffusion_loss
 
 
 def save_text_model(out: Path, model: TextTransformer, tokenizer, report: Optional[dict] = None) -> Path:
