@@ -412,3 +412,36 @@ def test_text_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tm
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
     assert cut["loss"] == uncut["loss"]
+
+
+def test_docs_text_md_names_every_text_field_with_its_default():
+    """docs/text.md's `text:` table against config/text.py's declarations: every key, no other,
+    each default as declared."""
+    import dataclasses as dc
+
+    from edit_rt.runtime.config.text import TextSection
+
+    rows = {}
+    for line in (ROOT / "docs" / "text.md").read_text().split("## Config reference", 1)[1].splitlines():
+        if line.startswith("| `"):
+            key, default = [cell.strip() for cell in line.strip("|").split("|")[:2]]
+            rows[key.strip("`")] = default
+    fields = {f.name: f for f in dc.fields(TextSection)}
+    assert set(rows) == set(fields)
+    for name, f in fields.items():
+        if f.default is dc.MISSING and f.default_factory is dc.MISSING:
+            assert rows[name] == "required", name
+            continue
+        default = f.default if f.default is not dc.MISSING else f.default_factory()
+        assert rows[name].strip("`") == _written(default), name
+
+
+def _written(value) -> str:
+    """A default as the docs' table writes it (YAML's words, whole numbers without a point)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, float) and value == int(value):
+        return str(int(value))
+    if isinstance(value, list):
+        return "[" + ", ".join("{seed: %d}" % r.seed if hasattr(r, "seed") else str(r) for r in value) + "]"
+    return str(value)
