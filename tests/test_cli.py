@@ -322,6 +322,7 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(tmp_path):
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\n"
             "cli.load_config = interrupted\n"
+            "cli.is_text_config = lambda path: False\n"  # an image config's road
             "sys.argv = ['edit-rt', 'run', 'config.yaml']\n"
             "cli.main()\n")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)

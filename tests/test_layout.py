@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 import tomllib
@@ -82,12 +83,19 @@ def test_each_contract_breaks_on_an_import_it_forbids(monkeypatch, capsys, contr
     assert (reported or f"{importer} -> {imported}") in report, report
 
 
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a file's syntax tree (``ast.walk``'s order), parsed once per run: the rules
+    below read the same files (runtime/ by four of them)."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def _modules_named_by_strings(path: Path) -> set[str]:
     """The modules a file hands ``importlib.import_module`` or ``__import__`` by a literal
     (``f"edit_rt.export.{name}"`` counts as ``edit_rt.export``): the imports import-linter
     cannot see. A module run as another process (``python -m ...``) is not imported."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.JoinedStr):  # an f-string: its leading literal
@@ -147,7 +155,7 @@ LOOP_FILES = ["runtime/loop/row_scheduler.py", "runtime/loop/rows.py", "runtime/
 def test_the_loop_never_spells_a_step_input_name():
     spelled = {}
     for file in LOOP_FILES:
-        strings = {n.value for n in ast.walk(ast.parse((ROOT / file).read_text())) if isinstance(n, ast.Constant)}
+        strings = {n.value for n in _nodes(ROOT / file) if isinstance(n, ast.Constant)}
         if strings & STEP_NAMES:
             spelled[file] = sorted(strings & STEP_NAMES)
     assert spelled == {}
@@ -214,7 +222,7 @@ def test_the_openvino_extra_stops_below_next_year():
 
 def _classes(folder: Path):
     for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.ClassDef):
                 yield path.relative_to(ROOT), node
 
@@ -237,8 +245,7 @@ def test_only_the_web_layer_speaks_http():
     for path in sorted((ROOT / "runtime").rglob("*.py")):
         if path.is_relative_to(ROOT / "runtime" / "web"):
             continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in _nodes(path):
             if isinstance(node, ast.Name) and node.id == "ApiError":
                 outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: ApiError")
             if isinstance(node, (ast.Import, ast.ImportFrom)):

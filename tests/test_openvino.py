@@ -12,6 +12,7 @@ and bf16 stays near fp32 on the same base.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -102,16 +103,15 @@ def test_fp32_is_pinned_and_shapes_are_static_per_bucket(fp32):
     assert 4 in rows and 3 not in rows, f"3 rows run at the pow2 bucket of 4, not their own shape: {rows}"
 
 
-def test_a_graph_past_the_weights_limit_is_compiled_once_dynamic(onnx_dir, model_dir, monkeypatch):
+def test_a_graph_past_the_weights_limit_is_compiled_once_dynamic(onnx_dir, model_dir, pipeline, base_state, monkeypatch):
     """SD 1.5's UNet would hold a copy of its 3.4 GB of weights per compiled bucket: a graph past
     the limit is compiled once with its dynamic axes (the step loop then runs exact row counts,
-    as on ort-cpu), and still equals ONNX Runtime."""
+    as on ort-cpu), and still equals ONNX Runtime (the session's ort-cpu pipeline and base)."""
     monkeypatch.setattr(backend_ov.OvGraph, "STATIC_WEIGHTS_LIMIT", 0)
     rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance), TailRow("a green circle", 0.5, 7, 3.0),
             TailRow("a blue square", 1.0, 6, TEST_BASE.guidance, seed=11)]  # fmt: skip
-    with EditPipeline(onnx_dir, model_dir, backend="ort-cpu") as ort_pipe:
-        state = ort_pipe.generate_base(TEST_BASE)
-        expected = ort_pipe.run_tail(state, rows)
+    assert pipeline.graph_set.backend == "ort-cpu"
+    state, expected = base_state, pipeline.run_tail(base_state, rows)
     with EditPipeline(onnx_dir, model_dir, backend="openvino") as pipe:
         ours = pipe.run_tail(state, rows)
         step = pipe.graphs["unet_step"]
@@ -122,30 +122,35 @@ def test_a_graph_past_the_weights_limit_is_compiled_once_dynamic(onnx_dir, model
     np.testing.assert_allclose(ours, expected, atol=1e-4)
 
 
-@needs_bf16
-def test_bf16_keeps_the_guidance_and_sampler_update_fp32(onnx_dir, model_dir):
+@pytest.fixture(scope="module")
+def bf16(onnx_dir, model_dir):
+    """The bf16 pipeline both bf16 tests read (each its own base and rows)."""
     with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="bf16") as pipe:
-        state = pipe.generate_base(TEST_BASE)
-        step = pipe.graphs["unet_step"]
-        (compiled,) = [c for c in step._compiled.values() if c.input("latents").get_shape()[0] == 1]
-        assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'bfloat16'>"
-        model = ov.Core().read_model(str(step.path))
-        outside = {n.get_friendly_name() for n in backend_ov.outside_unet(model)}
-        inside = {n.get_friendly_name() for n in model.get_ordered_ops()} - outside
-        unet, update = _runtime_precisions(compiled, inside), _runtime_precisions(compiled, outside)
-        assert "bf16" in unet["Convolution"] and "bf16" in unet.get("MatMul", set()) | unet.get("FullyConnected", set())
-        arithmetic = {kind: precisions for kind, precisions in update.items() if kind in ("Eltwise", "Subgraph", "Reduce")}
-        assert arithmetic and all("bf16" not in p for p in arithmetic.values()), update
-        assert state.final_latent.dtype == np.float32
+        yield pipe
 
 
 @needs_bf16
-def test_bf16_stays_near_fp32_on_the_same_base(onnx_dir, model_dir, fp32):
+def test_bf16_keeps_the_guidance_and_sampler_update_fp32(bf16):
+    state = bf16.generate_base(TEST_BASE)
+    step = bf16.graphs["unet_step"]
+    (compiled,) = [c for c in step._compiled.values() if c.input("latents").get_shape()[0] == 1]
+    assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'bfloat16'>"
+    model = ov.Core().read_model(str(step.path))
+    outside = {n.get_friendly_name() for n in backend_ov.outside_unet(model)}
+    inside = {n.get_friendly_name() for n in model.get_ordered_ops()} - outside
+    unet, update = _runtime_precisions(compiled, inside), _runtime_precisions(compiled, outside)
+    assert "bf16" in unet["Convolution"] and "bf16" in unet.get("MatMul", set()) | unet.get("FullyConnected", set())
+    arithmetic = {kind: precisions for kind, precisions in update.items() if kind in ("Eltwise", "Subgraph", "Reduce")}
+    assert arithmetic and all("bf16" not in p for p in arithmetic.values()), update
+    assert state.final_latent.dtype == np.float32
+
+
+@needs_bf16
+def test_bf16_stays_near_fp32_on_the_same_base(bf16, fp32):
     exact = fp32.generate_base(TEST_BASE)
-    with EditPipeline(onnx_dir, model_dir, backend="openvino", precision="bf16") as pipe:
-        low = pipe.generate_base(TEST_BASE, noise=fp32.initial_noise(TEST_BASE))
-        rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]
-        tail_low = pipe.run_tail(exact, rows)[0]
+    low = bf16.generate_base(TEST_BASE, noise=fp32.initial_noise(TEST_BASE))
+    rows = [TailRow("a blue square", 1.0, 4, TEST_BASE.guidance)]
+    tail_low = bf16.run_tail(exact, rows)[0]
     tail = fp32.run_tail(exact, rows)[0]
     scale = np.abs(exact.final_latent).max()
     base_diff = np.abs(low.final_latent - exact.final_latent).max() / scale
@@ -218,8 +223,12 @@ def test_a_generation_on_openvino_equals_diffusers(request, family, diffusers_re
     # each family's own sampler (DDIM on SD, SDXL's Euler), a second sampler's history slots on SD 2.x
     sampler = {"sd": "ddim", "sd2": "dpmpp_2m_karras", "sdxl": "own"}[family]
     base = dataclasses.replace(TEST_BASE, sampler=sampler, steps=8) if family == "sd2" else TEST_BASE
-    with EditPipeline(onnx_dir, model_dir, backend="openvino") as pipe:
-        assert pipe.graph_set.backend == "openvino"
+    if family == "sd":  # the module's fp32 pipeline: backend openvino's default precision is fp32 (resolve_precision)
+        opened = contextlib.nullcontext(request.getfixturevalue("fp32"))
+    else:
+        opened = EditPipeline(onnx_dir, model_dir, backend="openvino")
+    with opened as pipe:
+        assert pipe.graph_set.backend == "openvino" and pipe.graphs["unet_step"].precision == "fp32"
         noise = pipe.initial_noise(base)
         ours = pipe.decode(pipe.generate_base(base, noise=noise).final_latent)
     np.testing.assert_allclose(ours, diffusers_reference(model_dir, base, noise, sampler, sdxl=family == "sdxl"), atol=1e-4)

@@ -41,7 +41,9 @@ def _deleted_once_released(url: str, bid: str, tries: int = 1200) -> None:
 @pytest.mark.parametrize("close_after", ["headers", "edit_rt.queue", "edit_rt.progress", "image_edit.completed"])
 def test_a_stream_closed_at_any_event_releases_its_base(server, close_after):
     bid = _base(server.url, seed=hash(close_after) % 1000)
-    body = {"base_id": bid, "stream": True, "edits": [{"prompt": f"a blue square {k}", "tail_steps": 35} for k in range(4)]}
+    # two rows of a 35-step tail: every event comes (the rows run as one batch, so they end
+    # together) and a stream closed before the last finds them running
+    body = {"base_id": bid, "stream": True, "edits": [{"prompt": f"a blue square {k}", "tail_steps": 35} for k in range(2)]}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", server.url + "/v1/images/edits", json=body) as r:
             assert r.status_code == 200
@@ -60,7 +62,9 @@ def test_a_stream_closed_at_any_event_releases_its_base(server, close_after):
 
 def test_a_client_that_leaves_a_plain_request_releases_its_base(server):
     bid = _base(server.url, seed=77)
-    body = {"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": 35} for k in range(8)]}
+    # two rows of a 35-step tail: seconds of work, so the client is gone (0.3 s) while they run;
+    # the release is polled until the server lets go, however long the rows go on
+    body = {"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": 35} for k in range(2)]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/images/edits", json=body, timeout=0.3)
     _deleted_once_released(server.url, bid)

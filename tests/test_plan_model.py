@@ -84,6 +84,17 @@ def planner(tmp_path_factory):
     return model, root / "build" / "planner" / "onnx"
 
 
+@pytest.fixture(scope="module")
+def planner_pipe(planner):
+    """The planner's export in edit-rt's pipeline, loaded once for the tests below that run it
+    directly (each its own bases and rows; PlanLoop keeps its base plans in the loop, not here)."""
+    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
+
+    model, onnx = planner
+    with EditPipeline(onnx, model) as pipe:
+        yield pipe
+
+
 def _reference_plan(model, base: Base, noise: np.ndarray, known: np.ndarray = None, mask: np.ndarray = None) -> np.ndarray:
     """The model's own sampling loop in PyTorch: its UNet and text encoder, diffusers' DDIM
     scheduler from the folder (eta 0), classifier-free guidance as StableDiffusionPipeline
@@ -117,35 +128,30 @@ def _reference_plan(model, base: Base, noise: np.ndarray, known: np.ndarray = No
     return x.numpy()
 
 
-def test_a_plan_is_what_the_models_own_pytorch_loop_generates_from_the_same_noise(planner):
-    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
-
-    model, onnx = planner
-    with EditPipeline(onnx, model) as pipe:
-        noise = pipe.initial_noise(BASE)
-        ours = pipe.generate_base(BASE, noise=noise).final_latent
+def test_a_plan_is_what_the_models_own_pytorch_loop_generates_from_the_same_noise(planner, planner_pipe):
+    model, pipe = planner[0], planner_pipe
+    noise = pipe.initial_noise(BASE)
+    ours = pipe.generate_base(BASE, noise=noise).final_latent
     assert ours.shape == (1, CHANNELS, HEIGHT, WIDTH)
     np.testing.assert_allclose(ours, _reference_plan(model, BASE, noise), atol=1e-4)
 
 
-def test_a_base_plan_around_the_present_and_the_scene_is_diffusers_inpainting_with_them_kept_exactly(planner):
+def test_a_base_plan_around_the_present_and_the_scene_is_diffusers_inpainting_with_them_kept_exactly(planner, planner_pipe):
     """EditPipeline.generate_base with ``known``: a generation that keeps what a planner knows
     (step 0 and the scene's rows), equal to diffusers' inpainting loop on the same UNet; the
     kept positions end exactly the known values, and a behaviour edit of it keeps them."""
     from edit_rt.runtime.errors import ConfigError
-    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
     from edit_rt.runtime.model.plan_grid import present
 
-    model, onnx = planner
+    model, pipe = planner[0], planner_pipe
     scene = driving.random_scene(np.random.default_rng(11))
     base = dataclasses.replace(BASE, prompt=driving.prompt(scene, "keep lane"))
     kept, mask = present(scene), known()
-    with EditPipeline(onnx, model) as pipe:
-        noise = pipe.initial_noise(base)
-        state = pipe.generate_base(base, noise=noise, known=kept, pixel_mask=mask)
-        edited = pipe.run_tail(state, [TailRow(driving.prompt(scene, "brake to stop"), 1.0, 4, base.guidance, pixel_mask=mask)])
-        with pytest.raises(ConfigError, match="base.sampler: euler.*ddim"):
-            pipe.generate_base(dataclasses.replace(base, sampler="euler"), known=kept, pixel_mask=mask)
+    noise = pipe.initial_noise(base)
+    state = pipe.generate_base(base, noise=noise, known=kept, pixel_mask=mask)
+    edited = pipe.run_tail(state, [TailRow(driving.prompt(scene, "brake to stop"), 1.0, 4, base.guidance, pixel_mask=mask)])
+    with pytest.raises(ConfigError, match="base.sampler: euler.*ddim"):
+        pipe.generate_base(dataclasses.replace(base, sampler="euler"), known=kept, pixel_mask=mask)
     plan = state.final_latent[0]
     np.testing.assert_allclose(plan, _reference_plan(model, base, noise, kept, mask)[0], atol=1e-4)
     where = mask == 0
@@ -157,18 +163,15 @@ def test_a_base_plan_around_the_present_and_the_scene_is_diffusers_inpainting_wi
     np.testing.assert_array_equal(state.latents[0], noise[0])  # from the generation's own noise
 
 
-def test_a_behaviour_edit_keeps_the_present_and_the_scene_exactly_and_rows_run_as_one_batch(planner):
-    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
-
-    model, onnx = planner
+def test_a_behaviour_edit_keeps_the_present_and_the_scene_exactly_and_rows_run_as_one_batch(planner_pipe):
+    pipe = planner_pipe
     scene = driving.random_scene(np.random.default_rng(3))
     rows = [TailRow(driving.prompt(scene, b, a), 1.0, 4, BASE.guidance, pixel_mask=known())
             for b, a in (("overtake left", 0.0), ("overtake left", 1.0), ("brake to stop", 0.5))]  # fmt: skip
-    with EditPipeline(onnx, model) as pipe:
-        state = pipe.generate_base(BASE)
-        batched = pipe.run_tail(state, rows)
-        alone = [pipe.run_tail(state, [row])[0] for row in rows]
-        identity = pipe.run_tail(state, [dataclasses.replace(rows[0], prompt=BASE.prompt, pixel_mask=None)])[0]
+    state = pipe.generate_base(BASE)
+    batched = pipe.run_tail(state, rows)
+    alone = [pipe.run_tail(state, [row])[0] for row in rows]
+    identity = pipe.run_tail(state, [dataclasses.replace(rows[0], prompt=BASE.prompt, pixel_mask=None)])[0]
     base = state.final_latent[0]
     kept = known() == 0
     for k, plan in enumerate(batched):
@@ -209,27 +212,25 @@ def test_the_planners_training_cut_into_pieces_ends_with_the_weights_of_one_uncu
 # --- the plan-edit-evaluate loop (pipeline/plans.py) ------------------------------------------------
 
 
-def test_the_loop_plans_every_variant_as_one_tail_of_its_base_plan_each_judged_and_the_best_chosen(planner):
-    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
+def test_the_loop_plans_every_variant_as_one_tail_of_its_base_plan_each_judged_and_the_best_chosen(planner_pipe):
     from edit_rt.runtime.pipeline.plans import PlanLoop, Variant
     from edit_rt.runtime.model.plan_grid import present
 
-    model, onnx = planner
+    pipe = planner_pipe
     scene = driving.random_scene(np.random.default_rng(7))
     variants = [Variant(b, a) for b in ("follow", "brake to stop", "change lane") for a in (0.0, 1.0)] + [Variant("keep lane")]
     kept = known() == 0
-    with EditPipeline(onnx, model) as pipe:
-        loop = PlanLoop(pipe, steps=10, guidance=3.0, tail_steps=4, seed=2, behaviour_tails={"change lane": 7})
-        first = loop.run(scene, variants)
-        again = loop.run(scene, variants)
-        # the same base and rows written out here: each variant alone, an edit row of the base from step 6
-        # (change lane, its own tail of 7: from step 3)
-        base = Base(driving.prompt(scene, "keep lane", 0.5), negative_prompt="", seed=2, steps=10, guidance=3.0,
-                    width=WIDTH, height=HEIGHT, sampler="ddim")  # fmt: skip
-        state = pipe.generate_base(base, known=present(scene), pixel_mask=known())
-        alone = [pipe.run_tail(state, [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0,
-                                               3 if v.behaviour == "change lane" else 6, 3.0, pixel_mask=known())])[0]
-                 for v in variants]  # fmt: skip
+    loop = PlanLoop(pipe, steps=10, guidance=3.0, tail_steps=4, seed=2, behaviour_tails={"change lane": 7})
+    first = loop.run(scene, variants)
+    again = loop.run(scene, variants)
+    # the same base and rows written out here: each variant alone, an edit row of the base from step 6
+    # (change lane, its own tail of 7: from step 3)
+    base = Base(driving.prompt(scene, "keep lane", 0.5), negative_prompt="", seed=2, steps=10, guidance=3.0,
+                width=WIDTH, height=HEIGHT, sampler="ddim")  # fmt: skip
+    state = pipe.generate_base(base, known=present(scene), pixel_mask=known())
+    alone = [pipe.run_tail(state, [TailRow(driving.prompt(scene, v.behaviour, v.aggressiveness), 1.0,
+                                           3 if v.behaviour == "change lane" else 6, 3.0, pixel_mask=known())])[0]
+             for v in variants]  # fmt: skip
     assert first.base_source == "generated" and again.base_source == "kept"
     assert first.rows == {"base": 10, "variants": 4 * (len(variants) - 2) + 7 * 2} and again.rows["base"] == 0
     np.testing.assert_allclose(plan_of(state.final_latent[0]), first.base.trajectory, atol=1e-4)
@@ -277,15 +278,15 @@ def test_edit_rt_run_plans_a_plan_config_and_refuses_a_wrong_one_naming_the_fiel
     assert ran.returncode != 0 and "plan.behaviours[1]" in ran.stderr and "'fly'" in ran.stderr
 
 
-def test_post_v1_plans_answers_every_plan_as_json_from_a_kept_base_plan_and_refuses_naming_the_field(planner, tmp_path):
+def test_post_v1_plans_answers_every_plan_as_json_from_a_kept_base_plan_and_refuses_naming_the_field(planner, planner_pipe, tmp_path):
     """A planner served (a plan config): POST /v1/plans over ASGI, held to the same base and rows
     written out on the library's pipeline."""
     from edit_rt.runtime.model.plan_grid import present
-    from edit_rt.runtime.pipeline.edit_pipeline import EditPipeline
 
     from .in_process_server import InProcessServer
 
     model, onnx = planner
+    pipe = planner_pipe
     server = InProcessServer(tmp_path, model, onnx, base={"seed": 3, "steps": 8, "guidance": 3.0},
                              serve={"max_edits_per_request": 6}, extra={"plan": {"scene_seed": 0, "tail_steps": 3}})  # fmt: skip
     scene = {"ego_speed": 12.0, "ego_y": -0.2, "lead_gap": 30.0, "lead_speed": 9.0, "oncoming_distance": 300.0,
@@ -306,13 +307,12 @@ def test_post_v1_plans_answers_every_plan_as_json_from_a_kept_base_plan_and_refu
     assert plans["base_source"] == "generated" and kept["base_source"] == "kept"
     assert plans["unet_rows"] == {"base": 8, "variants": 12} and kept["unet_rows"]["base"] == 0
     world = driving.Scene(**scene)
-    with EditPipeline(onnx, model) as pipe:
-        base = Base(driving.prompt(world, "keep lane", 0.5), negative_prompt="", seed=3, steps=8, guidance=3.0,
-                    width=WIDTH, height=HEIGHT, sampler="ddim")  # fmt: skip
-        state = pipe.generate_base(base, known=present(world), pixel_mask=known())
-        rows = [TailRow(driving.prompt(world, b, a), 1.0, 5, 3.0, pixel_mask=known()) for b in ("follow", "change lane")
-                for a in (0.0, 1.0)]  # fmt: skip
-        expected = pipe.run_tail(state, rows)
+    base = Base(driving.prompt(world, "keep lane", 0.5), negative_prompt="", seed=3, steps=8, guidance=3.0,
+                width=WIDTH, height=HEIGHT, sampler="ddim")  # fmt: skip
+    state = pipe.generate_base(base, known=present(world), pixel_mask=known())
+    rows = [TailRow(driving.prompt(world, b, a), 1.0, 5, 3.0, pixel_mask=known()) for b in ("follow", "change lane")
+            for a in (0.0, 1.0)]  # fmt: skip
+    expected = pipe.run_tail(state, rows)
     for plan, latent in zip(plans["variants"], expected):
         np.testing.assert_allclose(np.array(plan["trajectory"]), plan_of(latent), atol=1e-4)
         assert plan["scores"] == driving.judge(world, np.array(plan["trajectory"]), plan["behaviour"])

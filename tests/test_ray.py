@@ -59,9 +59,18 @@ class RayServer:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir, onnx_dir):
+def server(tmp_path_factory, request):
     import yaml
 
+    # Ray's own start first, the session's model and export after it: under `make test` this is
+    # the second worker's first module, and the first worker builds them meanwhile (built_once),
+    # so the seconds Ray takes to start are not spent waiting for that build
+    ray.init(num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False)
+    try:
+        model_dir, onnx_dir = request.getfixturevalue("model_dir"), request.getfixturevalue("onnx_dir")
+    except BaseException:
+        ray.shutdown()
+        raise
     tmp = tmp_path_factory.mktemp("ray")
     port = free_port()
     config = {
@@ -73,7 +82,6 @@ def server(tmp_path_factory, model_dir, onnx_dir):
                   "ray": {"replicas": REPLICAS, "cpus_per_replica": 1}},
     }  # fmt: skip
     (tmp / "serve.yaml").write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False)
     try:
         ray_serve.start(load_config(tmp / "serve.yaml"))
         url = f"http://127.0.0.1:{port}"
