@@ -136,7 +136,7 @@ def test_cpu_engines_side_by_side(tmp_path, model_dir, onnx_dir):
         "base": {"prompt": "a red circle", "steps": 4, "width": 32, "height": 32},
         "engines": {"min_batch": 1, "opt_batch": 2, "max_batch": 2},
     }))  # fmt: skip
-    report = measure_engines(config, ns=(2,), k=2, repeats=1, say=lambda s: None)
+    report = measure_engines(config, ns=(2,), k=2, repeats=1, say=lambda s: None, probe_size=512)
     names = [e for e in ("ort-cpu", "openvino fp32", "openvino bf16") if bf16_unavailable_reason() is None or "bf16" not in e]
     assert report["engines"] == names and len(ENGINES) == 3 and report["failed"] == []
     points = {p["engine"]: p for p in report["points"]}

@@ -198,8 +198,10 @@ def _seconds(fn: Callable[[], Any]) -> float:
 
 def measure_engines(config: Path, ns: Sequence[int] = (1, 4, 16), k: int = 10, repeats: int = 3,
                     threads: int = 0, engines: Sequence[tuple[str, str]] = ENGINES, base_steps: Optional[int] = None,
-                    rounds: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+                    rounds: int = 1, say: Callable[[str], None] = print, probe_size: int = 2048) -> dict[str, Any]:  # fmt: skip
     """Every engine at every N, side by side; the report (``engines``, ``points``, ``failed``).
+    ``probe_size``: the side of the matmul the machine's limit is measured on (a test's smaller:
+    the limit is then a lower bound, the bench's 2048 near the peak).
 
     ``rounds``: the whole sweep that many times, the engines' order rotated each round (a shared
     machine drifts between processes: one round's ratios moved 2x between two runs here); a
@@ -218,7 +220,7 @@ def measure_engines(config: Path, ns: Sequence[int] = (1, 4, 16), k: int = 10, r
     # counted and measured in a process of their own, as each engine runs: OpenVINO's and torch's
     # thread pools stay out of the caller's process (a test's, a server's)
     probe = [sys.executable, "-m", "edit_rt.export.bench.cpu_engines", str(config), "--probe",
-             json.dumps([str(cfg.require_model_dir()), list(latent_hw), threads])]  # fmt: skip
+             json.dumps([str(cfg.require_model_dir()), list(latent_hw), threads, probe_size])]  # fmt: skip
     done = subprocess.run(probe, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"counting the UNet's FLOPs and the machine's limit failed:\n{done.stderr[-3000:]}")
@@ -309,8 +311,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--probe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
-        model_dir, latent_hw, threads = json.loads(args.probe)
-        print(json.dumps([unet_flops(Path(model_dir), tuple(latent_hw)), machine_limit(threads)]))
+        model_dir, latent_hw, threads, size = json.loads(args.probe)
+        print(json.dumps([unet_flops(Path(model_dir), tuple(latent_hw)), machine_limit(threads, size)]))
         return 0
     if args.child:
         backend, precision, n, k, repeats, threads, state, out, base_steps = json.loads(args.child)
