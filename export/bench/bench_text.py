@@ -115,7 +115,7 @@ def bench(mdm_dir: Path, ar_dir: Path, build: Path, bodies_n: int, lines_n: int,
         bodies = body_tasks(held, mdm.tokenizer, bodies_n)
         lines = line_tasks(held, mdm.tokenizer, lines_n)
         report["tasks"] = {"bodies": len(bodies), "lines": len(lines), "reference_bodies_parse": sum(
-            body_parses(t, t.body) for t in bodies) / max(1, len(bodies))}  # fmt: skip
+            body_parses(t, "\n" + t.body) for t in bodies) / max(1, len(bodies))}  # fmt: skip
         mdm.complete("def f(x):\n", 8, decoding=Decoding(cache="dual"))  # sessions made before timing
         ar.complete("def f(x):\n", 8)
         runs = {"ar": (ar, Decoding(threshold=None, steps=1))}

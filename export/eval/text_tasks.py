@@ -2,9 +2,10 @@
 
 Both come from the corpus's held-out files (export/world/text_corpus.py), read with ``ast``:
 
-(A prompt is the last ``context`` tokens of the text before the task, encoded from its last
-``8 * context`` characters (the tokenizer averages ~3.5 characters a token on this corpus), not
-from the whole file: encoding a file again for every function in it is quadratic.)
+(A prompt is the last ``context`` tokens of the text before the task without its last line
+break, encoded from its last ``8 * context`` characters (the tokenizer averages ~3.5 characters a
+token on this corpus), not from the whole file: encoding a file again for every function in it is
+quadratic. Why no line break: ``_prompt_before``.)
 
 - **function bodies**: every ``def`` whose body starts on the line after its signature, is at
   least ``min_body_lines`` lines and at most ``max_body_tokens`` tokens; the prompt is the file up
@@ -73,8 +74,8 @@ def body_tasks(files: list[CorpusFile], tokenizer, count: int, seed: int = 0, co
             signature, body = "".join(lines[node.lineno - 1:first]), "".join(lines[first:last])
             if not signature.rstrip().endswith(":") or len(tokenizer.encode(body).ids) > max_body_tokens:
                 continue
-            prefix = tokenizer.encode("".join(lines[:first])[-8 * context:]).ids[-context:]
-            found.append(BodyTask(f.relative, node.name, tokenizer.decode(prefix), signature, body, _indent(lines[start])))
+            found.append(BodyTask(f.relative, node.name, _prompt_before(tokenizer, "".join(lines[:first]), context), signature,
+                                  body, _indent(lines[start])))  # fmt: skip
     if len(found) <= count:
         return found
     return [found[i] for i in sorted(rng.choice(len(found), count, replace=False))]
@@ -91,15 +92,29 @@ def line_tasks(files: list[CorpusFile], tokenizer, count: int, seed: int = 0, co
         line = lines[k].rstrip()
         if not line.strip() or line.lstrip().startswith("#") or len(tokenizer.encode(line).ids) > 24:
             continue
-        prefix = tokenizer.encode("".join(lines[:k])[-8 * context:]).ids[-context:]
-        out.append(LineTask(f.relative, tokenizer.decode(prefix), line))
+        out.append(LineTask(f.relative, _prompt_before(tokenizer, "".join(lines[:k]), context), line))
     return out
 
 
+def _prompt_before(tokenizer, text: str, context: int) -> str:
+    """The last ``context`` tokens of ``text`` (which ends with a newline) without that newline:
+    byte-level BPE writes a line break with the next line's indentation as one token, so a prompt
+    ending in a bare newline is a token the model never saw there; the completion writes the line
+    break itself (the judges skip to its next line)."""
+    tail = text[-8 * context:].rstrip("\n")
+    return tokenizer.decode(tokenizer.encode(tail).ids[-context:])
+
+
+def _after_first_break(completion: str) -> str:
+    """The completion from its first line break on (what the prompt's line left unwritten dropped)."""
+    return completion.split("\n", 1)[1] if "\n" in completion else ""
+
+
 def body_of(task: BodyTask, completion: str) -> str:
-    """The completion up to where the function ends (the first non-blank line at the def's indent or less)."""
+    """The completion's lines after the signature's, up to where the function ends (the first
+    non-blank line at the def's indent or less)."""
     kept = []
-    for line in completion.splitlines(keepends=True):
+    for line in _after_first_break(completion).splitlines(keepends=True):
         if line.strip() and _indent(line) <= task.indent:
             break
         kept.append(line)
@@ -118,5 +133,4 @@ def body_parses(task: BodyTask, completion: str) -> bool:
 
 
 def next_line_matches(task: LineTask, completion: str) -> bool:
-    first = completion.split("\n", 1)[0]
-    return first.rstrip() == task.line
+    return _after_first_break(completion).split("\n", 1)[0].rstrip() == task.line
