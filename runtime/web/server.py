@@ -99,8 +99,9 @@ async def delete_base(bid: str, service: ServiceDep):
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """The engines load in a thread of their own (``/health`` answers meanwhile); shut down after."""
-    service: Service = app.state.service
+    """The engines load in a thread of their own (``/health`` answers meanwhile); shut down after.
+    ``state.service``: the image app's :class:`Service` or the text app's :class:`TextService`."""
+    service: Service | TextService = app.state.service
     threading.Thread(target=service.load, name="edit-rt-loader", daemon=True).start()
     yield
     await asyncio.to_thread(service.shutdown)
@@ -171,14 +172,6 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
     return app
 
 
-@asynccontextmanager
-async def text_lifespan(app: FastAPI) -> AsyncIterator[None]:
-    service: TextService = app.state.text
-    threading.Thread(target=service.load, name="edit-rt-loader", daemon=True).start()
-    yield
-    await asyncio.to_thread(service.shutdown)
-
-
 text_router = APIRouter()
 text_router.add_api_route("/metrics", metrics, response_class=Response, responses=errors(401))  # the image app's handler
 
@@ -195,7 +188,7 @@ async def text_health(request: HttpRequest):
 def create_text_app(cfg: TextRunConfig) -> FastAPI:
     """A text config's app (issue 56): OpenAI's /v1/completions and /v1/models over a
     :class:`TextService`, behind the same gate, body limits and error bodies as the image app."""
-    app = FastAPI(title="edit-rt (text)", version=__version__, lifespan=text_lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="edit-rt (text)", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   exception_handlers=EXCEPTION_HANDLERS,
                   description="A masked-diffusion text model: N continuations of one prompt as one batch.")  # fmt: skip
     # the gate reads ``state.service`` (its drain, readiness, request metrics): the text service
