@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..config.run_config import RunConfig
+from ..config.serve import Serve
 from ..config.text import TextRunConfig
 from ..errors import EditRtError
 from ..metrics import CONTENT_TYPE
@@ -150,13 +151,7 @@ def create_app(cfg: RunConfig, service: Optional[Service] = None) -> FastAPI:
                   description="Batched edit tails for Stable Diffusion: generate a base once, edit it many times.")  # fmt: skip
     app.state.service = service if service is not None else Service(cfg)
     app.state.a1111_settings = Settings()  # POST /sdapi/v1/options: this app's A1111 door's
-    # innermost first: the depth check reads the body through BodyTimeout's timed receive; the
-    # gate is outermost, so its refusals and every answer are counted
-    app.add_middleware(JsonDepthLimit, max_bytes=cfg.serve.max_body_bytes)
-    app.add_middleware(BodyTimeout, seconds=cfg.serve.body_timeout_s)
-    app.add_middleware(Gate, loopback=cfg.serve.host in ("127.0.0.1", "localhost", "::1"),
-                       credentials=Credentials(token_of(cfg.serve), api_auth_of(cfg.serve)),
-                       max_body_bytes=cfg.serve.max_body_bytes)  # fmt: skip
+    _guard(app, cfg.serve)
     docs.redoc_script()  # read now, off any request; fastapi-offline missing: one line here, not a 500 on /docs
     for door in (router, docs.router, api_openai.router, api_a1111.router, api_plans.router):
         app.include_router(door)
@@ -185,6 +180,17 @@ async def text_health(request: HttpRequest):
     return JSONResponse({"status": status, "error": service.load_error}, status_code=503)
 
 
+def _guard(app: FastAPI, serve: Serve) -> None:
+    """The middleware every app of edit-rt runs behind, in the order they see a request."""
+    # innermost first: the depth check reads the body through BodyTimeout's timed receive; the
+    # gate is outermost, so its refusals and every answer are counted
+    app.add_middleware(JsonDepthLimit, max_bytes=serve.max_body_bytes)
+    app.add_middleware(BodyTimeout, seconds=serve.body_timeout_s)
+    app.add_middleware(Gate, loopback=serve.host in ("127.0.0.1", "localhost", "::1"),
+                       credentials=Credentials(token_of(serve), api_auth_of(serve)),
+                       max_body_bytes=serve.max_body_bytes)  # fmt: skip
+
+
 def create_text_app(cfg: TextRunConfig) -> FastAPI:
     """A text config's app (issue 56): OpenAI's /v1/completions and /v1/models over a
     :class:`TextService`, behind the same gate, body limits and error bodies as the image app."""
@@ -193,11 +199,7 @@ def create_text_app(cfg: TextRunConfig) -> FastAPI:
                   description="A masked-diffusion text model: N continuations of one prompt as one batch.")  # fmt: skip
     # the gate reads ``state.service`` (its drain, readiness, request metrics): the text service
     app.state.service = app.state.text = TextService(cfg)
-    app.add_middleware(JsonDepthLimit, max_bytes=cfg.serve.max_body_bytes)
-    app.add_middleware(BodyTimeout, seconds=cfg.serve.body_timeout_s)
-    app.add_middleware(Gate, loopback=cfg.serve.host in ("127.0.0.1", "localhost", "::1"),
-                       credentials=Credentials(token_of(cfg.serve), api_auth_of(cfg.serve)),
-                       max_body_bytes=cfg.serve.max_body_bytes)  # fmt: skip
+    _guard(app, cfg.serve)
     for door in (text_router, api_completions.router):
         app.include_router(door)
     app.openapi = lambda: openapi_schema(app)
@@ -298,9 +300,8 @@ def serve(cfg: RunConfig | TextRunConfig, say: Callable[[str], None] = print, al
     # after the engines began loading (which aborted the process)
     sockets = listening_sockets(s.host, s.port)
     say(listening_line(cfg))  # after the bind: said before it, a busy port's address would be one never served
-    text = isinstance(cfg, TextRunConfig)
-    app = create_text_app(cfg) if text else create_app(cfg)
-    service = app.state.text if text else app.state.service
+    app = create_text_app(cfg) if isinstance(cfg, TextRunConfig) else create_app(cfg)
+    service: Service | TextService = app.state.service
     # The access log (uvicorn's own is off: it prints query strings, tokens included).
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("INFO:     %(message)s"))
