@@ -9,6 +9,7 @@ build copies it first.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,6 +65,27 @@ def built_once(tmp_path_factory, key: str, build: Callable[[Path], object]) -> P
             build(folder)
             (folder / ".built").touch()
     return folder
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The simulated GPU (tests/fakegpu.py) in place of cuda-python, tensorrt and onnxruntime's CUDA provider."""
+    from types import SimpleNamespace
+
+    from edit_rt.runtime.engine import backend, backend_ort, cuda, graph_set
+
+    from . import fakegpu
+
+    cudart = fakegpu.FakeCudart()
+    trt = fakegpu.FakeTensorRT(cudart)
+    ort = fakegpu.FakeOrt(cudart)
+    cuda.use_cudart(cudart)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(backend, "ort", ort)
+    monkeypatch.setattr(backend_ort, "ort", ort)
+    monkeypatch.setattr(graph_set, "gpu_name", lambda: "Simulated GPU")
+    yield SimpleNamespace(cudart=cudart, trt=trt, ort=ort)
+    cuda.use_cudart(None)
 
 
 def _exported(model: Path, tmp_path_factory, build: str, name: str, **settings) -> Path:

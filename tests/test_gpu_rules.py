@@ -13,11 +13,9 @@ import ast
 import base64
 import dataclasses
 import io
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -37,21 +35,6 @@ from .conftest import TEST_BASE, sample_rows
 PROFILE = EditBatchProfile(1, 4, 8, 16, 16, 4, 2, vae_max_batch=4)
 FP16_KV = {g: {**{f"{k}_{i}": "float16" for i in range(8) for k in ("cond_k", "cond_v", "uncond_k", "uncond_v")}}
            for g in ("unet_step",)}  # fmt: skip
-
-
-@pytest.fixture
-def gpu(monkeypatch):
-    """The simulated GPU in place of cuda-python, tensorrt and onnxruntime's CUDA provider."""
-    cudart = fakegpu.FakeCudart()
-    trt = fakegpu.FakeTensorRT(cudart)
-    ort = fakegpu.FakeOrt(cudart)
-    cuda.use_cudart(cudart)
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(backend, "ort", ort)
-    monkeypatch.setattr(backend_ort, "ort", ort)
-    monkeypatch.setattr(graph_set, "gpu_name", lambda: "Simulated GPU")
-    yield SimpleNamespace(cudart=cudart, trt=trt, ort=ort)
-    cuda.use_cudart(None)
 
 
 @pytest.fixture(scope="module")

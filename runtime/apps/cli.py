@@ -106,6 +106,23 @@ def _export_text(config: Path) -> None:
     console.print(f"wrote {out} (text_full.onnx, text_cached.onnx, text_manifest.json, tokenizer.json)")
 
 
+def _engines_text(config: Path) -> None:
+    """`edit-rt engines` of a text config: TensorRT plans of its two graphs where TensorRT runs
+    (ONNX Runtime and OpenVINO run the exported graphs as they are)."""
+    from ..engine.backend_trt import trt_unavailable_reason
+
+    cfg = load_text_config(config)
+    require_text_export(cfg)
+    reason = trt_unavailable_reason()
+    if reason is not None:
+        plain(f"TensorRT is unavailable ({reason}): a text model runs its exported graphs on ort-cpu or openvino, "
+              "which need no engines")  # fmt: skip
+        return
+    e = cfg.engines
+    out = _export_module("compile.text_engines").text_trt_engines(cfg.onnx_dir, cfg.engines_dir / "trt", e.max_rows, e.precision)
+    console.print(f"trt: {out}/ (text_full, text_cached; rows 1-{e.max_rows}, {e.precision})")
+
+
 def require_text_export(cfg) -> None:
     from ..model.text_manifest import TextManifest
 
@@ -220,6 +237,8 @@ def engines(config: Path = typer.Argument(..., help="Run config: model, base siz
     from ..engine.manifest import load_manifest
     from ..pipeline.assemble import profile_of, require_build, require_model
 
+    if is_text_config(config):
+        return _engines_text(config)
     cfg = load_config(config)
     require_model(cfg)
     require_build(cfg)  # a single file not yet converted is said so, before its missing graphs

@@ -22,7 +22,7 @@ def run_text(cfg: TextRunConfig) -> dict[str, Any]:
     writable_or_refuse(cfg.output_dir, "output_dir")
     timer = Timer()
     decoding = Decoding.of(t)
-    with timer.stage("load"), TextPipeline(cfg.onnx_dir, cfg.engine, cfg.threads) as pipe:
+    with timer.stage("load"), TextPipeline.from_config(cfg) as pipe:
         with timer.stage("continuations"):
             result = pipe.complete(t.prompt, t.max_tokens, decoding=decoding, stop=t.stop,
                                    rows=[Row(r.seed, r.temperature, r.instruction) for r in t.rows])  # fmt: skip

@@ -31,7 +31,7 @@ from ..model.schema import Float, Int, Str, between
 from .serve import Serve
 
 STRICT = ConfigDict(extra="forbid")
-Backend = Literal["auto", "ort-cpu", "openvino"]
+Backend = Literal["auto", "ort-cpu", "openvino", "trt"]
 
 
 @pydantic_dataclass(frozen=True, config=STRICT)
@@ -83,6 +83,14 @@ class TextSection:
 
 
 @pydantic_dataclass(frozen=True, config=STRICT)
+class TextEnginesSection:
+    """`edit-rt engines` of a text config: TensorRT plans of its graphs (export/compile/text_engines.py)."""
+
+    max_rows: between(Int, 1, 1024) = 16  # rows one call takes; more run in pieces of this many
+    precision: Literal["fp32"] = "fp32"
+
+
+@pydantic_dataclass(frozen=True, config=STRICT)
 class TextRunConfig:
     model: Path  # a text model folder (export/compile/text_model.py's save_text_model)
     text: TextSection
@@ -90,6 +98,7 @@ class TextRunConfig:
     output_dir: Path = Path("out/text")
     backend: Backend = "auto"
     threads: between(Int, 0, 256) = 0
+    engines: TextEnginesSection = dataclasses.field(default_factory=TextEnginesSection)
     # `edit-rt serve` of a text config (OpenAI's /v1/completions, web/api_completions.py): the
     # image server's section, its limits read as a text server's (serving/text_service.py)
     serve: Serve = dataclasses.field(default_factory=Serve)
@@ -100,8 +109,21 @@ class TextRunConfig:
         return self.build_dir / self.model.name / "onnx"
 
     @property
+    def engines_dir(self) -> Path:
+        return self.build_dir / self.model.name / "engines"
+
+    @property
     def engine(self) -> str:
-        return "ort-cpu" if self.backend == "auto" else self.backend
+        """The backend that runs: ``auto`` is ``trt`` where its plans are built and TensorRT can
+        start, else ``ort-cpu``."""
+        if self.backend != "auto":
+            return self.backend
+        if (self.engines_dir / "trt" / "text_engines.json").is_file():
+            from ..engine.backend_trt import trt_unavailable_reason
+
+            if trt_unavailable_reason() is None:
+                return "trt"
+        return "ort-cpu"
 
     def validate(self) -> "TextRunConfig":
         t = self.text

@@ -54,3 +54,48 @@ class TextManifest:
         data.pop("format")
         data["graphs"] = tuple(data["graphs"])
         return cls(**data)
+
+
+TEXT_ENGINES_NAME = "text_engines.json"
+REBUILD = "run `edit-rt engines CONFIG` on the text config again"
+
+
+@dataclass(frozen=True)
+class TextEngines:
+    """A folder of TensorRT plans of a text model's graphs (export/compile/text_engines.py)."""
+
+    root: Path
+    precision: str
+    max_rows: int  # rows of one call the plans' profile holds (the pipeline runs more in pieces)
+    device: str
+    graphs: dict
+
+    def path(self, graph: str) -> Path:
+        return self.root / self.graphs[graph]["file"]
+
+    @classmethod
+    def load(cls, root: Path, onnx_dir: Path, device: str, tools: dict) -> "TextEngines":
+        """``root/text_engines.json``, checked against the exported graphs and this machine."""
+        from ..file_identity import sha256_file
+
+        path = Path(root) / TEXT_ENGINES_NAME
+        if not path.is_file():
+            raise ArtifactError(f"{path} not found; run `edit-rt engines CONFIG` on the text config (TensorRT plans of its graphs)")
+        try:
+            data = json.loads(path.read_text())
+            engines = cls(Path(root), data["precision"], int(data["max_rows"]), data["device"], dict(data["graphs"]))
+            built_tools = dict(data["tools"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ArtifactError(f"{path} is unreadable ({err}); {REBUILD}") from None
+        if engines.device != device:
+            raise ArtifactError(f"{path} was built on {engines.device!r}, this is {device!r}; {REBUILD}")
+        for tool, version in tools.items():
+            if built_tools.get(tool) != version:
+                raise ArtifactError(f"{path} was built with {tool} {built_tools.get(tool)}, this is {version}; {REBUILD}")
+        for graph in TEXT_GRAPHS:
+            entry = engines.graphs.get(graph)
+            if not isinstance(entry, dict) or "file" not in entry or not engines.path(graph).is_file():
+                raise ArtifactError(f"{path}: the {graph} engine is missing; {REBUILD}")
+            if entry.get("source_sha256") != sha256_file(Path(onnx_dir) / f"{graph}.onnx"):
+                raise ArtifactError(f"{engines.path(graph)} is stale: it was built from another {graph}.onnx than {onnx_dir}; {REBUILD}")
+        return engines

@@ -22,15 +22,35 @@ from ..loop.text_decoding import CACHE_MODES, DecodeStats, decode_autoregressive
 from ..model.text_manifest import TextManifest
 
 
-def text_graph(path: Path, backend: str, threads: int):
-    """One text graph on ``backend``, not yet activated."""
+def text_graph(path: Path, backend: str, threads: int, device=None):
+    """One text graph on ``backend``, not yet activated (``trt``: ``path`` is its plan, ``device``
+    the one :class:`~edit_rt.runtime.engine.backend_trt.TrtDevice` both graphs share)."""
     if backend == "openvino":
         from ..engine.backend_ov import OvGraph
 
         return OvGraph(path, threads=threads, static=False)
+    if backend == "trt":
+        from ..engine.backend_trt import TrtGraph
+
+        return TrtGraph(path, device, cuda_graphs=False)  # every step's shapes differ: infer(), no capture
     from ..engine.backend_ort import OrtGraph
 
     return OrtGraph(path, backend, threads=threads)
+
+
+def text_engines(onnx_dir: Path, engines_dir: Optional[Path]):
+    """The TensorRT plans of the text graphs in ``engines_dir/trt``, checked against the export
+    and this machine (a missing, stale or foreign folder is refused, naming the command)."""
+    from ..engine.backend_trt import trt_unavailable_reason
+    from ..engine.graph_set import engine_device, engine_tools
+    from ..model.text_manifest import TextEngines
+
+    reason = trt_unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"backend: trt cannot start here ({reason}); use ort-cpu or openvino")
+    if engines_dir is None:
+        raise ConfigError("backend: trt needs the text model's TensorRT plans; run `edit-rt engines CONFIG`")
+    return TextEngines.load(Path(engines_dir) / "trt", onnx_dir, engine_device("trt"), engine_tools("trt"))
 
 
 @dataclass(frozen=True)
@@ -99,14 +119,28 @@ class TextResult:
 class TextPipeline:
     """An exported text model (``text_manifest.json``) ready to decode; a context manager."""
 
-    def __init__(self, folder: Path, backend: str = "ort-cpu", threads: int = 0):
+    def __init__(self, folder: Path, backend: str = "ort-cpu", threads: int = 0, engines_dir: Optional[Path] = None):
         from tokenizers import Tokenizer
 
         self.folder = Path(folder)
         self.manifest = TextManifest.load(self.folder)
         self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         self.backend = backend
-        self.graphs = {name: text_graph(self.folder / f"{name}.onnx", backend, threads) for name in self.manifest.graphs}
+        self.max_rows: Optional[int] = None  # rows one call may take (a TensorRT profile's); None: any
+        self.device = None
+        if backend == "trt":
+            from ..engine.backend_trt import TrtDevice
+
+            engines = text_engines(self.folder, engines_dir)
+            self.max_rows, self.device = engines.max_rows, TrtDevice()
+            self.graphs = {name: text_graph(engines.path(name), backend, threads, self.device) for name in self.manifest.graphs}
+        else:
+            self.graphs = {name: text_graph(self.folder / f"{name}.onnx", backend, threads) for name in self.manifest.graphs}
+
+    @classmethod
+    def from_config(cls, cfg) -> "TextPipeline":
+        """A text config's (config/text.py) export on its backend."""
+        return cls(cfg.onnx_dir, cfg.engine, cfg.threads, cfg.engines_dir)
 
     def __enter__(self) -> "TextPipeline":
         for graph in self.graphs.values():
@@ -116,6 +150,8 @@ class TextPipeline:
     def __exit__(self, *exc) -> None:
         for graph in self.graphs.values():
             graph.deactivate()
+        if self.device is not None:
+            self.device.free()
 
     # the loop's TextGraphs
     def full(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +199,9 @@ class TextPipeline:
         t0 = time.perf_counter()
         out: list = [None] * len(rows)
         stats = DecodeStats()
-        for length, members in groups.items():
+        cap = self.max_rows or len(rows)
+        pieces = [members[i:i + cap] for members in groups.values() for i in range(0, len(members), cap)]
+        for members in pieces:
             prompts = np.array([encoded[k] for k in members])
             temps = [decoding.temperature if rows[k].temperature is None else rows[k].temperature for k in members]
             ids, part = self._decode(prompts, max_tokens, decoding, [rows[k].seed for k in members], temps)
@@ -205,15 +243,19 @@ class TextPipeline:
         decoded_length = result.tokens[row]
         if not 0 <= a < b <= decoded_length:
             raise RequestError(f"edits: span [{a}, {b}] is not inside the continuation's {decoded_length} tokens", field="edits")
-        x = np.tile(ids, (len(seeds), 1))
-        where = np.zeros(x.shape[1], dtype=bool)
+        where = np.zeros(len(ids), dtype=bool)
         where[start + a: start + b] = True
-        x[:, where] = m.mask_id
+        masked = np.where(where, m.mask_id, ids)
         t0 = time.perf_counter()
-        out, stats = decode_masked(self, x, where, m.mask_id, threshold=decoding.threshold, steps=decoding.steps,
-                                   edit_threshold=decoding.edit_threshold, edit_rounds=decoding.edit_rounds,
-                                   cache=decoding.cache, temperature=temperature, seeds=list(seeds))  # fmt: skip
-        return self._result(list(out), [start] * len(seeds), stats, time.perf_counter() - t0, stop)
+        out, stats, cap = [], DecodeStats(), self.max_rows or len(seeds)
+        for i in range(0, len(seeds), cap):
+            piece = list(seeds[i:i + cap])
+            x, part = decode_masked(self, np.tile(masked, (len(piece), 1)), where, m.mask_id, threshold=decoding.threshold,
+                                    steps=decoding.steps, edit_threshold=decoding.edit_threshold, edit_rounds=decoding.edit_rounds,
+                                    cache=decoding.cache, temperature=temperature, seeds=piece)  # fmt: skip
+            out.extend(x)
+            stats.merge(part)
+        return self._result(out, [start] * len(seeds), stats, time.perf_counter() - t0, stop)
 
     def line_span(self, result: "TextResult", row: int, lines: tuple[int, int]) -> tuple[int, int]:
         """The continuation's tokens (a, b) that write any character of its lines ``lines``

@@ -38,7 +38,7 @@ class TextService:
     def load(self) -> None:
         """Open the model's graphs on the engine thread (/health answers 503 meanwhile)."""
         try:
-            self.pipe = self._engine.submit(lambda: TextPipeline(self.cfg.onnx_dir, self.cfg.engine, self.cfg.threads).__enter__()).result()
+            self.pipe = self._engine.submit(lambda: TextPipeline.from_config(self.cfg).__enter__()).result()
             self.ready.set()
             self.metrics.ready.set(1)
         except Exception as err:  # said by /health and every request, not a dead server
