@@ -183,6 +183,65 @@ def test_a_span_edit_decodes_only_the_span_and_keeps_every_token_outside(text_mo
             assert (edited[:, span] != SPEC.mask_id).all() and stats.decoded == 6
 
 
+def style_reference(model: TextTransformer, x: torch.Tensor, region: torch.Tensor, threshold: float, rounds: int,
+                    groups: int) -> torch.Tensor:  # fmt: skip
+    """A style pass on the PyTorch model, one masked text at a time, every token recomputed: each
+    round, for each group g the region's positions i with i % groups == g masked and predicted
+    (argmax, the mask id never taken); every region token whose prediction is another token with
+    probability >= ``threshold`` becomes it; a round that changes nothing ends the pass."""
+    x = x.clone()
+    where = torch.nonzero(region).flatten()
+    for _ in range(rounds):
+        predicted, confidence = x.clone(), torch.zeros(x.shape, dtype=torch.float64)
+        for g in range(groups):
+            masked = x.clone()
+            masked[:, where[g::groups]] = model.spec.mask_id
+            with torch.no_grad():
+                logits, _ = model(masked, torch.arange(x.shape[1]))
+            logits = logits.double()
+            logits[..., model.spec.mask_id] = -float("inf")
+            p, t = torch.softmax(logits, -1).max(-1)
+            predicted[:, where[g::groups]] = t[:, where[g::groups]]
+            confidence[:, where[g::groups]] = p[:, where[g::groups]]
+        change = region[None] & (predicted != x) & (confidence >= threshold)
+        if not change.any():
+            break
+        x = torch.where(change, predicted, x)
+    return x
+
+
+def test_a_style_pass_reads_every_token_again_masked_and_keeps_the_prompt(text_models):
+    """Every continuation of a batch re-read whole: with the cache off, the PyTorch loop above
+    (with or without an instruction line, which does not come back); the prompt and what follows a
+    row's end kept under the prefix cache too; an autoregressive model refused."""
+    from edit_rt.runtime.errors import RequestError
+    from edit_rt.runtime.pipeline.text_pipeline import Style
+
+    model = load_text_model(text_models["mdm"] / "model")
+    with TextPipeline(text_models["mdm"] / "onnx") as pipe:
+        base = pipe.complete(PROMPT, 24, n=3, decoding=Decoding(block_length=8, threshold=0.5, cache="none", temperature=1.0))
+        # the random model's masked predictions peak near 0.005 over 4,096 ids: 0.004 makes it edit
+        for instruction in (None, "# one line each"):
+            styled = pipe.style_pass(base, Style(edit_threshold=0.004, rounds=3, groups=3, cache="none", instruction=instruction))
+            head = pipe.encode(instruction + "\n") if instruction else []
+            for k in range(3):
+                x = torch.tensor([head + list(base.ids[k])])
+                region = torch.zeros(x.shape[1], dtype=torch.bool)
+                region[len(head) + base.starts[k]: len(head) + base.starts[k] + base.tokens[k]] = True
+                expected = style_reference(model, x, region, 0.004, 3, 3)[0, len(head):].numpy()
+                np.testing.assert_array_equal(styled.ids[k], expected)
+            assert styled.stats.edited > 0  # the pass changed tokens: the comparison is not of unchanged texts
+        styled = pipe.style_pass(base, Style(edit_threshold=0.004, rounds=3, cache="prefix"))
+        assert styled.stats.edited > 0
+        for k in range(3):
+            kept = np.ones(len(base.ids[k]), dtype=bool)
+            kept[base.starts[k]: base.starts[k] + base.tokens[k]] = False
+            np.testing.assert_array_equal(styled.ids[k][kept], base.ids[k][kept])
+    with TextPipeline(text_models["ar"] / "onnx") as pipe:
+        with pytest.raises(RequestError, match="autoregressive"):
+            pipe.style_pass(pipe.complete(PROMPT, 4))
+
+
 def test_batched_rows_equal_each_row_alone(text_models):
     with TextPipeline(text_models["mdm"] / "onnx") as pipe:
         decoding = Decoding(block_length=8, threshold=0.3, edit_threshold=0.7, cache="prefix", temperature=0.9)
@@ -255,6 +314,7 @@ def test_edit_rt_export_and_run_a_text_config_write_lladas_tokens_and_a_span_edi
     config = _text_config(tmp_path, text_models["mdm"] / "model", {
         "prompt": PROMPT, "max_tokens": 16, "block_length": 8, "threshold": None, "steps": 16, "cache": "none",
         "rows": [{"seed": 0}, {"seed": 1, "instruction": "# Python 3"}], "edits": [{"lines": [0, 1], "seed": 4, "temperature": 1.0}],
+        "style": {"edit_threshold": 0.004, "rounds": 2, "groups": 2, "cache": "none"},
     })  # fmt: skip
     for command in ("export", "run"):
         done = edit_rt(command, str(config))
@@ -278,6 +338,12 @@ def test_edit_rt_export_and_run_a_text_config_write_lladas_tokens_and_a_span_edi
     kept_before = tokenizer.decode(reference[:a])
     assert edit["text"].startswith(kept_before) and edit["text"].endswith(tokenizer.decode(reference[b:]))
     assert a == 0 and (first_line_end < 0 or len(tokenizer.decode(reference[:b])) > first_line_end)
+    # the style pass over the first row: the PyTorch loop over LLaDA's continuation
+    x = torch.tensor([prompt + reference])
+    region = torch.arange(x.shape[1]) >= len(prompt)
+    styled = style_reference(model, x, region, 0.004, 2, 2)[0, len(prompt):].tolist()
+    assert report["style"][0]["text"] == tokenizer.decode(styled) and (tmp_path / "out" / "style-0.txt").is_file()
+    assert report["style"][0]["changed"] == sum(a != b for a, b in zip(styled, reference)) > 0
 
 
 def test_a_text_config_is_refused_with_the_field_and_the_fix(tmp_path, text_models):
@@ -337,6 +403,12 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
         expected = tokenizer.decode(argmax[: argmax.index(SPEC.eos_id)] if SPEC.eos_id in argmax else argmax)
         assert [c.text for c in answer.choices] == [expected] * 3 and [c.index for c in answer.choices] == [0, 1, 2]
         assert answer.usage.prompt_tokens == len(prompt) and answer.object == "text_completion"
+        styled = client.completions.create(model="model", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={
+            "threshold": 0.0, "cache": "none", "style": {"edit_threshold": 0.004, "rounds": 2, "groups": 2, "cache": "none"}})
+        kept = len(argmax[: argmax.index(SPEC.eos_id)] if SPEC.eos_id in argmax else argmax)
+        region = (torch.arange(x.shape[1]) >= len(prompt)) & (torch.arange(x.shape[1]) < len(prompt) + kept)
+        restyled = style_reference(model, torch.tensor([prompt + argmax]), region, 0.004, 2, 2)[0, len(prompt):].tolist()
+        assert styled.choices[0].text == tokenizer.decode(restyled[:kept]) != expected
         stop = expected[3:6]
         cut = client.completions.create(model="model", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                         extra_body={"threshold": 0.0, "cache": "none"})  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 from ..config.load import load_text_config
 from ..config.text import TextRunConfig
 from ..errors import EditorError
-from ..pipeline.text_pipeline import Decoding, Row, TextResult
+from ..pipeline.text_pipeline import Decoding, Row, Style, TextResult
 from ..serving.text_service import TextService
 
 
@@ -77,3 +77,11 @@ class TextEditor:
         span = tuple(tokens) if tokens is not None else self.service.pipe.line_span(result, row, tuple(lines))
         chosen = Decoding.of(self.cfg.text, **decoding)
         return self._run(self.service.span_edit(result, row, span, chosen, list(seeds), temperature, self.cfg.text.stop))
+
+    def style(self, result: TextResult, *, edit_threshold: float = 0.9, rounds: int = 2, groups: int = 4,
+              cache: str = "prefix", instruction: Optional[str] = None) -> TextResult:  # fmt: skip
+        """Every row of ``result`` made consistent: each continuation token read again masked and
+        replaced where the model now predicts another with p >= ``edit_threshold``, up to
+        ``rounds`` rounds, under an optional ``instruction`` line; the prompts kept exactly. One batch."""
+        style = Style(edit_threshold, rounds, groups, cache, instruction)
+        return self._run(self.service.style_pass(result, style, self.cfg.text.stop))

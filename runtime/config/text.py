@@ -65,6 +65,19 @@ class TextEdit:
 
 
 @pydantic_dataclass(frozen=True, config=STRICT)
+class TextStyle:
+    """A style pass over every finished continuation (pipeline/text_pipeline.py ``style_pass``):
+    each token read again masked, replaced where the model now predicts another with probability
+    >= ``edit_threshold``, up to ``rounds`` rounds."""
+
+    edit_threshold: between(Float, 0.0, 1.0) = 0.9
+    rounds: between(Int, 1, 64) = 2
+    groups: between(Int, 1, 64) = 4  # masked copies of a text a round (one batch): a token is read masked in one
+    cache: Literal["none", "prefix"] = "prefix"
+    instruction: Optional[Str] = None  # a line put before the text while the pass runs
+
+
+@pydantic_dataclass(frozen=True, config=STRICT)
 class TextSection:
     prompt: Str
     max_tokens: between(Int, 1, 4096) = 64
@@ -80,6 +93,7 @@ class TextSection:
     edit_rounds: between(Int, 0, 16) = 1
     cache: Literal["none", "prefix", "dual"] = "prefix"
     edits: list[TextEdit] = dataclasses.field(default_factory=list)
+    style: Optional[TextStyle] = None
 
 
 @pydantic_dataclass(frozen=True, config=STRICT)

@@ -213,6 +213,61 @@ def decode_masked(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id
     return x, stats
 
 
+def restyle(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int, *, edit_threshold: float, rounds: int,
+            groups: int = 4, cache: str = "prefix") -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
+    """A style pass: ``x`` [N, L] with no mask in ``region`` (bool [L]), every region token read
+    again as the masked-diffusion model was trained to read tokens, masked. A round masks the
+    region's positions ``groups`` ways (position i of the region in group ``i % groups``), runs the
+    ``groups`` x N masked texts as one batch, and replaces each token whose masked prediction (its
+    argmax, the mask id never taken) is another token with probability >= ``edit_threshold``;
+    up to ``rounds`` rounds, a round that changes nothing ending it. A model trained on masked
+    tokens only predicts a token it can see as itself: reading a token unmasked edits nothing.
+
+    ``cache``: ``"none"`` runs every masked text whole; ``"prefix"`` runs the text once (the first
+    round's first call) and keeps the K/V before the region for every later call, which then
+    queries the region and what follows it (the bidirectional prefix's K/V computed with the
+    unmasked text: an approximation, as the decoding's prefix cache)."""
+    if cache not in ("none", "prefix"):
+        raise ValueError(f"restyle: cache {cache!r}: none or prefix")
+    x = np.array(x, dtype=np.int64, copy=True)
+    n, length = x.shape
+    positions = np.flatnonzero(region)
+    stats = DecodeStats()
+    groups = max(1, min(groups, len(positions)))
+    member = np.zeros((groups, length), dtype=bool)  # [g, L]: the positions group g masks
+    for g in range(groups):
+        member[g, positions[g::groups]] = True
+    query = np.arange(positions[0], length) if cache == "prefix" else np.arange(length)
+    past = None
+    if cache == "prefix":
+        _, kv = graphs.full(x, np.arange(length))
+        stats.forwards += 1
+        stats.queried += n * length
+        past = np.repeat(np.ascontiguousarray(kv[:, :, :, :, : positions[0]]), groups, axis=2)  # row k's, for its groups
+    for _ in range(rounds):
+        masked = np.repeat(x, groups, axis=0)  # rows k * groups + g
+        masked[np.tile(member, (n, 1))] = mask_id
+        if past is None:
+            logits, _ = graphs.full(masked, query)
+        else:
+            logits, _ = graphs.cached(masked[:, query], query, past)
+        stats.forwards += 1
+        stats.queried += len(masked) * len(query)
+        need = np.tile(member[:, query], (n, 1))
+        tokens, confidence = _confidence(logits, [0.0] * len(masked), [None] * len(masked), mask_id, need)
+        # each position's prediction from the one row of its text that masked it
+        tokens = np.where(need, tokens, 0).reshape(n, groups, len(query)).sum(1)
+        confidence = np.where(need, confidence, -np.inf).reshape(n, groups, len(query)).max(1)
+        current = x[:, query]
+        change = region[query][None] & (tokens != current) & (confidence >= edit_threshold)
+        stats.edited += int(change.sum())
+        stats.per_step.append(int(change.sum()))
+        if not change.any():
+            break
+        x[:, query] = np.where(change, tokens, current)
+    return x, stats
+
+
 def decode_autoregressive(graphs: TextGraphs, prompt: np.ndarray, max_tokens: int, eos_id: int, *,
                           temperature: float | Sequence[float] = 0.0, seeds: Optional[Sequence[int]] = None,
                           rows: int = 1) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, RequestError
-from ..loop.text_decoding import CACHE_MODES, DecodeStats, decode_autoregressive, decode_masked
+from ..loop.text_decoding import CACHE_MODES, DecodeStats, decode_autoregressive, decode_masked, restyle
 from ..model.text_manifest import TextManifest
 
 
@@ -90,6 +90,20 @@ class Decoding:
         if self.temperature < 0:
             raise ConfigError(f"text.temperature: {self.temperature:g} must be >= 0")
         return self
+
+
+@dataclass(frozen=True)
+class Style:
+    """A style pass (:meth:`TextPipeline.style_pass`, loop/text_decoding.py ``restyle``): every
+    token of a finished continuation read again masked (``groups`` masked copies of the text a
+    round, one batch), those the model now predicts otherwise with probability >=
+    ``edit_threshold`` replaced, up to ``rounds`` rounds, under an optional ``instruction`` line."""
+
+    edit_threshold: float = 0.9
+    rounds: int = 2
+    groups: int = 4
+    cache: str = "prefix"
+    instruction: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,53 @@ class TextPipeline:
             out.extend(x)
             stats.merge(part)
         return self._result(out, [start] * len(seeds), stats, time.perf_counter() - t0, stop)
+
+    def style_pass(self, result: "TextResult", style: Style = Style(), rows: Optional[Sequence[int]] = None,
+                   stop: Sequence[str] = ()) -> "TextResult":  # fmt: skip
+        """Rows ``rows`` (None: every row) of a finished ``result`` made consistent: each
+        continuation's tokens read again masked, ``style.groups`` masked copies of a text a round
+        (a token is predicted from every other token of the text), and those the model now predicts
+        otherwise with probability >= ``style.edit_threshold`` replaced, for up to ``style.rounds``
+        rounds (one that changes nothing ends it). ``style.instruction``: a line put before the text
+        while it runs (``# snake_case names``, say), not in what comes back. The prompt, and what
+        follows a row's end, are kept exactly. Rows whose texts have one layout (as a call of
+        ``complete`` makes them) are one batch. A masked-diffusion model's operation (an
+        autoregressive one sees no later token)."""
+        m = self.manifest
+        if m.causal:
+            raise RequestError("style: an autoregressive model cannot re-read a token in the light of later ones; use a "
+                               "masked-diffusion model", field="style", code="not_a_diffusion_model")  # fmt: skip
+        if not 0.0 < style.edit_threshold <= 1.0:
+            raise RequestError(f"style.edit_threshold: {style.edit_threshold:g} is outside (0, 1]", field="style.edit_threshold")
+        if style.rounds < 1:
+            raise RequestError(f"style.rounds: {style.rounds} must be at least 1", field="style.rounds")
+        if style.cache not in ("none", "prefix"):
+            raise RequestError(f"style.cache: {style.cache!r}; none or prefix (every token is queried: nothing but the prompt "
+                               "is outside them)", field="style.cache")  # fmt: skip
+        if style.groups < 1:
+            raise RequestError(f"style.groups: {style.groups} must be at least 1", field="style.groups")
+        instruction = style.instruction
+        rows = list(range(len(result.ids))) if rows is None else list(rows)
+        head = self.encode(instruction.rstrip("\n") + "\n") if instruction else []
+        groups: dict[tuple, list[int]] = {}
+        for k in rows:
+            if not 0 <= k < len(result.ids):
+                raise RequestError(f"style.rows: {k} is not a row of the result's {len(result.ids)}", field="style.rows")
+            groups.setdefault((len(result.ids[k]), result.starts[k], result.tokens[k]), []).append(k)
+        out, stats, t0 = {}, DecodeStats(), time.perf_counter()
+        for (length, start, tokens), members in groups.items():
+            self._fits(len(head) + length, "style.instruction")
+            region = np.zeros(len(head) + length, dtype=bool)
+            region[len(head) + start: len(head) + start + tokens] = True
+            cap = max(1, (self.max_rows or len(members) * style.groups) // style.groups)  # a text's groups are rows of one call
+            for i in range(0, len(members), cap):
+                piece = members[i:i + cap]
+                x = np.array([np.concatenate([np.asarray(head, dtype=np.int64), result.ids[k]]) for k in piece])
+                styled, part = restyle(self, x, region, m.mask_id, edit_threshold=style.edit_threshold, rounds=style.rounds,
+                                       groups=style.groups, cache=style.cache)  # fmt: skip
+                stats.merge(part)
+                out.update({k: styled[j, len(head):] for j, k in enumerate(piece)})
+        return self._result([out[k] for k in rows], [result.starts[k] for k in rows], stats, time.perf_counter() - t0, stop)
 
     def line_span(self, result: "TextResult", row: int, lines: tuple[int, int]) -> tuple[int, int]:
         """The continuation's tokens (a, b) that write any character of its lines ``lines``

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from ..config.text import TextRunConfig
 from ..errors import QueueFullError, ShuttingDownError, TooLargeError
 from ..metrics import Metrics
-from ..pipeline.text_pipeline import Decoding, Row, TextPipeline, TextResult
+from ..pipeline.text_pipeline import Decoding, Row, Style, TextPipeline, TextResult
 
 
 class TextService:
@@ -65,30 +65,30 @@ class TextService:
                 raise QueueFullError(f"{self._admitted} requests in flight (serve.queue_limit {s.queue_limit}); retry shortly")
             self._admitted += 1
 
-    async def complete(self, prompt: str, max_tokens: int, rows: Sequence[Row], decoding: Decoding,
-                       stop: Sequence[str] = ()) -> TextResult:  # fmt: skip
-        """``rows`` continuations of ``prompt`` as one batch on the engine thread."""
-        self._admit(len(rows), prompt)
+    async def _on_engine(self, rows: int, prompt: str, operation):
+        """``operation()`` on the engine thread, admitted as a request of ``rows`` rows."""
+        self._admit(rows, prompt)
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._engine, lambda: self.pipe.complete(prompt, max_tokens, decoding=decoding,
-                                                                                         stop=stop, rows=rows))  # fmt: skip
+            return await asyncio.get_running_loop().run_in_executor(self._engine, operation)
         finally:
             with self._lock:
                 self._admitted -= 1
+
+    async def complete(self, prompt: str, max_tokens: int, rows: Sequence[Row], decoding: Decoding,
+                       stop: Sequence[str] = ()) -> TextResult:  # fmt: skip
+        """``rows`` continuations of ``prompt`` as one batch on the engine thread."""
+        return await self._on_engine(len(rows), prompt, lambda: self.pipe.complete(prompt, max_tokens, decoding=decoding, stop=stop,
+                                                                                    rows=rows))  # fmt: skip
 
     async def span_edit(self, result: TextResult, row: int, span: tuple[int, int], decoding: Decoding, seeds: Sequence[int],
                         temperature: float, stop: Sequence[str] = ()) -> TextResult:  # fmt: skip
         """Row ``row`` of ``result`` with its continuation's tokens ``span`` decoded again, one row a
         seed, as one batch on the engine thread (everything outside the span kept)."""
-        self._admit(len(seeds), "")
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._engine, lambda: self.pipe.span_edit(result, row, span, decoding, seeds,
-                                                                                          temperature, stop))  # fmt: skip
-        finally:
-            with self._lock:
-                self._admitted -= 1
+        return await self._on_engine(len(seeds), "", lambda: self.pipe.span_edit(result, row, span, decoding, seeds, temperature, stop))
+
+    async def style_pass(self, result: TextResult, style: Style, stop: Sequence[str] = ()) -> TextResult:
+        """Every row of ``result`` made consistent by token-to-token editing (``style``), one batch on the engine thread."""
+        return await self._on_engine(len(result.ids), style.instruction or "", lambda: self.pipe.style_pass(result, style, stop=stop))
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()

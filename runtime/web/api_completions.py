@@ -7,7 +7,8 @@ The ``n`` continuations are one batch of the decoding loop (their prompt's K/V s
 diffusion model decodes blocks, not one token at a time: with ``stream`` each choice is sent as
 one event when the batch ends, then OpenAI's closing events and ``[DONE]`` (the SDK's stream
 reads them as any other). The decoding's own settings may be given beside OpenAI's fields
-(``threshold``, ``block_length``, ``cache``, ``edit_threshold``), the config's otherwise.
+(``threshold``, ``block_length``, ``cache``, ``edit_threshold``), the config's otherwise; ``style``
+runs a style pass over every finished continuation before they are sent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import APIRouter, Depends, Request as HttpRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..pipeline.text_pipeline import Decoding, Row
+from ..pipeline.text_pipeline import Decoding, Row, Style
 from ..serving.text_service import TextService
 from .api import errors
 
@@ -33,6 +34,16 @@ def text_service_of(request: HttpRequest) -> TextService:
 
 
 TextServiceDep = Annotated[TextService, Depends(text_service_of)]
+
+
+class StyleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    edit_threshold: float = Field(0.9, gt=0.0, le=1.0, description="A token the model, reading it masked, predicts otherwise with p >= this is replaced.")
+    rounds: int = Field(2, ge=1, le=64, description="Rounds of the pass at most (one that changes nothing ends it).")
+    groups: int = Field(4, ge=1, le=64, description="Masked copies of a text a round, one batch.")
+    cache: Literal["none", "prefix"] = "prefix"
+    instruction: Optional[str] = Field(None, max_length=1000, description="A line put before each text while the pass runs.")
 
 
 class CompletionRequest(BaseModel):
@@ -50,6 +61,7 @@ class CompletionRequest(BaseModel):
     block_length: Optional[int] = Field(None, ge=1, le=4096, description="edit-rt: the tokens of a block.")
     cache: Optional[Literal["none", "prefix", "dual"]] = Field(None, description="edit-rt: the K/V reused within a block.")
     edit_threshold: Optional[float] = Field(None, gt=0.0, le=1.0, description="edit-rt: token-to-token editing's threshold.")
+    style: Optional[StyleRequest] = Field(None, description="edit-rt: a style pass over every finished continuation (one batch).")
 
 
 def _choices(result) -> list[dict]:
@@ -78,6 +90,8 @@ async def completions(body: CompletionRequest, service: TextServiceDep):
     seed = body.seed or 0
     rows = [Row(seed + k) for k in range(body.n)]
     result = await service.complete(body.prompt, body.max_tokens, rows, decoding, stop)
+    if body.style is not None:
+        result = await service.style_pass(result, Style(**body.style.model_dump()), stop)
     ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": ident, "object": "text_completion", "created": created, "model": service.model_name}
     prompt_tokens = len(service.encode(body.prompt))
