@@ -242,6 +242,32 @@ def test_a_style_pass_reads_every_token_again_masked_and_keeps_the_prompt(text_m
             pipe.style_pass(pipe.complete(PROMPT, 4))
 
 
+def test_streamed_texts_are_prefixes_of_the_final_ones_block_by_block(text_models):
+    """``on_text`` (the stream of /v1/completions): a masked-diffusion call reports each row as its
+    blocks finish, an autoregressive one token by token; every text reported is a prefix of the
+    row's final text, with stop strings that may begin at a block's end; what it raises ends the call."""
+    for kind, expect_calls in (("mdm", 4), ("ar", 16)):
+        with TextPipeline(text_models[kind] / "onnx") as pipe:
+            free = pipe.complete(PROMPT, 16, n=2, decoding=Decoding(block_length=4, threshold=0.3, temperature=1.0))
+            stops = [free.texts[0][5:9], free.texts[1][-3:]]  # inside the texts: the stream must not pass them
+            seen: dict = {0: [], 1: []}
+            done = pipe.complete(PROMPT, 16, n=2, decoding=Decoding(block_length=4, threshold=0.3, temperature=1.0), stop=stops,
+                                 on_text=lambda k, text: seen[k].append(text))  # fmt: skip
+            for k in (0, 1):
+                assert seen[k] and all(done.texts[k].startswith(t) for t in seen[k]), (kind, seen[k], done.texts[k])
+                assert all(len(a) < len(b) for a, b in zip(seen[k], seen[k][1:]))
+                assert len(seen[k]) <= expect_calls
+            calls = []
+
+            def leave(k, text):
+                calls.append(pipe)
+                raise KeyboardInterrupt
+
+            with pytest.raises(KeyboardInterrupt):
+                pipe.complete(PROMPT, 16, decoding=Decoding(block_length=4, threshold=0.3, temperature=1.0), on_text=leave)
+            assert len(calls) == 1
+
+
 def test_batched_rows_equal_each_row_alone(text_models):
     with TextPipeline(text_models["mdm"] / "onnx") as pipe:
         decoding = Decoding(block_length=8, threshold=0.3, edit_threshold=0.7, cache="prefix", temperature=0.9)
@@ -413,13 +439,18 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
         cut = client.completions.create(model="model", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                         extra_body={"threshold": 0.0, "cache": "none"})  # fmt: skip
         assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
-        streamed = {}
+        streamed, events, reasons = {}, 0, {}
         for chunk in client.completions.create(model="model", prompt=PROMPT, n=2, max_tokens=12, temperature=0.9, seed=5,
-                                               stream=True):  # fmt: skip
+                                               stream=True, extra_body={"block_length": 4}):  # fmt: skip
             for c in chunk.choices:
                 streamed[c.index] = streamed.get(c.index, "") + c.text
-        sampled = client.completions.create(model="model", prompt=PROMPT, n=2, max_tokens=12, temperature=0.9, seed=5)
+                events += bool(c.text)
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        sampled = client.completions.create(model="model", prompt=PROMPT, n=2, max_tokens=12, temperature=0.9, seed=5,
+                                            extra_body={"block_length": 4})  # fmt: skip
         assert streamed == {c.index: c.text for c in sampled.choices}  # the same seeds: the same texts, streamed or not
+        assert reasons == {c.index: c.finish_reason for c in sampled.choices}
+        assert events > 2  # block by block (three blocks of 4), not one event a choice
         with pytest.raises(openai.APIStatusError) as too_many:
             client.completions.create(model="model", prompt=PROMPT, n=5, max_tokens=4)
         assert too_many.value.status_code == 413 and "max_edits_per_request" in str(too_many.value)

@@ -38,7 +38,7 @@ so a row's tokens are the same alone or in a batch (to the graphs' float32 batch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -156,12 +156,15 @@ class _Forward:
 def decode_masked(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int, *, block_length: Optional[int] = None,
                   steps: Optional[int] = None, threshold: Optional[float] = None, edit_threshold: Optional[float] = None,
                   edit_rounds: int = 1, cache: str = "none", temperature: float | Sequence[float] = 0.0,
-                  seeds: Optional[Sequence[int]] = None, stop_id: Optional[int] = None) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
+                  seeds: Optional[Sequence[int]] = None, stop_id: Optional[int] = None,
+                  on_block: Optional[Callable[[np.ndarray, int], None]] = None) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
     """Decode ``x`` [N, L] (int64, ``mask_id`` where unknown) over ``region`` (bool [L]): the
     rows with every masked position of the region filled. Exactly one of ``steps`` (LLaDA's
     schedule, over every block) and ``threshold`` (parallel decoding). ``temperature``: every
     row's, or each row's. ``stop_id``: once every row holds it in a finished block, later blocks
-    are not decoded (left masked)."""
+    are not decoded (left masked). ``on_block(x, end)``: called as each block is done, ``x``'s
+    positions before ``end`` final (a later block never changes them); what it raises ends the
+    decoding."""
     if (steps is None) == (threshold is None):
         raise ValueError("decode_masked: give steps (a fixed schedule) or threshold (parallel decoding), one of them")
     if cache not in CACHE_MODES:
@@ -208,6 +211,8 @@ def decode_masked(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id
             if not masked.any() and not edits.any():
                 break
         done = np.flatnonzero(region)[: np.searchsorted(np.flatnonzero(region), block[-1]) + 1]
+        if on_block is not None:
+            on_block(x, int(block[-1]) + 1)
         if stop_id is not None and (x[:, done] == stop_id).any(1).all():
             break
     return x, stats
@@ -270,9 +275,11 @@ def restyle(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int,
 
 def decode_autoregressive(graphs: TextGraphs, prompt: np.ndarray, max_tokens: int, eos_id: int, *,
                           temperature: float | Sequence[float] = 0.0, seeds: Optional[Sequence[int]] = None,
-                          rows: int = 1) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
+                          rows: int = 1, on_token: Optional[Callable[[np.ndarray], None]] = None) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
     """``rows`` continuations of ``prompt`` (int64 [P], one text), each up to ``max_tokens`` ids
-    (the end-of-text id written, then nothing); returns [rows, max_tokens] (``eos_id`` after a row's end)."""
+    (the end-of-text id written, then nothing); returns [rows, max_tokens] (``eos_id`` after a row's
+    end). ``on_token(out)``: called with the tokens so far [rows, t] as each step is done; what it
+    raises ends the decoding."""
     prompt = np.asarray(prompt, dtype=np.int64)
     rngs = [np.random.default_rng(s) for s in (seeds if seeds is not None else range(rows))]
     temperatures = [float(temperature)] * rows if np.isscalar(temperature) else [float(t) for t in temperature]
@@ -289,6 +296,8 @@ def decode_autoregressive(graphs: TextGraphs, prompt: np.ndarray, max_tokens: in
         out[:, t] = tokens
         stats.decoded += int((~done).sum())
         done |= tokens == eos_id
+        if on_token is not None:
+            on_token(out[:, : t + 1])
         if done.all() or t == max_tokens - 1:
             break
         logits, kv = graphs.cached(tokens[:, None], np.array([len(prompt) + t]), past)

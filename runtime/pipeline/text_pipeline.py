@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -189,11 +189,13 @@ class TextPipeline:
 
     def complete(self, prompt: str, max_tokens: int, n: int = 1, decoding: Decoding = Decoding(),
                  seeds: Optional[Sequence[int]] = None, stop: Sequence[str] = (),
-                 rows: Optional[Sequence[Row]] = None) -> TextResult:  # fmt: skip
+                 rows: Optional[Sequence[Row]] = None, on_text: Optional[Callable[[int, str], None]] = None) -> TextResult:  # fmt: skip
         """Continuations of ``prompt``, each up to ``max_tokens`` tokens: ``n`` rows (seeds 0..n-1,
         or ``seeds``) or ``rows``, each with its seed, temperature and instruction line. Rows whose
         texts are as long (in tokens) run as one batch; rows of one text share its first step and
-        its cache."""
+        its cache. ``on_text(row, text)``: row ``row``'s text so far, as each block (autoregressive:
+        each token) is done, always a prefix of the text it ends with (streaming); what it raises
+        ends the call."""
         decoding = decoding.check()
         if rows is None:
             rows = [Row(seed) for seed in (seeds if seeds is not None else range(n))]
@@ -218,29 +220,37 @@ class TextPipeline:
         for members in pieces:
             prompts = np.array([encoded[k] for k in members])
             temps = [decoding.temperature if rows[k].temperature is None else rows[k].temperature for k in members]
-            ids, part = self._decode(prompts, max_tokens, decoding, [rows[k].seed for k in members], temps)
+            progress = None if on_text is None else _Progress(self, members, prompts.shape[1], stop, on_text)
+            ids, part = self._decode(prompts, max_tokens, decoding, [rows[k].seed for k in members], temps, progress)
             stats.merge(part)
             for j, k in enumerate(members):
                 out[k] = ids[j]
         return self._result(out, [len(e) for e in encoded], stats, time.perf_counter() - t0, stop)
 
     def _decode(self, prompts: np.ndarray, max_tokens: int, decoding: Decoding, seeds: list[int],
-                temperatures: list[float]) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
+                temperatures: list[float], progress: Optional["_Progress"] = None) -> tuple[np.ndarray, DecodeStats]:  # fmt: skip
         m, n = self.manifest, len(prompts)
         if m.causal:
             if n > 1 and not (prompts == prompts[:1]).all():  # the loop shares one prompt: rows of several run apart
-                parts = [self._decode(prompts[k:k + 1], max_tokens, decoding, seeds[k:k + 1], temperatures[k:k + 1]) for k in range(n)]
+                alone = lambda k: None if progress is None else _Progress(self, progress.members[k:k + 1], progress.start, progress.stop,
+                                                                          progress.on_text)  # noqa: E731
+                parts = [self._decode(prompts[k:k + 1], max_tokens, decoding, seeds[k:k + 1], temperatures[k:k + 1], alone(k))
+                         for k in range(n)]  # fmt: skip
                 stats = DecodeStats()
                 for _, part in parts:
                     stats.merge(part)
                 return np.concatenate([ids for ids, _ in parts]), stats
-            out, stats = decode_autoregressive(self, prompts[0], max_tokens, m.eos_id, temperature=temperatures, seeds=seeds, rows=n)
+            def on_token(out: np.ndarray) -> None:  # the continuations so far, after their prompt
+                progress(np.concatenate([prompts, out], axis=1), prompts.shape[1] + out.shape[1])
+
+            out, stats = decode_autoregressive(self, prompts[0], max_tokens, m.eos_id, temperature=temperatures, seeds=seeds, rows=n,
+                                               on_token=None if progress is None else on_token)  # fmt: skip
             return np.concatenate([prompts, out], axis=1), stats
         x = np.concatenate([prompts, np.full((n, max_tokens), m.mask_id)], axis=1)
         region = np.arange(x.shape[1]) >= prompts.shape[1]
         return decode_masked(self, x, region, m.mask_id, block_length=decoding.block_length, steps=decoding.steps,
                              threshold=decoding.threshold, edit_threshold=decoding.edit_threshold, edit_rounds=decoding.edit_rounds,
-                             cache=decoding.cache, temperature=temperatures, seeds=seeds, stop_id=m.eos_id)  # fmt: skip
+                             cache=decoding.cache, temperature=temperatures, seeds=seeds, stop_id=m.eos_id, on_block=progress)  # fmt: skip
 
     def span_edit(self, result: "TextResult", row: int, span: tuple[int, int], decoding: Decoding = Decoding(),
                   seeds: Sequence[int] = (0,), temperature: float = 0.0, stop: Sequence[str] = ()) -> "TextResult":  # fmt: skip
@@ -334,18 +344,43 @@ class TextPipeline:
 
     def _result(self, ids: list, starts: list[int], stats: DecodeStats, seconds: float, stop: Sequence[str]) -> TextResult:
         texts, reasons, tokens = [], [], []
-        m = self.manifest
         for row, start in zip(ids, starts):
-            region = [int(t) for t in row[start:]]
-            ended = m.eos_id in region or m.mask_id in region
-            if ended:
-                cut = min(region.index(t) for t in (m.eos_id, m.mask_id) if t in region)
-                region = region[:cut]
-            text = self.decode(region)
-            hits = [text.index(s) for s in stop if s and s in text]
-            if hits:
-                text, ended = text[: min(hits)], True
+            text, ended, count = self._cut(row[start:], stop)
             texts.append(text)
             reasons.append("stop" if ended else "length")
-            tokens.append(len(region))
+            tokens.append(count)
         return TextResult(ids, starts, texts, reasons, stats, seconds, tokens)
+
+    def _cut(self, continuation, stop: Sequence[str]) -> tuple[str, bool, int]:
+        """A continuation's text up to its end (the end-of-text id, a mask left, a stop string),
+        whether it ended, and its tokens before the end-of-text id."""
+        m = self.manifest
+        region = [int(t) for t in continuation]
+        ended = m.eos_id in region or m.mask_id in region
+        if ended:
+            region = region[: min(region.index(t) for t in (m.eos_id, m.mask_id) if t in region)]
+        text = self.decode(region)
+        hits = [text.index(s) for s in stop if s and s in text]
+        if hits:
+            text, ended = text[: min(hits)], True
+        return text, ended, len(region)
+
+
+class _Progress:
+    """A call's ``on_text(row, text)``: each row's text so far as blocks (or, autoregressive,
+    tokens) finish, only ever a prefix of its final text: held back by a stop string's length less
+    one (a stop may begin there) and by a character whose bytes are not all written yet."""
+
+    def __init__(self, pipe: TextPipeline, members: list[int], start: int, stop: Sequence[str], on_text: Callable[[int, str], None]):
+        self.pipe, self.members, self.start, self.stop, self.on_text = pipe, members, start, stop, on_text
+        self.hold = max((len(s) for s in stop if s), default=1) - 1
+        self.sent = {k: 0 for k in members}
+
+    def __call__(self, ids: np.ndarray, end: int) -> None:
+        for j, k in enumerate(self.members):
+            text, ended, _ = self.pipe._cut(ids[j, self.start:end], self.stop)
+            if not ended:
+                text = text[: len(text) - self.hold].rstrip("\ufffd")
+            if len(text) > self.sent[k]:
+                self.sent[k] = len(text)
+                self.on_text(k, text)

@@ -21,6 +21,10 @@ from ..metrics import Metrics
 from ..pipeline.text_pipeline import Decoding, Row, Style, TextPipeline, TextResult
 
 
+class _Left(Exception):
+    """A streamed request's client left: its decoding ends at the next block."""
+
+
 class TextService:
     def __init__(self, cfg: TextRunConfig):
         self.cfg = cfg
@@ -79,6 +83,40 @@ class TextService:
         """``rows`` continuations of ``prompt`` as one batch on the engine thread."""
         return await self._on_engine(len(rows), prompt, lambda: self.pipe.complete(prompt, max_tokens, decoding=decoding, stop=stop,
                                                                                     rows=rows))  # fmt: skip
+
+    async def stream(self, prompt: str, max_tokens: int, rows: Sequence[Row], decoding: Decoding, stop: Sequence[str] = ()):
+        """``complete`` as it decodes: yields ``(row, text so far)`` as each block (autoregressive:
+        token) is done, each text a prefix of the row's final one, then the :class:`TextResult`.
+        Admitted before the first item (a refusal is raised here, not in the stream); a refusal of
+        the pipeline's (a prompt too long) comes before any text. Closing the generator (the client
+        left) ends the decoding at its next block."""
+        self._admit(len(rows), prompt)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        left = threading.Event()
+
+        def on_text(row: int, text: str) -> None:  # on the engine thread
+            if left.is_set():
+                raise _Left()
+            loop.call_soon_threadsafe(queue.put_nowait, (row, text))
+
+        def work() -> TextResult:
+            try:
+                return self.pipe.complete(prompt, max_tokens, decoding=decoding, stop=stop, rows=rows, on_text=on_text)
+            finally:
+                with self._lock:
+                    self._admitted -= 1
+
+        future = loop.run_in_executor(self._engine, work)
+        future.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+            yield await future
+        finally:
+            left.set()
+            if not future.done():  # the client left: the decoding stops at its next block; its _Left is not an error
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def span_edit(self, result: TextResult, row: int, span: tuple[int, int], decoding: Decoding, seeds: Sequence[int],
                         temperature: float, stop: Sequence[str] = ()) -> TextResult:  # fmt: skip

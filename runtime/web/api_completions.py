@@ -3,10 +3,12 @@
 the server `edit-rt serve` starts for a text config (server.py ``create_text_app``), behind the
 image server's gate, body limits and error bodies.
 
-The ``n`` continuations are one batch of the decoding loop (their prompt's K/V shared). A masked
-diffusion model decodes blocks, not one token at a time: with ``stream`` each choice is sent as
-one event when the batch ends, then OpenAI's closing events and ``[DONE]`` (the SDK's stream
-reads them as any other). The decoding's own settings may be given beside OpenAI's fields
+The ``n`` continuations are one batch of the decoding loop (their prompt's K/V shared). With
+``stream``, each choice's text is sent as the decoding finishes it: a masked-diffusion model's
+block by block (a block's tokens are final once it is done), an autoregressive model's token by
+token, each event a choice's new text (held back while a stop string may be starting), then
+OpenAI's closing events with each ``finish_reason`` and ``[DONE]``. A client that leaves ends
+its decoding at the next block. The decoding's own settings may be given beside OpenAI's fields
 (``threshold``, ``block_length``, ``cache``, ``edit_threshold``), the config's otherwise; ``style``
 runs a style pass over every finished continuation before they are sent.
 """
@@ -89,21 +91,52 @@ async def completions(body: CompletionRequest, service: TextServiceDep):
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed or 0
     rows = [Row(seed + k) for k in range(body.n)]
-    result = await service.complete(body.prompt, body.max_tokens, rows, decoding, stop)
-    if body.style is not None:
-        result = await service.style_pass(result, Style(**body.style.model_dump()), stop)
     ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": ident, "object": "text_completion", "created": created, "model": service.model_name}
     prompt_tokens = len(service.encode(body.prompt))
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(result.tokens), "total_tokens": prompt_tokens + sum(result.tokens)}
-    if not body.stream:
-        return {**head, "choices": _choices(result), "usage": usage}
+    if not body.stream or body.style is not None:  # a style pass reads whole texts: it streams as one event a choice
+        result = await service.complete(body.prompt, body.max_tokens, rows, decoding, stop)
+        if body.style is not None:
+            result = await service.style_pass(result, Style(**body.style.model_dump()), stop)
+        if not body.stream:
+            return {**head, "choices": _choices(result), "usage": _usage(prompt_tokens, result)}
+        progress = _whole(result)
+    else:
+        progress = service.stream(body.prompt, body.max_tokens, rows, decoding, stop)
+    first = await progress.__anext__()  # a refusal is an error answer, not a broken stream
 
-    def events():
-        for choice in _choices(result):
-            yield f"data: {json.dumps({**head, 'choices': [{**choice, 'finish_reason': None}]})}\n\n"
-        for choice in _choices(result):
-            yield f"data: {json.dumps({**head, 'choices': [{**choice, 'text': ''}]})}\n\n"
-        yield "data: [DONE]\n\n"
+    async def events():
+        sent = [""] * body.n
+        item = first
+        try:
+            while not hasattr(item, "texts"):  # (row, text so far) until the result
+                k, text = item
+                yield _event(head, k, text[len(sent[k]):], None)
+                sent[k] = text
+                item = await progress.__anext__()
+            for k, text in enumerate(item.texts):  # what the last block added (held back or ended)
+                if text[len(sent[k]):]:
+                    yield _event(head, k, text[len(sent[k]):], None)
+            for choice in _choices(item):
+                yield _event(head, choice["index"], "", choice["finish_reason"])
+            yield "data: [DONE]\n\n"
+        finally:
+            await progress.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _usage(prompt_tokens: int, result) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(result.tokens), "total_tokens": prompt_tokens + sum(result.tokens)}
+
+
+def _event(head: dict, index: int, text: str, finish_reason: Optional[str]) -> str:
+    choice = {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+    return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+
+async def _whole(result):
+    """A finished result as a stream of one text a choice."""
+    for k, text in enumerate(result.texts):
+        yield k, text
+    yield result
