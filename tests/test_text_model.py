@@ -460,6 +460,21 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
         with pytest.raises(openai.BadRequestError) as long:
             client.completions.create(model="model", prompt=PROMPT, max_tokens=SPEC.max_len)
         assert "max_tokens" in str(long.value)
+        # edit-rt's span edit door: the client's completion, its first line decoded again 3 ways
+        import httpx
+
+        url = f"http://127.0.0.1:{port}/v1/text/edits"
+        sent = {"prompt": PROMPT, "completion": expected, "lines": [0, 1], "n": 3, "seed": 2, "threshold": 0.5, "cache": "dual"}
+        edits = httpx.post(url, json=sent, timeout=60).json()
+        a, b = edits["span_tokens"]
+        ids = tokenizer.encode(expected).ids
+        before, after = tokenizer.decode(ids[:a]), tokenizer.decode(ids[b:])
+        texts = [c["text"] for c in edits["choices"]]
+        assert all(t.startswith(before) and t.endswith(after) for t in texts) and len(set(texts)) > 1, (texts, before, after)
+        for wrong, field in (({"chars": [0, 2]}, "lines / chars"), ({"lines": None, "chars": [9000, 9001]}, "chars"),
+                             ({"n": 5}, "max_edits_per_request"), ({"lines": None}, "no span and no style")):  # fmt: skip
+            answer = httpx.post(url, json={**sent, **wrong}, timeout=60)
+            assert answer.status_code in (400, 413) and field in answer.text, (wrong, answer.text)
     finally:
         terminate(proc, 30)
 

@@ -7,6 +7,8 @@ Every decoding runs the same tasks one at a time (batch 1) in this process, on t
 - ``ar``: the autoregressive model, greedy, with its K/V cache;
 - ``mdm one per step``: the diffusion model decoding one token a step (LLaDA's schedule, steps =
   tokens), the cache off: the quality every faster decoding is held to (within ``--tolerance``);
+- ``mdm <k> per step <cache>``: LLaDA's fixed schedule at k tokens a step (``--per-step``), the
+  cache off, prefix or dual;
 - ``mdm t=<threshold> <cache>``: parallel decoding at each threshold, the cache off, prefix or
   dual, and with token-to-token editing (``edit``).
 
@@ -14,12 +16,13 @@ For each: the share of function bodies that parse, next-line exact matches, toke
 (decoded tokens over graph calls, per row), tokens per second (decoded tokens over wall seconds),
 and against the cache-off decoding at the same threshold the share of tokens it changed (the
 error of reusing K/V). Then the batch and edit figures on the body tasks' prompts, at the fastest
-threshold within the tolerance:
+decoding within the tolerance:
 
 - N = 8 continuations of one prefix as one batch (their prefix's K/V shared) against the same
   8 run one by one;
 - a span edit of 10% of a completion (re-masked and decoded, the dual cache: everything outside
-  kept) against generating the completion again.
+  kept) against generating the completion again;
+- what one graph call costs here (:func:`call_costs`): the bounds those figures meet on this machine.
 
 Writes ``bench_text.json`` under ``--out`` and prints a table.
 """
@@ -75,11 +78,16 @@ def _changed(ids, reference) -> float:
 
 
 def batch_and_edit(pipe: TextPipeline, decoding: Decoding, prompts: list[str], n: int = 8) -> dict:
-    """N continuations as one batch against one by one; a 10% span edit against generating again."""
+    """N continuations as one batch against one by one; a 10% span edit against generating again.
+    ``decoding``: a threshold, or a fixed schedule's tokens a step in ``steps`` (as the runs above)."""
     batched, alone, edit, regen = [], [], [], []
     seeds = list(range(n))
-    sampling = Decoding(decoding.block_length, decoding.threshold, None, decoding.edit_threshold, decoding.edit_rounds,
-                        decoding.cache, temperature=0.8)  # fmt: skip
+    width = max(1, round(0.1 * BODY_TOKENS))
+    per_step = decoding.steps
+    span_decoding = decoding if per_step is None else dataclasses.replace(decoding, steps=max(1, width // per_step))
+    if per_step is not None:
+        decoding = dataclasses.replace(decoding, steps=max(1, BODY_TOKENS // per_step))
+    sampling = dataclasses.replace(decoding, temperature=0.8)
     for prompt in prompts:
         t0 = time.perf_counter()
         pipe.complete(prompt, BODY_TOKENS, n=n, decoding=sampling, seeds=seeds)
@@ -91,13 +99,12 @@ def batch_and_edit(pipe: TextPipeline, decoding: Decoding, prompts: list[str], n
         t0 = time.perf_counter()
         base = pipe.complete(prompt, BODY_TOKENS, decoding=decoding)
         regen.append(time.perf_counter() - t0)
-        width = max(1, round(0.1 * BODY_TOKENS))
         if base.tokens[0] < 2 * width:  # ended almost at once: no 10% span to edit
             regen.pop()
             continue
         a = min(BODY_TOKENS // 2, base.tokens[0] - width)
         t0 = time.perf_counter()
-        pipe.span_edit(base, 0, (a, a + width), dataclasses.replace(decoding, cache="dual"), seeds=[1])
+        pipe.span_edit(base, 0, (a, a + width), dataclasses.replace(span_decoding, cache="dual"), seeds=[1])
         edit.append(time.perf_counter() - t0)
     return {"n": n, "batched_s": float(np.sum(batched)), "one_by_one_s": float(np.sum(alone)),
             "batch_speedup": float(np.sum(alone) / np.sum(batched)), "span_fraction": 0.1,
@@ -105,8 +112,37 @@ def batch_and_edit(pipe: TextPipeline, decoding: Decoding, prompts: list[str], n
             "span_edit_cost": float(np.sum(edit) / np.sum(regen)), "prompts": len(prompts)}  # fmt: skip
 
 
+def call_costs(ar: TextPipeline, mdm: TextPipeline, prompt: int = 150, block: int = 32, n: int = 8, repeats: int = 20) -> dict:
+    """What one graph call costs here, at the bench's shapes (a 150-token prompt, a 32-token block):
+    the autoregressive model's step (one token over its cache), the diffusion model's dual-cache
+    step at 1 and ``n`` rows and its full pass. From them, the tokens a diffusion call must decode
+    to give 2x the autoregressive tokens/s, and the most ``n`` rows a call can gain over ``n``
+    calls of one row on this machine (``n`` x the one-row call over the ``n``-row call)."""
+    rng = np.random.default_rng(0)
+    m = mdm.manifest
+
+    def timed(call) -> float:
+        for _ in range(3):
+            call()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return (time.perf_counter() - t0) / repeats * 1000
+
+    past = lambda rows, p: rng.standard_normal((m.layers, 2, rows, m.heads, p, m.head_dim)).astype(np.float32)  # noqa: E731
+    ids = lambda rows, length: rng.integers(3, m.vocab_size, (rows, length))  # noqa: E731
+    ar_past, one, many = past(1, prompt), past(1, prompt + BODY_TOKENS - block), ids(n, block)
+    query = np.arange(prompt, prompt + block)
+    ms = {"ar_step": timed(lambda: ar.cached(ids(1, 1), np.array([prompt]), ar_past)),
+          "mdm_dual_step_1_row": timed(lambda: mdm.cached(many[:1], query, one)),
+          f"mdm_dual_step_{n}_rows": timed(lambda: mdm.cached(many, query, one)),
+          "mdm_full_1_row": timed(lambda: mdm.full(ids(1, prompt + BODY_TOKENS), np.arange(prompt + BODY_TOKENS)))}  # fmt: skip
+    return {"ms": ms, "tokens_per_call_for_2x_ar": 2 * ms["mdm_dual_step_1_row"] / ms["ar_step"],
+            f"batch_ceiling_{n}_rows": n * ms["mdm_dual_step_1_row"] / ms[f"mdm_dual_step_{n}_rows"]}  # fmt: skip
+
+
 def bench(mdm_dir: Path, ar_dir: Path, build: Path, bodies_n: int, lines_n: int, thresholds, threads: int,
-          tolerance: float, say=print) -> dict:  # fmt: skip
+          tolerance: float, per_step=(2, 4), say=print) -> dict:  # fmt: skip
     folders = {kind: export_text(src, build / f"text-{kind}" / "onnx") for kind, src in (("mdm", mdm_dir), ("ar", ar_dir))}
     _, held = split(corpus_files())
     report: dict = {"machine": {"cpus": os.cpu_count(), "threads": threads, "python": platform.python_version()},
@@ -119,17 +155,21 @@ def bench(mdm_dir: Path, ar_dir: Path, build: Path, bodies_n: int, lines_n: int,
         mdm.complete("def f(x):\n", 8, decoding=Decoding(cache="dual"))  # sessions made before timing
         ar.complete("def f(x):\n", 8)
         runs = {"ar": (ar, Decoding(threshold=None, steps=1))}
-        runs["mdm one per step"] = (mdm, Decoding(block_length=32, threshold=None, steps=BODY_TOKENS, cache="none"))
+        for k in (1, *per_step):  # LLaDA's fixed schedule, k tokens a step: steps = budget / k on each task kind
+            name = "mdm one per step" if k == 1 else f"mdm {k} per step"
+            for cache in ("none",) if k == 1 else ("none", "prefix", "dual"):
+                runs[name + ("" if k == 1 else f" {cache}")] = (mdm, Decoding(block_length=32, threshold=None, steps=k, cache=cache))
         for t in thresholds:
             for cache in ("none", "prefix", "dual"):
                 runs[f"mdm t={t} {cache}"] = (mdm, Decoding(block_length=32, threshold=t, cache=cache))
             runs[f"mdm t={t} dual edit"] = (mdm, Decoding(block_length=32, threshold=t, cache="dual", edit_threshold=0.9))
         ids = {}
         for name, (pipe, decoding) in runs.items():
-            if name == "mdm one per step":
-                # one token a step on line tasks too: steps = their budget (the schedule is per call)
-                result = run_decoding(pipe, decoding, bodies, [])
-                lines_result = run_decoding(pipe, Decoding(block_length=32, threshold=None, steps=LINE_TOKENS, cache="none"), [], lines)
+            if pipe is mdm and decoding.steps is not None:
+                # k tokens a step on both task kinds: steps = each kind's budget / k (the schedule is per call)
+                k = decoding.steps
+                result = run_decoding(pipe, dataclasses.replace(decoding, steps=BODY_TOKENS // k), bodies, [])
+                lines_result = run_decoding(pipe, dataclasses.replace(decoding, steps=LINE_TOKENS // k), [], lines)
                 result = _merged(result, lines_result, len(bodies), len(lines))
             else:
                 result = run_decoding(pipe, decoding, bodies, lines)
@@ -140,7 +180,8 @@ def bench(mdm_dir: Path, ar_dir: Path, build: Path, bodies_n: int, lines_n: int,
             say(f"{name:24s} quality {result['quality']:.3f} (parse {result['body_parses']:.3f}, line {result['next_line_exact']:.3f})"
                 f"  {result['tokens_per_forward']:.2f} tok/fwd  {result['tokens_per_s']:.0f} tok/s")  # fmt: skip
         floor = report["decodings"]["mdm one per step"]["quality"] - tolerance
-        within = [(v["tokens_per_s"], k) for k, v in report["decodings"].items() if k.startswith("mdm t=") and v["quality"] >= floor]
+        within = [(v["tokens_per_s"], k) for k, v in report["decodings"].items()
+                  if k.startswith("mdm") and k != "mdm one per step" and v["quality"] >= floor]  # fmt: skip
         best = max(within)[1] if within else "mdm one per step"
         report["fastest_within_tolerance"] = best
         b, a = report["decodings"][best], report["decodings"]["ar"]
@@ -148,9 +189,14 @@ def bench(mdm_dir: Path, ar_dir: Path, build: Path, bodies_n: int, lines_n: int,
                            "quality_mdm": b["quality"], "quality_ar": a["quality"]}  # fmt: skip
         decoding = runs[best][1] if best != "mdm one per step" else Decoding(block_length=32, threshold=0.9, cache="dual")
         report["batch_and_edit"] = batch_and_edit(mdm, decoding, [t.prompt for t in bodies[:8]])
+        report["call_costs"] = call_costs(ar, mdm)
+        costs = report["call_costs"]
         say(f"fastest within {tolerance}: {best}; vs ar {report['vs_ar']['speedup_tokens_per_s']:.2f}x tokens/s; "
             f"8 continuations batched {report['batch_and_edit']['batch_speedup']:.2f}x one by one; "
             f"a 10% span edit {report['batch_and_edit']['span_edit_cost']:.2f}x generating again")  # fmt: skip
+        say(f"calls here: ar step {costs['ms']['ar_step']:.2f} ms, mdm dual step {costs['ms']['mdm_dual_step_1_row']:.2f} ms "
+            f"(2x the ar's tokens/s needs {costs['tokens_per_call_for_2x_ar']:.1f} tokens a call); 8 rows a call gain at most "
+            f"{costs['batch_ceiling_8_rows']:.2f}x over 8 calls")  # fmt: skip
     return report
 
 
@@ -171,11 +217,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench-text"))
     parser.add_argument("--bodies", type=int, default=40)
     parser.add_argument("--lines", type=int, default=60)
-    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.9, 0.7, 0.5])
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.9, 0.7, 0.5, 0.3, 0.1])
+    parser.add_argument("--per-step", type=int, nargs="*", default=[2, 4], help="LLaDA's fixed schedule at these tokens a step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=0.02, help="quality a faster decoding may lose against one token a step")
     args = parser.parse_args()
-    report = bench(args.mdm, args.ar, args.build, args.bodies, args.lines, args.thresholds, args.threads, args.tolerance)
+    report = bench(args.mdm, args.ar, args.build, args.bodies, args.lines, args.thresholds, args.threads, args.tolerance,
+                   args.per_step)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_text.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out / 'bench_text.json'}")

@@ -328,6 +328,31 @@ class TextPipeline:
                 out.update({k: styled[j, len(head):] for j, k in enumerate(piece)})
         return self._result([out[k] for k in rows], [result.starts[k] for k in rows], stats, time.perf_counter() - t0, stop)
 
+    def base_of(self, prompt: str, completion: str) -> "TextResult":
+        """A text a client sends back (its prompt and the completion it was given, edited or not)
+        as a one-row result that span edits and style passes take: the prompt's tokens, then the
+        completion's, each tokenized alone (their boundary kept), then the end-of-text id."""
+        m = self.manifest
+        head, body = self.encode(prompt), self.encode(completion)
+        if not head:
+            raise RequestError("prompt: empty; give the text the completion continues", field="prompt")
+        if not body:
+            raise RequestError("completion: empty; give the text to edit", field="completion")
+        self._fits(len(head) + len(body) + 1, "completion")
+        ids = np.array(head + body + [m.eos_id], dtype=np.int64)
+        return TextResult([ids], [len(head)], [completion], ["stop"], DecodeStats(), 0.0, [len(body)])
+
+    def char_span(self, result: "TextResult", row: int, chars: tuple[int, int]) -> tuple[int, int]:
+        """The continuation's tokens (a, b) that write any of its characters ``chars`` = [a, b)."""
+        start = result.starts[row]
+        pieces = [self.decode([int(t)]) for t in result.ids[row][start: start + result.tokens[row]]]
+        offsets = np.cumsum([0] + [len(p) for p in pieces])
+        a, b = chars
+        inside = [k for k in range(len(pieces)) if offsets[k] < b and offsets[k + 1] > a]
+        if b <= a or not inside:
+            raise RequestError(f"chars: [{a}, {b}] holds none of the completion's {offsets[-1]} characters", field="chars")
+        return inside[0], inside[-1] + 1
+
     def line_span(self, result: "TextResult", row: int, lines: tuple[int, int]) -> tuple[int, int]:
         """The continuation's tokens (a, b) that write any character of its lines ``lines``
         (0 the first line; whole tokens, so a token holding a line break belongs to both lines)."""

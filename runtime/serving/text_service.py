@@ -52,7 +52,8 @@ class TextService:
     def model_name(self) -> str:
         return self.cfg.model.name
 
-    def _admit(self, n: int, prompt: str) -> None:
+    def ready_for(self, prompt: str) -> None:
+        """Refuse ``prompt`` (any text a request sends) when it is too long or the server cannot take work now."""
         s = self.cfg.serve
         if len(prompt) > s.max_prompt_chars:
             raise TooLargeError(f"prompt: {len(prompt)} characters, past serve.max_prompt_chars ({s.max_prompt_chars}); shorten it",
@@ -61,6 +62,10 @@ class TextService:
             raise ShuttingDownError("the server is shutting down; retry on another replica or after its restart")
         if not self.ready.is_set():
             raise ShuttingDownError(f"the model is {'not loaded: ' + self.load_error if self.load_error else 'still loading'}; retry shortly")
+
+    def _admit(self, n: int, prompt: str) -> None:
+        self.ready_for(prompt)
+        s = self.cfg.serve
         if n > s.max_edits_per_request:
             raise TooLargeError(f"n: {n} continuations, past serve.max_edits_per_request ({s.max_edits_per_request}); ask for fewer",
                                 field="n")  # fmt: skip

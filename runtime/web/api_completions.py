@@ -1,5 +1,6 @@
 """OpenAI's completions door for a text model (issue 56): ``POST /v1/completions`` (``prompt``,
-``n``, ``max_tokens``, ``stop``, ``temperature``, ``seed``, ``stream``) and ``GET /v1/models``, on
+``n``, ``max_tokens``, ``stop``, ``temperature``, ``seed``, ``stream``) and ``GET /v1/models``, with
+edit-rt's ``POST /v1/text/edits`` (a span of a completion decoded again n ways, or a style pass), on
 the server `edit-rt serve` starts for a text config (server.py ``create_text_app``), behind the
 image server's gate, body limits and error bodies.
 
@@ -124,6 +125,63 @@ async def completions(body: CompletionRequest, service: TextServiceDep):
             await progress.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class TextEditRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = Field(None, description="The served model's name; any other is refused.")
+    prompt: str = Field(min_length=1, description="The text the completion continues (kept exactly).")
+    completion: str = Field(min_length=1, description="The completion to edit, as the client holds it.")
+    lines: Optional[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
+        None, description="The completion's lines [a, b) to decode again (0 the first).")
+    chars: Optional[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
+        None, description="The completion's characters [a, b) to decode again (whole tokens).")
+    n: int = Field(1, ge=1, description="Edits of the span, one batch (at most serve.max_edits_per_request).")
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="Edit k samples with seed + k (default 0).")
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=4)]]] = None
+    threshold: Optional[float] = Field(None, ge=0.0, le=1.0)
+    cache: Optional[Literal["none", "prefix", "dual"]] = None
+    edit_threshold: Optional[float] = Field(None, gt=0.0, le=1.0)
+    style: Optional[StyleRequest] = Field(None, description="A style pass over each text (after the span's edit, if any).")
+
+
+@router.post("/v1/text/edits", responses=errors(400, 401, 413, 429, 503),
+             summary="Decode a span of a completion again, n ways as one batch, every character outside it kept")  # fmt: skip
+async def text_edits(body: TextEditRequest, service: TextServiceDep):
+    """edit-rt's own door (OpenAI's edits endpoint is retired): the client sends a prompt and the
+    completion it holds, and a span of it (``lines`` or ``chars``); the span's tokens are masked
+    and decoded again as ``n`` rows of one batch, the text outside them kept exactly; or a
+    ``style`` pass over the whole completion. Stateless: nothing is kept between requests."""
+    from ..errors import RequestError
+
+    if body.model is not None and body.model != service.model_name:
+        raise RequestError(f"model: {body.model!r} is not served here; this server serves {service.model_name!r}", field="model",
+                           code="model_not_found")  # fmt: skip
+    if body.lines is not None and body.chars is not None:
+        raise RequestError("lines / chars: give one span, lines: [a, b] or chars: [a, b]", field="lines")
+    if body.lines is None and body.chars is None and body.style is None:
+        raise RequestError("lines: no span and no style; give lines: [a, b], chars: [a, b] or style", field="lines")
+    service.ready_for(body.prompt + body.completion)  # before tokenizing them
+    pipe = service.pipe
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    base = pipe.base_of(body.prompt, body.completion)
+    result = base
+    span = None
+    if body.lines is not None or body.chars is not None:
+        span = pipe.line_span(base, 0, tuple(body.lines)) if body.lines is not None else pipe.char_span(base, 0, tuple(body.chars))
+        decoding = Decoding.of(service.cfg.text, threshold=body.threshold, cache=body.cache, edit_threshold=body.edit_threshold)
+        seeds = [(body.seed or 0) + k for k in range(body.n)]
+        result = await service.span_edit(base, 0, span, decoding, seeds, body.temperature, stop)
+    elif body.n != 1:
+        raise RequestError("n: a style pass alone makes one text (it samples nothing); ask for n = 1, or give a span", field="n")
+    if body.style is not None:
+        result = await service.style_pass(result, Style(**body.style.model_dump()), stop)
+    prompt_tokens = len(service.encode(body.prompt))
+    return {"id": f"edit-{uuid.uuid4().hex[:24]}", "object": "text_edit", "created": int(time.time()), "model": service.model_name,
+            "span_tokens": list(span) if span is not None else None, "choices": _choices(result),
+            "usage": _usage(prompt_tokens, result)}  # fmt: skip
 
 
 def _usage(prompt_tokens: int, result) -> dict:
