@@ -481,7 +481,7 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
 
 def test_the_python_api_completes_edits_and_refuses_as_the_server_does(tmp_path, text_models):
     from edit_rt.runtime.apps.text_editor import TextEditor
-    from edit_rt.runtime.errors import TooLargeError
+    from edit_rt.runtime.errors import RequestError, TooLargeError
 
     from .cli_in_process import edit_rt
 
@@ -505,6 +505,15 @@ def test_the_python_api_completes_edits_and_refuses_as_the_server_does(tmp_path,
         with pytest.raises(TooLargeError) as refused:
             ed.complete(PROMPT, n=65)
         assert refused.value.field == "n"
+        styled = ed.style(done, edit_threshold=0.004, rounds=1, groups=2, cache="none")  # the PyTorch loop's, as above
+        for k in range(2):
+            region = torch.arange(len(done.ids[k])) >= len(prompt)
+            region &= torch.arange(len(done.ids[k])) < len(prompt) + done.tokens[k]
+            expected = style_reference(model, torch.tensor(done.ids[k][None]), region, 0.004, 1, 2)[0].numpy()
+            np.testing.assert_array_equal(styled.ids[k], expected)
+        with pytest.raises(RequestError) as refused:
+            ed.style(done, edit_threshold=0.0)
+        assert refused.value.field == "style.edit_threshold"
 
 
 def test_text_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tmp_path):
