@@ -21,7 +21,7 @@ import pytest
 from edit_rt.export.compile.text_engines import text_trt_engines
 from edit_rt.runtime.errors import ArtifactError, ConfigError
 from edit_rt.runtime.model.text_manifest import TEXT_ENGINES_NAME
-from edit_rt.runtime.pipeline.text_pipeline import Decoding, Row, TextPipeline
+from edit_rt.runtime.pipeline.text_pipeline import Decoding, Row, Style, TextPipeline
 
 from . import fakegpu
 from .test_text_model import PROMPT, _text_config, text_models  # noqa: F401  (the session's random text models)
@@ -57,7 +57,8 @@ def test_the_plans_give_onnx_runtimes_logits_and_kv(plans, text_models):
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_decoding_on_the_plans_writes_onnx_runtimes_tokens(plans, text_models, cache):
     """Six continuations (past the plans' 4 rows a call: run in pieces), a span edit of five rows,
-    and the autoregressive model's continuations, token for token as on ONNX Runtime's CPU provider."""
+    a style pass of the six, and the autoregressive model's continuations, token for token as on
+    ONNX Runtime's CPU provider."""
     decoding = Decoding(block_length=8, threshold=0.3, cache=cache, edit_threshold=0.9)
     rows = [Row(seed=k, temperature=0.7 if k % 2 else 0.0) for k in range(6)]
     results = {}
@@ -65,13 +66,15 @@ def test_decoding_on_the_plans_writes_onnx_runtimes_tokens(plans, text_models, c
         with TextPipeline(text_models["mdm"] / "onnx", backend, engines_dir=plans["mdm"]) as pipe:
             done = pipe.complete(PROMPT, 16, decoding=decoding, rows=rows)
             edit = pipe.span_edit(done, 0, (2, 9), decoding, seeds=range(5), temperature=0.5)
+            styled = pipe.style_pass(done, Style(edit_threshold=0.004, rounds=2, groups=2))  # 12 masked rows: 2 texts a call
         with TextPipeline(text_models["ar"] / "onnx", backend, engines_dir=plans["ar"]) as pipe:
             ar = pipe.complete(PROMPT, 12, rows=rows[:5])
-        results[backend] = (done, edit, ar)
+        results[backend] = (done, edit, styled, ar)
     for gpu_result, cpu_result in zip(results["trt"], results["ort-cpu"]):
         for a, b in zip(gpu_result.ids, cpu_result.ids):
             np.testing.assert_array_equal(a, b)
     assert results["trt"][0].stats.forwards > results["ort-cpu"][0].stats.forwards  # six rows: two calls a step
+    assert results["trt"][2].stats.edited > 0
 
 
 def test_every_text_graph_call_runs_on_the_services_engine_thread(plans, text_models, tmp_path):

@@ -232,10 +232,8 @@ class TextPipeline:
         m, n = self.manifest, len(prompts)
         if m.causal:
             if n > 1 and not (prompts == prompts[:1]).all():  # the loop shares one prompt: rows of several run apart
-                alone = lambda k: None if progress is None else _Progress(self, progress.members[k:k + 1], progress.start, progress.stop,
-                                                                          progress.on_text)  # noqa: E731
-                parts = [self._decode(prompts[k:k + 1], max_tokens, decoding, seeds[k:k + 1], temperatures[k:k + 1], alone(k))
-                         for k in range(n)]  # fmt: skip
+                parts = [self._decode(prompts[k:k + 1], max_tokens, decoding, seeds[k:k + 1], temperatures[k:k + 1],
+                                      None if progress is None else progress.row(k)) for k in range(n)]  # fmt: skip
                 stats = DecodeStats()
                 for _, part in parts:
                     stats.merge(part)
@@ -303,8 +301,9 @@ class TextPipeline:
         if style.cache not in ("none", "prefix"):
             raise RequestError(f"style.cache: {style.cache!r}; none or prefix (every token is queried: nothing but the prompt "
                                "is outside them)", field="style.cache")  # fmt: skip
-        if style.groups < 1:
-            raise RequestError(f"style.groups: {style.groups} must be at least 1", field="style.groups")
+        if not 1 <= style.groups <= (self.max_rows or style.groups):
+            raise RequestError(f"style.groups: {style.groups} must be at least 1 and at most the engines' {self.max_rows} rows a call",
+                               field="style.groups")  # fmt: skip
         instruction = style.instruction
         rows = list(range(len(result.ids))) if rows is None else list(rows)
         head = self.encode(instruction.rstrip("\n") + "\n") if instruction else []
@@ -400,6 +399,10 @@ class _Progress:
         self.pipe, self.members, self.start, self.stop, self.on_text = pipe, members, start, stop, on_text
         self.hold = max((len(s) for s in stop if s), default=1) - 1
         self.sent = {k: 0 for k in members}
+
+    def row(self, j: int) -> "_Progress":
+        """The progress of the call's row ``j`` alone (a row run apart from the others)."""
+        return _Progress(self.pipe, self.members[j:j + 1], self.start, self.stop, self.on_text)
 
     def __call__(self, ids: np.ndarray, end: int) -> None:
         for j, k in enumerate(self.members):
