@@ -17,6 +17,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+ENDED = {"steps": "", "budget": " (its {max_minutes:g}-minute budget ended the run before its {steps:,} steps)",
+         "piece": " (not finished: a piece ended; `make train-text` resumes)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
@@ -46,7 +50,7 @@ def main() -> None:
         "(https://docs.python.org/3/license.html). The tokenizer (`tokenizer.json`) was trained on the training files.", "",
         f"**Training** (`make train-text`, export/world/train_text.py; seed {spec['seed']}, CPU, one thread): "
         f"{t['steps_run']:,} steps of {spec['batch']} x {spec['max_len']} tokens ({t['tokens_seen']:,} tokens seen) in "
-        f"{t['seconds'] / 60:.1f} minutes{'' if t['finished'] else ' (not finished: a piece ended; `make train-text` resumes)'}"
+        f"{t['seconds'] / 60:.1f} minutes{ENDED[t.get('ended', 'steps' if t['finished'] else 'piece')].format(**spec)}"
         f"; AdamW lr {spec['lr']}, warm-up {spec['warmup']}, cosine over {spec['steps']:,} steps. Final training loss "
         f"{t['final_loss']:.3f}; held-out loss {t['evals'][-1]['held_out_loss']:.3f} "
         f"({'next-token cross-entropy' if model['causal'] else 'LLaDA bound: masked cross-entropy / t at fixed masks'}).", "",

@@ -532,6 +532,7 @@ def test_text_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tm
     for _ in range(3):  # each piece ends at its first step past 0 minutes
         cut = train_text(tmp_path / "cut", spec, say=lambda _: None, checkpoint=tmp_path / "state", piece_minutes=1e-9,
                          tokenizer_dir=TOKENIZER.parent, files=files)  # fmt: skip
+        assert (cut["finished"], cut["ended"]) == (cut["steps_run"] == 3, "steps" if cut["steps_run"] == 3 else "piece")
     cut = train_text(tmp_path / "cut", spec, say=lambda _: None, checkpoint=tmp_path / "state", tokenizer_dir=TOKENIZER.parent,
                      files=files)  # fmt: skip
     assert uncut["finished"] and cut["finished"] and cut["steps_run"] == uncut["steps_run"] == 3
@@ -539,6 +540,10 @@ def test_text_training_cut_into_pieces_ends_with_the_weights_of_one_uncut_run(tm
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
     assert cut["loss"] == uncut["loss"]
+    # a run whose minutes are spent is over (finished, "budget"), not a piece to resume
+    spent = train_text(tmp_path / "spent", dataclasses.replace(spec, max_minutes=1e-9), say=lambda _: None,
+                       tokenizer_dir=TOKENIZER.parent, files=files)  # fmt: skip
+    assert (spent["finished"], spent["ended"]) == (True, "budget") and spent["steps_run"] < 3
 
 
 def test_docs_text_md_names_every_text_field_with_its_default():

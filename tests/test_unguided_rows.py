@@ -30,7 +30,7 @@ from edit_rt.runtime.model.edit import Mask, TailRow
 
 from .conftest import TEST_BASE
 from .step_feeds import count_step_calls
-from .test_gpu_rules import PROFILE, _trt, gpu, trt_dirs  # noqa: F401 (the simulated GPU's fixtures)
+from .test_gpu_rules import PROFILE, _trt, trt_dirs  # noqa: F401 (the simulated GPU's fixtures; gpu is conftest's)
 
 EDIT = "a green circle on a blue background"
 ATOL = 1e-5  # fp32, ONNX Runtime's batched rows against its own (test_pipeline's BATCH_ATOL)

@@ -18,7 +18,6 @@ again from the seed: it is not saved) and ends with the weights of one uncut run
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,6 +28,7 @@ import torch
 from edit_rt.runtime.model import driving
 from edit_rt.runtime.model.plan_grid import to_latents
 
+from .pieces import Pieces
 from .plan_model import planner_parts, save_planner
 from .train import DenoiserState, denoising_step
 
@@ -76,14 +76,7 @@ def train_planner(out: Path, spec: PlannerSpec = PlannerSpec(), say: Callable[[s
     from diffusers import DDPMScheduler
 
     out = Path(out)
-    run_start = time.perf_counter()
-    if checkpoint is not None:
-        checkpoint = Path(checkpoint)
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        marker = checkpoint / "spec.json"
-        if marker.exists() and json.loads(marker.read_text()) != json.loads(json.dumps(asdict(spec))):
-            raise ValueError(f"{checkpoint} holds a run of another spec ({marker}); give another --checkpoint folder or delete it")
-        marker.write_text(json.dumps(asdict(spec)))
+    pieces = Pieces.open(checkpoint, asdict(spec), piece_minutes, spec.max_minutes, spec.checkpoint_every, say)
     parts = planner_parts(out / "tokenizer", spec.seed, spec.block_out_channels, spec.text_hidden_size, spec.text_layers)
     unet, text_encoder, tokenizer = parts.unet, parts.text_encoder, parts.tokenizer
     latents, prompts = planner_dataset(spec)
@@ -96,43 +89,33 @@ def train_planner(out: Path, spec: PlannerSpec = PlannerSpec(), say: Callable[[s
     opt = torch.optim.AdamW(params, lr=spec.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, spec.steps))
     state = DenoiserState(unet, text_encoder, opt, sched, torch.Generator().manual_seed(spec.seed), ema)
-    first, history, spent = 0, [], 0.0
-    state_file = checkpoint / "state.pt" if checkpoint is not None else None
+    first, history = 0, []
+    state_file = pieces.state_file
     if state_file is not None and state_file.exists():
         first, history, spent = state.load(state_file)
+        pieces.resumed(spent)  # the clock counts the earlier pieces
         say(f"resumed at step {first} ({spent:.0f} s spent before)")
-    start = time.perf_counter() - spent  # the clock counts the earlier pieces
 
     def save_state(step: int) -> None:
-        state.save(state_file, step, history, time.perf_counter() - start)
+        state.save(state_file, step, history, pieces.seconds())
 
-    finished = True
     unet.train()
     text_encoder.train()
     for step in range(first, spec.steps):
-        if spec.max_minutes and time.perf_counter() - start > 60 * spec.max_minutes:
-            say(f"time budget of {spec.max_minutes} min spent after {step} steps")
+        if pieces.stop_before(step, first, save_state):
             break
-        if state_file is not None and step > first:
-            if piece_minutes and time.perf_counter() - run_start > 60 * piece_minutes:
-                save_state(step)
-                finished = False
-                say(f"this piece's {piece_minutes} min spent at step {step}: saved {state_file}; run again to resume")
-                break
-            if step % spec.checkpoint_every == 0:
-                save_state(step)
         history.append(denoising_step(state, params, latents, ids_all, empty_ids, spec.batch, spec.uncond_probability,
                                       noise_scheduler, spec.ema_decay, params))  # fmt: skip
         if step % 100 == 0:
-            say(f"step {step}/{spec.steps}: loss {history[-1]:.4f} ({time.perf_counter() - start:.0f} s)")
-    if state_file is not None and finished and len(history) > first:
-        save_state(len(history))  # the end too: the checkpoint then holds the finished run
+            say(f"step {step}/{spec.steps}: loss {history[-1]:.4f} ({pieces.seconds():.0f} s)")
+    pieces.end(len(history), first, save_state)
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
     save_planner(out, parts)
-    seconds = time.perf_counter() - start
-    report = {"spec": asdict(spec), "seconds": round(seconds, 1), "finished": finished, "steps_run": len(history),
+    seconds = pieces.seconds()
+    report = {"spec": asdict(spec), "seconds": round(seconds, 1), "finished": pieces.finished, "ended": pieces.ended,
+              "steps_run": len(history),
               "plans": len(latents), "unet_parameters": sum(p.numel() for p in unet.parameters()),
               "final_loss": float(np.mean(history[-50:])) if history else None, "loss": history}  # fmt: skip
     (out / "training.json").write_text(json.dumps(report))

@@ -31,9 +31,7 @@ The model folder: ``model.safetensors``, ``config.json`` (the :class:`TextSpec`)
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,6 +40,7 @@ import numpy as np
 import torch
 
 from ..compile.text_model import TextSpec, TextTransformer, loss_of, save_text_model
+from .pieces import Pieces
 from .text_corpus import corpus_files, encode_files, split, train_tokenizer
 
 KINDS = ("mdm", "ar")
@@ -106,20 +105,15 @@ def train_text(out: Path, spec: TextTrainSpec = TextTrainSpec(), say: Callable[[
                checkpoint: Optional[Path] = None, piece_minutes: float = 0.0, tokenizer_dir: Optional[Path] = None,
                files: Optional[tuple[list, list]] = None) -> dict:  # fmt: skip
     """Train (or resume from ``checkpoint``) and write the model to ``out``; a piece that ends on
-    ``piece_minutes`` saves its state and writes the model as of then (``finished`` False).
+    ``piece_minutes`` saves its state and writes the model as of then (``finished`` False; ``ended``
+    says why a run stopped: pieces.py).
     ``files``: (training, held-out) corpus files instead of the standard library's split (tests)."""
     if spec.kind not in KINDS:
         raise ValueError(f"kind {spec.kind!r}: one of {', '.join(KINDS)}")
     out = Path(out)
-    run_start = time.perf_counter()
-    if checkpoint is not None:
-        checkpoint = Path(checkpoint)
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        marker = checkpoint / "spec.json"
-        # a field added since the marker was written counts at its default
-        if marker.exists() and {**asdict(TextTrainSpec()), **json.loads(marker.read_text())} != json.loads(json.dumps(asdict(spec))):
-            raise ValueError(f"{checkpoint} holds a run of another spec ({marker}); give another --checkpoint folder or delete it")
-        marker.write_text(json.dumps(asdict(spec)))
+    # a field added since a checkpoint's marker was written counts at its default
+    pieces = Pieces.open(checkpoint, asdict(spec), piece_minutes, spec.max_minutes, spec.checkpoint_every, say,
+                         defaults=asdict(TextTrainSpec()))  # fmt: skip
     tokenizer = tokenizer_for(tokenizer_dir or out, spec.vocab_size, say)
     train_files, held_files = files if files is not None else split(corpus_files())
     ids = torch.tensor(encode_files(tokenizer, train_files))
@@ -141,42 +135,31 @@ def train_text(out: Path, spec: TextTrainSpec = TextTrainSpec(), say: Callable[[
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     generator = torch.Generator().manual_seed(spec.seed)
-    first, history, evals, spent = 0, [], [], 0.0
-    state_file = checkpoint / "state.pt" if checkpoint is not None else None
+    first, history, evals = 0, [], []
+    state_file = pieces.state_file
     if state_file is not None and state_file.exists():
         saved = torch.load(state_file, weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
         generator.set_state(saved["generator"])
-        first, history, evals, spent = saved["step"], saved["history"], saved["evals"], saved["seconds"]
-        say(f"resumed at step {first} ({spent:.0f} s spent before)")
-    start = time.perf_counter() - spent
+        first, history, evals = saved["step"], saved["history"], saved["evals"]
+        pieces.resumed(saved["seconds"])
+        say(f"resumed at step {first} ({saved['seconds']:.0f} s spent before)")
 
     def save_state(step: int) -> None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                     "generator": generator.get_state(), "step": step, "history": history, "evals": evals,
-                    "seconds": time.perf_counter() - start}, state_file)  # fmt: skip
+                    "seconds": pieces.seconds()}, state_file)  # fmt: skip
 
     loss_fn = loss_of(model, training=True)
-    finished = True
     model.train()
     for step in range(first, spec.steps):
-        if spec.max_minutes and time.perf_counter() - start > 60 * spec.max_minutes:
-            say(f"time budget of {spec.max_minutes} min spent after {step} steps")
-            finished = step >= spec.steps
+        if pieces.stop_before(step, first, save_state):
             break
-        if state_file is not None and step > first:
-            if piece_minutes and time.perf_counter() - run_start > 60 * piece_minutes:
-                save_state(step)
-                finished = False
-                say(f"this piece's {piece_minutes} min spent at step {step}: saved {state_file}; run again to resume")
-                break
-            if step % spec.checkpoint_every == 0:
-                save_state(step)
         if step % spec.eval_every == 0 and not any(e["step"] == step for e in evals):
             evals.append({"step": step, "held_out_loss": held_out_loss(model, eval_windows, spec.seed),
-                          "seconds": round(time.perf_counter() - start, 1)})  # fmt: skip
+                          "seconds": round(pieces.seconds(), 1)})  # fmt: skip
             say(f"step {step}: held-out loss {evals[-1]['held_out_loss']:.4f}")
         loss = loss_fn(model, _windows(ids, spec.batch, spec.max_len, generator), generator)
         opt.zero_grad(set_to_none=True)
@@ -186,15 +169,15 @@ def train_text(out: Path, spec: TextTrainSpec = TextTrainSpec(), say: Callable[[
         sched.step()
         history.append(loss.item())
         if step % 50 == 0:
-            say(f"step {step}/{spec.steps}: loss {history[-1]:.4f} ({time.perf_counter() - start:.0f} s)")
+            say(f"step {step}/{spec.steps}: loss {history[-1]:.4f} ({pieces.seconds():.0f} s)")
     steps_run = len(history)
-    if state_file is not None and finished and steps_run > first:
-        save_state(steps_run)
+    pieces.end(steps_run, first, save_state)
     if not evals or evals[-1]["step"] != steps_run:
         evals.append({"step": steps_run, "held_out_loss": held_out_loss(model, eval_windows, spec.seed),
-                      "seconds": round(time.perf_counter() - start, 1)})  # fmt: skip
-    seconds = time.perf_counter() - start
-    report = {"spec": asdict(spec), "model": spec.model_spec().as_dict(), "seconds": round(seconds, 1), "finished": finished,
+                      "seconds": round(pieces.seconds(), 1)})  # fmt: skip
+    seconds = pieces.seconds()
+    report = {"spec": asdict(spec), "model": spec.model_spec().as_dict(), "seconds": round(seconds, 1), "finished": pieces.finished,
+              "ended": pieces.ended,
               "steps_run": steps_run, "parameters": sum(p.numel() for p in model.parameters()),
               "training_tokens": len(ids), "held_out_tokens": len(held), "train_files": len(train_files),
               "held_out_files": len(held_files), "tokens_seen": steps_run * spec.batch * spec.max_len,
