@@ -7,7 +7,9 @@
 #      (scripts/gpu_cuda_check.py), checked against numpy;
 #   3. where onnxruntime-gpu reaches the GPU, edit-rt's available_backends() report;
 #   4. where TensorRT is installed (pip install 'edit-rt[gpu]'), the real-engine tests: the
-#      tests marked gpu (engines built from the test model, their tails against ONNX Runtime).
+#      tests marked gpu (engines built from the test model, their tails against ONNX Runtime);
+#   5. what one call of the committed text models costs on the GPU (issue 56: the bounds of
+#      make bench-text's batch and tokens/s goals there), scripts/gpu_text_costs.py.
 # Run from the repository root: bash scripts/gpu_check.sh   (PYTHON=... to pick the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,7 @@ if "$PYTHON" -c "import tensorrt" 2>/dev/null; then
 else
   echo '{"skipped": "TensorRT is not installed"}' > "$OUT/trt.json"
 fi
+timeout 90 "$PYTHON" scripts/gpu_text_costs.py --out "$OUT/text_costs.json" > "$OUT/text_costs.log" 2>&1 || echo '{}' > "$OUT/text_costs.json"
 "$PYTHON" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -42,7 +45,7 @@ def load(name):
     except Exception as err:  # a step that did not run says so
         return {"error": f"{name}: {err}"}
 report = {"gpu": (out / "nvidia-smi.txt").read_text().strip(), "bench": load("bench.json"), "cuda": load("cuda.json"),
-          "backends": load("backends.json"), "trt": load("trt.json")}
+          "backends": load("backends.json"), "trt": load("trt.json"), "text_costs": load("text_costs.json")}
 (out / "gpu.json").write_text(json.dumps(report, indent=2))
 print(json.dumps({k: v for k, v in report.items() if k != "bench"}, indent=2))
 for mode, rows in report["bench"].get("results", {}).items():

@@ -126,3 +126,20 @@ def test_missing_stale_or_foreign_plans_are_refused_naming_the_command(plans, te
 def test_trt_without_tensorrt_is_refused_naming_the_backends_that_run(text_models, tmp_path):
     with pytest.raises(ConfigError, match="backend: trt cannot start here .*ort-cpu or openvino"):
         TextPipeline(text_models["mdm"] / "onnx", "trt", engines_dir=tmp_path)
+
+
+def test_the_prepared_gpu_checks_text_costs_run_here_on_the_cpu(text_models):
+    """scripts/gpu_text_costs.py (gpu_check.sh's step 5, for a lent GPU) on this CPU: every call
+    it times runs at the shapes it says, and the bounds are read from them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_text_costs.py"
+    spec = importlib.util.spec_from_file_location("gpu_text_costs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.costs(text_models["mdm"] / "model", text_models["ar"] / "model", "cpu", __import__("torch").float32, 1,
+                          rows=(1, 8), prompt=40, block=8, body=16)  # the random models' 96 positions
+    ms = report["ms"]
+    assert set(ms) == {"ar_step", "mdm_dual_step_1_rows", "mdm_dual_step_8_rows", "mdm_full_1_row"} and min(ms.values()) > 0
+    assert report["batch_ceiling_8_rows"] == 8 * ms["mdm_dual_step_1_rows"] / ms["mdm_dual_step_8_rows"]
