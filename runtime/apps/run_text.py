@@ -51,7 +51,7 @@ def run_text(cfg: TextRunConfig) -> dict[str, Any]:
     report = {"config": str(cfg.source) if cfg.source else None, "model": str(cfg.model), "kind": kind, "backend": backend,
               "prompt": t.prompt, "rows": rows, "edits": edits, "style": styled,
               "calls": {"forwards": result.stats.forwards, "decoded": result.stats.decoded, "edited": result.stats.edited,
-                        "tokens_per_forward": result.stats.tokens_per_forward(len(rows))},
+                        "tokens_per_forward": result.stats.tokens_per_forward()},
               "seconds": timer.stages}  # fmt: skip
     if styled:
         report["calls"]["style"] = style_calls

@@ -160,17 +160,25 @@ def print_plans(report: dict, output_dir: Path) -> None:
 
 
 def print_text(report: dict, output_dir: Path) -> None:
-    """A text run's table (a line per continuation and span edit: its file, tokens, first line)."""
+    """A text run's table (a line per continuation, span edit and styled text: its file, tokens, first line)."""
     table = Table(title=f"edit-rt run: {len(report['rows'])} continuations ({report['kind']})", title_justify="left")
     for column in ("file", "tokens", "finish", "first line"):
         table.add_column(column)
     for r in report["rows"]:
-        table.add_row(r["file"], str(r["tokens"]), r["finish_reason"], r["text"].split("\n", 1)[0][:60])
+        table.add_row(r["file"], str(r["tokens"]), r["finish_reason"], _first_line(r["text"]))
     for e in report["edits"]:
-        table.add_row(e["file"], f"span {e['span_tokens'][0]}..{e['span_tokens'][1]}", "", e["text"].split("\n", 1)[0][:60])
+        table.add_row(e["file"], f"span {e['span_tokens'][0]}..{e['span_tokens'][1]}", "", _first_line(e["text"]))
+    for s in report.get("style", []):
+        table.add_row(s["file"], f"{s['changed']} changed", "", _first_line(s["text"]))
     out = Console()
     out.print(table)
     calls = report["calls"]
-    out.print(f"graph calls: {calls['forwards']} for {calls['decoded']} tokens ({calls['tokens_per_forward']:.2f} a call per row)")
+    out.print(f"graph calls: {calls['forwards']} for {calls['decoded']} tokens ({calls['tokens_per_forward']:.2f} tokens a call per row)")
     out.print("seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in report["seconds"].items()))
-    out.print(f"wrote {output_dir}/ (text.json, {len(report['rows']) + len(report['edits'])} .txt)")
+    files = len(report["rows"]) + len(report["edits"]) + len(report.get("style", []))
+    out.print(f"wrote {output_dir}/ (text.json, {files} .txt)")
+
+
+def _first_line(text: str) -> str:
+    """A continuation's first line with text in it (it often begins with a line break)."""
+    return next((line.strip() for line in text.split("\n") if line.strip()), "")[:60]

@@ -60,6 +60,7 @@ class DecodeStats:
     decoded: int = 0  # mask-to-token transfers, over every row
     edited: int = 0  # token-to-token replacements, over every row
     queried: int = 0  # rows x positions the graphs ran on (the work)
+    row_calls: int = 0  # the calls each row of the decoding took part in, over every row
     per_step: list = field(default_factory=list)
 
     def merge(self, other: "DecodeStats") -> None:
@@ -67,10 +68,12 @@ class DecodeStats:
         self.decoded += other.decoded
         self.edited += other.edited
         self.queried += other.queried
+        self.row_calls += other.row_calls
         self.per_step.extend(other.per_step)
 
-    def tokens_per_forward(self, rows: int) -> float:
-        return self.decoded / max(1, rows) / max(1, self.forwards)
+    def tokens_per_forward(self) -> float:
+        """Tokens a row decodes a call (LLaDA's "tokens per forward" at batch 1; a batch's rows each)."""
+        return self.decoded / max(1, self.row_calls)
 
 
 def _confidence(logits: np.ndarray, temperatures: Sequence[float], rngs: Sequence[np.random.Generator], mask_id: int,
@@ -128,7 +131,7 @@ class _Forward:
         shared = n > 1 and bool((x == x[:1]).all())  # rows that are one text: one row runs, all share it
         ids = x[:1] if shared else x
         logits, kv = self.graphs.full(ids, np.arange(length))
-        self._count(len(ids), length)
+        self._count(len(ids), length, n)
         if self.cache != "none":
             if self.cache == "prefix":
                 self.query = np.arange(block[0], length)
@@ -142,15 +145,17 @@ class _Forward:
     def next(self, x: np.ndarray, block: np.ndarray) -> np.ndarray:
         if self.cache == "none":
             logits, _ = self.graphs.full(x, np.arange(x.shape[1]))
-            self._count(len(x), x.shape[1])
+            self._count(len(x), x.shape[1], len(x))
             return logits[:, block]
         logits, _ = self.graphs.cached(x[:, self.query], self.query, self.past)
-        self._count(len(x), len(self.query))
+        self._count(len(x), len(self.query), len(x))
         return logits[:, np.searchsorted(self.query, block)]
 
-    def _count(self, rows: int, positions: int) -> None:
+    def _count(self, rows: int, positions: int, served: int) -> None:
+        """A call that ran ``rows`` rows of ``positions`` tokens for ``served`` rows of the decoding."""
         self.stats.forwards += 1
         self.stats.queried += rows * positions
+        self.stats.row_calls += served
 
 
 def decode_masked(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int, *, block_length: Optional[int] = None,
@@ -248,6 +253,7 @@ def restyle(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int,
         _, kv = graphs.full(x, np.arange(length))
         stats.forwards += 1
         stats.queried += n * length
+        stats.row_calls += n
         past = np.repeat(np.ascontiguousarray(kv[:, :, :, :, : positions[0]]), groups, axis=2)  # row k's, for its groups
     for _ in range(rounds):
         masked = np.repeat(x, groups, axis=0)  # rows k * groups + g
@@ -258,6 +264,7 @@ def restyle(graphs: TextGraphs, x: np.ndarray, region: np.ndarray, mask_id: int,
             logits, _ = graphs.cached(masked[:, query], query, past)
         stats.forwards += 1
         stats.queried += len(masked) * len(query)
+        stats.row_calls += n
         need = np.tile(member[:, query], (n, 1))
         tokens, confidence = _confidence(logits, [0.0] * len(masked), [None] * len(masked), mask_id, need)
         # each position's prediction from the one row of its text that masked it
@@ -285,7 +292,7 @@ def decode_autoregressive(graphs: TextGraphs, prompt: np.ndarray, max_tokens: in
     temperatures = [float(temperature)] * rows if np.isscalar(temperature) else [float(t) for t in temperature]
     stats = DecodeStats()
     logits, past = graphs.full(prompt[None], np.arange(len(prompt)))
-    stats.forwards, stats.queried = 1, len(prompt)
+    stats.forwards, stats.queried, stats.row_calls = 1, len(prompt), rows
     out = np.full((rows, max_tokens), eos_id, dtype=np.int64)
     done = np.zeros(rows, dtype=bool)
     last = np.broadcast_to(logits[:, -1], (rows, logits.shape[-1]))
@@ -303,6 +310,7 @@ def decode_autoregressive(graphs: TextGraphs, prompt: np.ndarray, max_tokens: in
         logits, kv = graphs.cached(tokens[:, None], np.array([len(prompt) + t]), past)
         stats.forwards += 1
         stats.queried += rows
+        stats.row_calls += rows
         if past.shape[2] != rows:  # the prompt's one row, now every row's own
             past = np.repeat(past, rows, axis=2)
         past = np.concatenate([past, kv], axis=4)
