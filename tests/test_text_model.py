@@ -472,7 +472,8 @@ def test_openais_sdk_completes_through_a_real_text_server(tmp_path, text_models)
         texts = [c["text"] for c in edits["choices"]]
         assert all(t.startswith(before) and t.endswith(after) for t in texts) and len(set(texts)) > 1, (texts, before, after)
         for wrong, field in (({"chars": [0, 2]}, "lines / chars"), ({"lines": None, "chars": [9000, 9001]}, "chars"),
-                             ({"n": 5}, "max_edits_per_request"), ({"lines": None}, "no span and no style")):  # fmt: skip
+                             ({"n": 5}, "max_edits_per_request"), ({"lines": None}, "no span and no style"),
+                             ({"lines": [2, 1]}, "lines: lines [2, 1] hold none")):  # fmt: skip
             answer = httpx.post(url, json={**sent, **wrong}, timeout=60)
             assert answer.status_code in (400, 413) and field in answer.text, (wrong, answer.text)
     finally:

@@ -30,7 +30,10 @@ def run_text(cfg: TextRunConfig) -> dict[str, Any]:
         edits = []
         with timer.stage("edits"):
             for k, edit in enumerate(t.edits):
-                span = tuple(edit.tokens) if edit.tokens is not None else pipe.line_span(result, 0, tuple(edit.lines))
+                if edit.tokens is not None:
+                    span = tuple(edit.tokens)
+                else:
+                    span = pipe.line_span(result, 0, tuple(edit.lines), f"text.edits[{k}].lines")
                 edited = pipe.span_edit(result, 0, span, decoding, seeds=[edit.seed], temperature=edit.temperature, stop=t.stop)
                 edits.append({"edit": k, "span_tokens": list(span), "text": edited.texts[0], "forwards": edited.stats.forwards,
                               "decoded": edited.stats.decoded, "edited": edited.stats.edited, "seconds": round(edited.seconds, 4),

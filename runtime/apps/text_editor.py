@@ -74,7 +74,7 @@ class TextEditor:
         the tokens of its ``lines`` (a, b)), one row a seed; everything outside the span kept."""
         if (tokens is None) == (lines is None):
             raise EditorError("edit: give tokens=(start, end) or lines=(start, end), one of them")
-        span = tuple(tokens) if tokens is not None else self.service.pipe.line_span(result, row, tuple(lines))
+        span = tuple(tokens) if tokens is not None else self.service.pipe.line_span(result, row, tuple(lines), "lines")
         chosen = Decoding.of(self.cfg.text, **decoding)
         return self._run(self.service.span_edit(result, row, span, chosen, list(seeds), temperature, self.cfg.text.stop))
 

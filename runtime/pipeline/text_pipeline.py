@@ -341,30 +341,33 @@ class TextPipeline:
         ids = np.array(head + body + [m.eos_id], dtype=np.int64)
         return TextResult([ids], [len(head)], [completion], ["stop"], DecodeStats(), 0.0, [len(body)])
 
-    def char_span(self, result: "TextResult", row: int, chars: tuple[int, int]) -> tuple[int, int]:
+    def char_span(self, result: "TextResult", row: int, chars: tuple[int, int], field: str = "chars") -> tuple[int, int]:
         """The continuation's tokens (a, b) that write any of its characters ``chars`` = [a, b)."""
-        start = result.starts[row]
-        pieces = [self.decode([int(t)]) for t in result.ids[row][start: start + result.tokens[row]]]
-        offsets = np.cumsum([0] + [len(p) for p in pieces])
+        pieces, offsets = self._pieces(result, row)
         a, b = chars
         inside = [k for k in range(len(pieces)) if offsets[k] < b and offsets[k + 1] > a]
         if b <= a or not inside:
-            raise RequestError(f"chars: [{a}, {b}] holds none of the completion's {offsets[-1]} characters", field="chars")
+            raise RequestError(f"{field}: [{a}, {b}] holds none of the completion's {offsets[-1]} characters", field=field)
         return inside[0], inside[-1] + 1
 
-    def line_span(self, result: "TextResult", row: int, lines: tuple[int, int]) -> tuple[int, int]:
+    def line_span(self, result: "TextResult", row: int, lines: tuple[int, int], field: str = "edits") -> tuple[int, int]:
         """The continuation's tokens (a, b) that write any character of its lines ``lines``
         (0 the first line; whole tokens, so a token holding a line break belongs to both lines)."""
-        start = result.starts[row]
-        pieces = [self.decode([int(t)]) for t in result.ids[row][start: start + result.tokens[row]]]
-        offsets = np.cumsum([0] + [len(p) for p in pieces])
+        pieces, offsets = self._pieces(result, row)
         text = "".join(pieces)
         line_of = lambda c: text.count("\n", 0, c)  # noqa: E731  (the line character c is on)
         a, b = lines
         inside = [k for k, p in enumerate(pieces) if p and line_of(offsets[k]) < b and line_of(offsets[k + 1] - 1) >= a]
-        if not inside:
-            raise RequestError(f"edits: lines [{a}, {b}] are past the continuation's {text.count(chr(10)) + 1} lines", field="edits")
+        if b <= a or not inside:
+            raise RequestError(f"{field}: lines [{a}, {b}] hold none of the continuation's {text.count(chr(10)) + 1} lines",
+                               field=field)  # fmt: skip
         return inside[0], inside[-1] + 1
+
+    def _pieces(self, result: "TextResult", row: int) -> tuple[list[str], np.ndarray]:
+        """Row ``row``'s continuation as each token's text, and where each starts (characters)."""
+        start = result.starts[row]
+        pieces = [self.decode([int(t)]) for t in result.ids[row][start: start + result.tokens[row]]]
+        return pieces, np.cumsum([0] + [len(p) for p in pieces])
 
     def _result(self, ids: list, starts: list[int], stats: DecodeStats, seconds: float, stop: Sequence[str]) -> TextResult:
         texts, reasons, tokens = [], [], []

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request as HttpRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..pipeline.text_pipeline import Decoding, Row, Style
+from ..pipeline.text_pipeline import Decoding, Row, Style, TextResult
 from ..serving.text_service import TextService
 from .api import errors
 
@@ -104,17 +104,17 @@ async def completions(body: CompletionRequest, service: TextServiceDep):
         progress = _whole(result)
     else:
         progress = service.stream(body.prompt, body.max_tokens, rows, decoding, stop)
-    first = await progress.__anext__()  # a refusal is an error answer, not a broken stream
+    first = await anext(progress)  # a refusal is an error answer, not a broken stream
 
     async def events():
         sent = [""] * body.n
         item = first
         try:
-            while not hasattr(item, "texts"):  # (row, text so far) until the result
+            while not isinstance(item, TextResult):  # (row, text so far) until the result
                 k, text = item
                 yield _event(head, k, text[len(sent[k]):], None)
                 sent[k] = text
-                item = await progress.__anext__()
+                item = await anext(progress)
             for k, text in enumerate(item.texts):  # what the last block added (held back or ended)
                 if text[len(sent[k]):]:
                     yield _event(head, k, text[len(sent[k]):], None)
@@ -133,9 +133,9 @@ class TextEditRequest(BaseModel):
     model: Optional[str] = Field(None, description="The served model's name; any other is refused.")
     prompt: str = Field(min_length=1, description="The text the completion continues (kept exactly).")
     completion: str = Field(min_length=1, description="The completion to edit, as the client holds it.")
-    lines: Optional[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
+    lines: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(
         None, description="The completion's lines [a, b) to decode again (0 the first).")
-    chars: Optional[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
+    chars: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(
         None, description="The completion's characters [a, b) to decode again (whole tokens).")
     n: int = Field(1, ge=1, description="Edits of the span, one batch (at most serve.max_edits_per_request).")
     temperature: float = Field(1.0, ge=0.0, le=10.0)
@@ -170,7 +170,10 @@ async def text_edits(body: TextEditRequest, service: TextServiceDep):
     result = base
     span = None
     if body.lines is not None or body.chars is not None:
-        span = pipe.line_span(base, 0, tuple(body.lines)) if body.lines is not None else pipe.char_span(base, 0, tuple(body.chars))
+        if body.lines is not None:
+            span = pipe.line_span(base, 0, tuple(body.lines), "lines")
+        else:
+            span = pipe.char_span(base, 0, tuple(body.chars))
         decoding = Decoding.of(service.cfg.text, threshold=body.threshold, cache=body.cache, edit_threshold=body.edit_threshold)
         seeds = [(body.seed or 0) + k for k in range(body.n)]
         result = await service.span_edit(base, 0, span, decoding, seeds, body.temperature, stop)
