@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,13 +62,22 @@ def test_a_stream_closed_at_any_event_releases_its_base(server, close_after):
 
 
 def test_a_client_that_leaves_a_plain_request_releases_its_base(server):
+    """The rows of a plain request leave when its client does: the request ends as a 499 (the
+    client gone), not a 200 after every step ran. Until stop 65 the server noticed no
+    disconnect (the gate was Starlette's BaseHTTPMiddleware, whose receive hides it, and the
+    watch asked only while no step's event came), and the rows ran to their end."""
     bid = _base(server.url, seed=77)
-    # two rows of a 35-step tail: seconds of work, so the client is gone (0.3 s) while they run;
+    server.log.flush()
+    before = len(Path(server.log.name).read_text())  # the module's server: other tests' requests before this one
+    # eight rows of a 35-step tail: seconds of work, so the client is gone (0.3 s) while they run;
     # the release is polled until the server lets go, however long the rows go on
-    body = {"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": 35} for k in range(2)]}
+    body = {"base_id": bid, "edits": [{"prompt": f"a cat {k}", "tail_steps": 35} for k in range(8)]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/images/edits", json=body, timeout=0.3)
     _deleted_once_released(server.url, bid)
+    server.log.flush()
+    log = Path(server.log.name).read_text()[before:]
+    assert "POST /v1/images/edits 499" in log and "POST /v1/images/edits 200" not in log, log
 
 
 def test_refused_and_failed_edits_release_their_base(server):

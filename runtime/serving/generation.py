@@ -105,18 +105,27 @@ class Generations:
                 request.cancelled.set()  # a client that left: its row goes at the next step
 
 
-async def watch(events: AsyncIterator[Event], client: Optional[Client]) -> AsyncIterator[Event]:
-    """``events`` while the client is there: a client that disconnects closes them (its rows
-    leave the batch at the next step) and gets :class:`ClientGoneError`."""
-    task = None
+async def watch(events: AsyncIterator[Event], client: Optional[Client], every: float = 0.25) -> AsyncIterator[Event]:
+    """``events`` while the client is there, asked every ``every`` seconds whether it is, however
+    often the events come (a step's progress comes faster than that: a check made only while
+    none came never ran, and a plain request's rows went on after its client left): a client
+    that disconnects closes them (its rows leave the batch at the next step) and gets
+    :class:`ClientGoneError`."""
+    loop = asyncio.get_running_loop()
+    task, check_at = None, loop.time() + every
     try:
         while True:
             task = asyncio.ensure_future(events.__anext__())
-            while not (await asyncio.wait([task], timeout=0.25))[0]:
-                if client is not None and await client.is_disconnected():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)  # the events' own cleanup runs
-                    raise ClientGoneError("client disconnected")
+            while True:
+                await asyncio.wait([task], timeout=max(0.0, check_at - loop.time()))
+                if loop.time() >= check_at:
+                    check_at = loop.time() + every
+                    if client is not None and await client.is_disconnected():
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)  # the events' own cleanup runs
+                        raise ClientGoneError("client disconnected")
+                if task.done():
+                    break
             try:
                 item = task.result()
             except StopAsyncIteration:

@@ -18,7 +18,6 @@ from typing import Optional
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from .credentials import Credentials
 from .http_errors import ApiError
@@ -35,29 +34,46 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-class Gate(BaseHTTPMiddleware):
-    """HTTP middleware (the app's outermost): refusals before routing, then metrics and the
-    access log. The service and the route table are the request's app's (``app.state``)."""
+class Gate:
+    """ASGI middleware (the app's outermost): refusals before routing, then metrics and the access
+    log. The service and the route table are the request's app's (``app.state``).
+
+    A plain ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one runs the app behind a
+    ``receive`` of its own through which ``Request.is_disconnected()`` never sees the client leave
+    (its task group swallows the disconnect under the cancelled scope Starlette polls with), so a
+    plain request's rows ran on after their client was gone (found at stop 64: the pin released
+    only when they finished). Here the app reads the server's own ``receive``."""
 
     def __init__(self, app, loopback: bool, credentials: Credentials, max_body_bytes: int):
-        super().__init__(app)
+        self.app = app
         self.loopback = loopback
         self.credentials = credentials
         self.max_body_bytes = max_body_bytes
 
-    async def dispatch(self, request: HttpRequest, call_next) -> Response:
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         start = time.perf_counter()
-        routed = request.app.state.routes.at(request.scope)
-        response = self.refused(request, routed)
-        if response is None:
-            response = await call_next(request)
-        # labels stay bounded: a route's template (never the path a client chose), a known method
-        method = request.method if request.method in KNOWN_METHODS else "OTHER"
-        route = routed.template or "unmatched"
-        metrics = request.app.state.service.metrics
-        metrics.http.labels(route, method, str(response.status_code)).observe(time.perf_counter() - start)
-        access.info("%s %s %d", method, request.url.path[:200], response.status_code)  # never the query string
-        return response
+        request = HttpRequest(scope, receive)
+        routed = request.app.state.routes.at(scope)
+        answered: dict = {}  # the status and the seconds to it, when the answer starts
+
+        async def observed(message) -> None:
+            if message["type"] == "http.response.start" and not answered:
+                answered.update(status=message["status"], seconds=time.perf_counter() - start)
+            await send(message)
+
+        refused = self.refused(request, routed)
+        try:
+            await (refused(scope, receive, observed) if refused is not None else self.app(scope, receive, observed))
+        finally:
+            # labels stay bounded: a route's template (never the path a client chose), a known method
+            status = str(answered.get("status", 500))  # an app that raised before answering: the 500 Starlette sends
+            method = request.method if request.method in KNOWN_METHODS else "OTHER"
+            metrics = request.app.state.service.metrics
+            metrics.http.labels(routed.template or "unmatched", method, status).observe(
+                answered.get("seconds", time.perf_counter() - start))
+            access.info("%s %s %s", method, request.url.path[:200], status)  # never the query string
 
     def refused(self, request: HttpRequest, routed: Routed) -> Optional[Response]:
         """The answer to a request the router never sees; None: route it."""
