@@ -130,7 +130,7 @@ class TextService:
         return await self._on_engine(len(seeds), "", lambda: self.pipe.span_edit(result, row, span, decoding, seeds, temperature, stop))
 
     async def style_pass(self, result: TextResult, style: Style, stop: Sequence[str] = ()) -> TextResult:
-        """Every row of ``result`` made consistent by token-to-token editing (``style``), one batch on the engine thread."""
+        """Every row of ``result`` read again masked and made consistent (``style``), one batch on the engine thread."""
         return await self._on_engine(len(result.ids), style.instruction or "", lambda: self.pipe.style_pass(result, style, stop=stop))
 
     async def metrics_text(self) -> bytes:
