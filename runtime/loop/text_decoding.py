@@ -1,5 +1,7 @@
 """The text decoding loops (issue 56), beside the step loop: rows are texts of one layout, a
-step is one call of a text graph, and a step unmasks and edits tokens instead of denoising.
+step is one call of a text graph, and a step unmasks and edits tokens instead of denoising. The
+masked loop and the autoregressive one report each finished block or token (``on_block``,
+``on_token``: streaming).
 
 **Masked diffusion** (:func:`decode_masked`): a row is a text of ``L`` ids, some of them the mask
 id; the *region* is the positions to decode, in *blocks* (a generation: the masked tail cut into
@@ -26,6 +28,10 @@ cache); ``"dual"`` keeps everything outside the block, later steps querying the 
 attend to it): the reuse is an approximation, its error measured against ``"none"`` (docs/text.md).
 A block's first step of N rows that are the same text runs one row and shares it (N continuations
 of one prefix), and its cache then is one row broadcast over N (the graph takes ``Np`` 1).
+
+**A style pass** (:func:`restyle`): a finished text's region read again, every token masked in
+one of ``groups`` copies of the text (one batch), and replaced where the model is now confident of
+another token.
 
 **Autoregressive** (:func:`decode_autoregressive`): the prompt run once (shared by the rows when it
 is one text), then one token a step with every earlier token's K/V cached, until ``max_tokens`` or
