@@ -133,6 +133,20 @@ def test_guided_and_unguided_rows_batched_equal_each_alone(pipeline, base_state)
         np.testing.assert_allclose(final, alone, atol=ATOL)
 
 
+def test_a_row_keeping_structure_with_a_seed_of_its_own_is_the_same_beside_an_unguided_row(pipeline, base_state):
+    """A row that keeps structure and computes its own unconditional half at its entry step (a
+    seed of its own) takes that half's self-attention pattern from its reference row, with or
+    without an unguided row in the call. Until stop 65 the reference took its base's half as given
+    at entry unless an unguided row was there: alone, the row fell back on its own pattern; beside
+    one, it took the reference's (2.9e-2 apart; test_isolation's random mix found it)."""
+    g = TEST_BASE.guidance
+    for row in (TailRow("a green circle", 1.5, 2, 4.0, seed=40, structure=0.5), TailRow(EDIT, 1.0, 4, g, seed=7, structure=0.5)):
+        (alone,) = pipeline.run_tail(base_state, [row])
+        for partner in (TailRow("a cat", 1.5, 1, 1.0), TailRow("a cat", 0.5, 6, 1.0), TailRow("a cat", 1.0, 3, g)):
+            beside = pipeline.run_tail(base_state, [row, partner])[0]
+            np.testing.assert_allclose(beside, alone, atol=ATOL, err_msg=str(partner))
+
+
 def test_the_step_graph_runs_one_unet_row_per_unguided_row_step(pipeline, base_state, fed):
     scheduler = pipeline.batcher(base_state.latents.shape[1:]).scheduler
     stats = scheduler.stats

@@ -277,7 +277,7 @@ class Batcher:
         out = []
         for members in units.values():
             if members[0].ref is not None and members[0].step < members[0].structure_end:
-                ref = self.resolver.reference(members[0])
+                ref = self.resolver.reference(members[0], members)
                 for row in members:
                     row.ref = ref
                 members = [ref, *members]  # a reference joins before its rows
@@ -359,7 +359,7 @@ class Batcher:
                     break
                 chunk, members = members[:room], members[room:]
                 if structure:
-                    ref = self.resolver.reference(chunk[0][1])
+                    ref = self.resolver.reference(chunk[0][1], [row for _, row in chunk])
                     self.scheduler.admit(ref)
                 for job, row in chunk:
                     row.preview_every = job.preview_every
