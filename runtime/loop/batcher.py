@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 from ..engine.engine_thread import EngineThread
 from ..errors import CancelledError, QueueFullError, ShuttingDownError, SlotsBusyError, StepError
@@ -55,7 +55,7 @@ class Resolver(Protocol):
     """What turns jobs into rows and finished rows into results (resolve.py's RowResolver)."""
 
     def rows(self, jobs: list[Job]) -> tuple[list[tuple[Job, Row]], list[tuple[Job, Exception]]]: ...
-    def reference(self, row: Row) -> Row: ...
+    def reference(self, rows: Sequence[Row]) -> Row: ...
     def results(self, jobs: list[Job]) -> list[RowResult]: ...
     def previews(self, rows: list[Row]) -> list: ...
 
@@ -277,7 +277,7 @@ class Batcher:
         out = []
         for members in units.values():
             if members[0].ref is not None and members[0].step < members[0].structure_end:
-                ref = self.resolver.reference(members[0], members)
+                ref = self.resolver.reference(members)
                 for row in members:
                     row.ref = ref
                 members = [ref, *members]  # a reference joins before its rows
@@ -359,7 +359,7 @@ class Batcher:
                     break
                 chunk, members = members[:room], members[room:]
                 if structure:
-                    ref = self.resolver.reference(chunk[0][1], [row for _, row in chunk])
+                    ref = self.resolver.reference([row for _, row in chunk])
                     self.scheduler.admit(ref)
                 for job, row in chunk:
                     row.preview_every = job.preview_every

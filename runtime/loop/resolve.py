@@ -261,17 +261,18 @@ class RowResolver:
             keep = pixels if keep is None else keep | pixels
         return keep
 
-    def reference(self, row: Row, rows: Sequence[Row] = ()) -> Row:
-        """The reference row of ``row``'s group (``rows``: the whole group, ``row`` among them):
-        its base's own tail from the same step, with the base's K/V and guidance, reset to the
+    def reference(self, rows: Sequence[Row]) -> Row:
+        """The reference row of a group of rows keeping structure (one base, entry step and
+        structure window, so ``rows[0]`` speaks for them): its base's own tail from the same step, with the base's K/V and guidance, reset to the
         base's kept latent after every step (exact by construction), for as long as the group
         keeps structure. It takes its base's unconditional prediction as given at its entry step
         only when every row of the group does: a row that computes its own (a seed of its own, a
         rejoin after a failure) takes that half's self-attention pattern from the reference,
         which must then compute it too, whatever else shares the call (a call with an unguided
         row computes every entry row's; one without did not, and the row fell back on its own)."""
+        row = rows[0]
         state = row.base
-        given = all(r.entry_uncond is not None for r in (rows or [row]))
+        given = all(r.entry_uncond is not None for r in rows)
         ref = Row(row.schedule, row.step, state.latent(row.step)[0].copy(), state.base.guidance,
                   [t[0] for t in state.cond_kv.tensors], state.uncond_kv,
                   entry_uncond=state.entry_uncond(row.step) if given else None,

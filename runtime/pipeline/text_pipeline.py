@@ -304,9 +304,8 @@ class TextPipeline:
         if not 1 <= style.groups <= (self.max_rows or style.groups):
             raise RequestError(f"style.groups: {style.groups} must be at least 1 and at most the engines' {self.max_rows} rows a call",
                                field="style.groups")  # fmt: skip
-        instruction = style.instruction
         rows = list(range(len(result.ids))) if rows is None else list(rows)
-        head = self.encode(instruction.rstrip("\n") + "\n") if instruction else []
+        head = self.encode(style.instruction.rstrip("\n") + "\n") if style.instruction else []
         groups: dict[tuple, list[int]] = {}
         for k in rows:
             if not 0 <= k < len(result.ids):

@@ -95,7 +95,6 @@ class TextService:
         Admitted before the first item (a refusal is raised here, not in the stream); a refusal of
         the pipeline's (a prompt too long) comes before any text. Closing the generator (the client
         left) ends the decoding at its next block."""
-        self._admit(len(rows), prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         left = threading.Event()
@@ -105,14 +104,9 @@ class TextService:
                 raise _Left()
             loop.call_soon_threadsafe(queue.put_nowait, (row, text))
 
-        def work() -> TextResult:
-            try:
-                return self.pipe.complete(prompt, max_tokens, decoding=decoding, stop=stop, rows=rows, on_text=on_text)
-            finally:
-                with self._lock:
-                    self._admitted -= 1
-
-        future = loop.run_in_executor(self._engine, work)
+        # admitted as complete() is; a refusal ends the task before any text, and comes out of the first item
+        future = asyncio.ensure_future(self._on_engine(len(rows), prompt, lambda: self.pipe.complete(
+            prompt, max_tokens, decoding=decoding, stop=stop, rows=rows, on_text=on_text)))
         future.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (item := await queue.get()) is not None:

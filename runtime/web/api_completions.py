@@ -33,7 +33,7 @@ router = APIRouter()
 
 
 def text_service_of(request: HttpRequest) -> TextService:
-    return request.app.state.text
+    return request.app.state.service  # a text config's app: its TextService
 
 
 TextServiceDep = Annotated[TextService, Depends(text_service_of)]

@@ -173,7 +173,7 @@ text_router.add_api_route("/metrics", metrics, response_class=Response, response
 
 @text_router.get("/health", response_model=Health, responses={503: {"model": Health, "description": "loading, failed or draining"}})
 async def text_health(request: HttpRequest):
-    service: TextService = request.app.state.text
+    service: TextService = request.app.state.service
     if service.ready.is_set():
         return {"status": "ready", "backend": service.pipe.backend}
     status = "failed" if service.load_error else "loading"
@@ -198,7 +198,7 @@ def create_text_app(cfg: TextRunConfig) -> FastAPI:
                   exception_handlers=EXCEPTION_HANDLERS,
                   description="A masked-diffusion text model: N continuations of one prompt as one batch.")  # fmt: skip
     # the gate reads ``state.service`` (its drain, readiness, request metrics): the text service
-    app.state.service = app.state.text = TextService(cfg)
+    app.state.service = TextService(cfg)
     _guard(app, cfg.serve)
     for door in (text_router, api_completions.router):
         app.include_router(door)
